@@ -80,6 +80,10 @@ class RunReader:
             by_step[r["step"]][r["name"]] = r["value"]
         return [by_step[s] for s in sorted(by_step)]
 
+    def step_times(self) -> dict[int, float]:
+        """When each step's metrics were logged (the end of its weight update), by step."""
+        return {r["step"]: r["t"] for r in self._rows("SELECT step, MAX(time) AS t FROM step_metrics GROUP BY step")}
+
     def rollouts(self, step: int | None = None, status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         clauses, args = [], []
         if step is not None:

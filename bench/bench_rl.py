@@ -1,0 +1,177 @@
+"""End-to-end RL throughput: synchronous (``max_async_rollout: 0``) vs asynchronous (``2``) training.
+
+Runs the real ``refractor train`` driver twice in the same session, on the same machine, with the
+native engine: one inference server on the last GPU, one trainer rank on the first (one GPU: both
+share it). The model is a random-weight Qwen2.5-0.5B shape written to disk once; the task is
+countdown with procedurally generated problems (no downloads). A random-weight model rarely emits
+EOS, so every completion runs to ``max_tokens``: the work per step is fixed and the two modes do
+the same amount of generation and training.
+
+Per mode, over the steps after the warm-up ones (read back from the run store, ``run.db``): mean
+step time, samples/s and completion tokens/s (kept rollouts per wall-clock second of the measured
+steps), trainer and weight-sync time per step, and each GPU's idle fraction (NVML utilization
+sampled every 100 ms while the measured steps run). The last line prints async/sync.
+
+    PYTHONPATH=src python bench/bench_rl.py --steps 8 --warmup 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_model(out: Path, size: str) -> Path:
+    """Random weights with the Qwen2.5 shape, saved as a normal HF checkpoint (bf16 safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from refractor.testing import qwen25_shaped
+
+    if (out / "config.json").exists():
+        return out
+    shape = qwen25_shaped(size, with_weights=False)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(shape).save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+class GpuSampler:
+    """Mean NVML utilization per GPU between ``mark`` and ``stop`` (0-100, sampled every 100 ms)."""
+
+    def __init__(self) -> None:
+        self.handles = []
+        if torch.cuda.is_available():
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while self.handles and not self._stop.wait(0.1):
+            util = [self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles]
+            self.samples.append((time.time(), util))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def idle_fraction(self, start: float, end: float) -> list[float]:
+        window = [u for t, u in self.samples if start <= t <= end]
+        if not window:
+            return []
+        return [1.0 - statistics.fmean(u[i] for u in window) / 100.0 for i in range(len(self.handles))]
+
+
+def run_mode(name: str, max_async: int, args, model: Path, workdir: Path) -> dict:
+    gpus = torch.cuda.device_count()
+    config = {
+        "model": str(model), "inference_engine": "native", "inference_num_workers": 1, "trainer_num_workers": 1,
+        "ray_inference_cpus_per_worker": args.cpus, "ray_trainer_cpus_per_worker": args.cpus,
+        "gpu_memory_utilization": 0.45 if gpus < 2 else 0.85,
+        "number_of_steps": args.steps, "prompts_batch_size_for_trainer": args.groups, "group_size": args.group_size,
+        "max_concurrent_prompts_per_server": args.groups * 3, "max_async_rollout": max_async,
+        "max_off_policy_steps": max(max_async, 1), "discard_group_zero_advantage": False,
+        "max_tokens": args.max_tokens, "max_model_len": args.max_tokens + 512, "seq_len": args.seq_len,
+        "temperature": 1.0, "learning_rate": 1e-6, "checkpoint_every": False,
+        "eval_before_training": False, "eval_after_training": False, "use_wandb": False,
+        "run_dir": str(workdir), "run_name": name,
+        "environments": [{"name": "countdown", "kwargs": {"dataset_name": "procedural"}}],
+    }
+    cfg_path = workdir / f"{name}.json"
+    cfg_path.write_text(json.dumps(config))
+    cmd = [sys.executable, "-c", "from refractor.cli import app; app()", "train", "--config", str(cfg_path),
+           "--quiet", "--overwrite"]
+    sampler = GpuSampler()
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    sampler.stop()
+    wall = time.time() - start
+    log = (proc.stdout + proc.stderr)[-6000:]
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: refractor train failed ({proc.returncode}):\n{log}")
+    return summarize(name, max_async, workdir / name, sampler, args.warmup, wall)
+
+
+def summarize(name: str, max_async: int, run_dir: Path, sampler: GpuSampler, warmup: int, wall: float) -> dict:
+    """Rates over the measured steps: from the end of the last warm-up step to the end of the last step."""
+    from refractor.telemetry.query import RunReader
+
+    with RunReader(run_dir) as reader:
+        steps = reader.step_metrics()
+        if len(steps) <= warmup or warmup < 1:
+            raise SystemExit(f"{name}: {len(steps)} steps stored; need --warmup >= 1 and more steps than that")
+        measured = steps[warmup:]
+        kept = [r for s in measured for r in reader.rollouts(step=s["step"], status="kept")]
+        ends = reader.step_times()  # each step's metrics are logged when its weight update finished
+    t0, t1 = ends[steps[warmup - 1]["step"]], ends[measured[-1]["step"]]
+    mean = lambda key: statistics.fmean(s.get(key, float("nan")) for s in measured)  # noqa: E731
+    return {
+        "mode": name, "max_async_rollout": max_async, "steps_measured": len(measured), "wall_s": wall,
+        "step_s": (t1 - t0) / len(measured), "samples_per_s": len(kept) / (t1 - t0),
+        "tokens_per_s": sum(r["completion_tokens"] for r in kept) / (t1 - t0),
+        "train_step_s": mean("timing_train_step"), "weight_sync_s": mean("timing_weight_sync_total"),
+        "waiting_for_data_s": mean("timing_waiting_for_data"),
+        "gpu_idle_fraction": sampler.idle_fraction(t0, t1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="0.5b")
+    p.add_argument("--model", default=None, help="an existing model dir instead of a random --size one (CPU dry runs)")
+    p.add_argument("--cpus", type=int, default=4, help="CPUs per server and per trainer rank")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--groups", type=int, default=16, help="prompts_batch_size_for_trainer")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--modes", default="0,2", help="max_async_rollout values to run, in order")
+    p.add_argument("--workdir", default="/tmp/refractor_bench_rl")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else build_model(workdir / f"qwen25-{args.size}-random", args.size)
+    device = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    print(f"device: {device}; model {args.model or args.size}; "
+          f"{args.groups} groups x {args.group_size} samples x {args.max_tokens} tokens per step", flush=True)
+    results = []
+    for value in (int(v) for v in args.modes.split(",")):
+        r = run_mode("sync" if value == 0 else f"async{value}", value, args, model, workdir)
+        results.append(r)
+        idle = ", ".join(f"gpu{i} {f:.0%}" for i, f in enumerate(r["gpu_idle_fraction"]))
+        print(f"{r['mode']:>7}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | "
+              f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | train {r['train_step_s']:.2f} s | sync {r['weight_sync_s']:.3f} s "
+              f"| waiting for data {r['waiting_for_data_s']:.2f} s | idle {idle}", flush=True)
+    Path(args.out, "bench_rl.json").write_text(json.dumps(results, indent=2))
+    if len(results) >= 2:
+        base = results[0]
+        for r in results[1:]:
+            print(f"{r['mode']} / {base['mode']}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
+                  f"step time {base['step_s'] / r['step_s']:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()
