@@ -13,11 +13,18 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
 
 from refractor.config import RefractorConfig
+
+if TYPE_CHECKING:
+    from refractor.runtime.health import ServerWatchdog
 
 log = logging.getLogger("refractor.train")
 
@@ -94,6 +101,7 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
 
     from refractor.orchestrator import Orchestrator
     from refractor.runtime.cluster import RaySettings, cluster_has_gpus, init_ray, reserve
+    from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
     from refractor.runtime.server_group import RayServerGroup, choose_engine
     from refractor.runtime.trainer_group import RayTrainerGroup
     from refractor.telemetry.console import ConsoleSink
@@ -103,6 +111,7 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
     envs = load_environments(cfg)
     tokenizer = load_tokenizer(cfg)
     store = RunStore(paths.root, config=cfg.model_dump(mode="json"), run_name=cfg.run_name)
+    write_config_file(cfg, paths)
     sinks = [ConsoleSink(cfg.number_of_steps, quiet=quiet)]
     if cfg.use_wandb:
         from refractor.telemetry.wandb_sink import WandbSink
@@ -142,7 +151,9 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
                 raise RunSetupError(f"checkpoint step_{step} has no orchestrator.json; it cannot resume a run")
             orchestrator.load_state_dict(json.loads(state))
             asyncio.run(trainers.update_weights(orchestrator.counters.loaded_version))
-        asyncio.run(orchestrator.run())
+        watchdog = ServerWatchdog(orchestrator.servers.values(), HeartbeatSettings.from_config(cfg),
+                                  actor_process_check(dict(zip(servers.names, servers.actors, strict=True))))
+        asyncio.run(run_watched(orchestrator.run(), watchdog))
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -157,6 +168,37 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
         if started_local:
             ray.shutdown()
     return paths.root
+
+
+async def run_watched(main: Awaitable[None], watchdog: ServerWatchdog) -> None:
+    """Run ``main`` beside the watchdog. A dead or hung server cancels ``main`` (its cleanup runs) and
+    fails the run with the server's name; when ``main`` fails first, a dead server process is
+    reported as the cause (a weight sync or a request to it is usually what failed)."""
+    main_task, dog_task = asyncio.ensure_future(main), asyncio.ensure_future(watchdog.watch())
+    try:
+        await asyncio.wait({main_task, dog_task}, return_when=asyncio.FIRST_COMPLETED)
+        if dog_task.done() and not main_task.done():
+            main_task.cancel()
+            await asyncio.gather(main_task, return_exceptions=True)
+            dog_task.result()
+        err = main_task.exception()
+        if err is not None and not isinstance(err, KeyboardInterrupt):
+            cause = await watchdog.diagnose()
+            if cause is not None:
+                raise type(cause)(f"{cause}\nWhat failed then: {err}") from err
+        main_task.result()
+    finally:
+        dog_task.cancel()
+        main_task.cancel()
+        await asyncio.gather(main_task, dog_task, return_exceptions=True)
+
+
+def write_config_file(cfg: RefractorConfig, paths: RunPaths) -> None:
+    """The resolved config as YAML in the run directory: rerun with `refractor train --config <run>/config.yaml`."""
+    from refractor.config.loader import config_to_dict
+
+    path = paths.root / ("config.yaml" if cfg.resume_from_checkpoint is False else "config.resumed.yaml")
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def _http_servers(infos, cfg):

@@ -60,6 +60,8 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
         assert max(r["end_version"] for r in kept) >= 1
         assert reader.meta()["status"] == "finished"
     assert (Path(run_dir) / "logs" / "server-0.log").exists()
+    saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
+    assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()
 
 
 @pytest.mark.slow
@@ -187,3 +189,31 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
         assert steps == [0, 1, 2, 3]  # the first run's steps are kept, the resumed run adds 2 and 3
         versions = [m["policy_version"] for m in reader.step_metrics(["policy_version"])]
         assert versions[2] >= 2  # servers got the checkpoint's weights (version) back on resume
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
+    """The heartbeat finds the dead server process; the run stops with its name instead of stalling."""
+    env = {**os.environ, "REFRACTOR_ENV_PATH": os.environ["REFRACTOR_ENV_PATH"]}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "refractor.cli", "train", "--config", str(QUICKSTART), "--quiet",
+         "--run_dir", str(tmp_path / "runs"), "--run_name", "dead", "--number_of_steps", "50", "--ray_address", "",
+         "--heartbeat_interval_s", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 1/"):
+            break
+    servers = [p for p in _alive(_descendants(proc.pid))
+               if "serve" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").split("\0")]
+    assert len(servers) == 1, "".join(lines)
+    os.kill(servers[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, "".join(lines) + rest
+    assert "inference server server-0" in rest and "process exited" in rest, rest
+    assert "refractor native server" in rest  # its log's first line is quoted
+    assert time.monotonic() - killed_at < 60
+    with RunReader(tmp_path / "runs" / "dead") as reader:
+        assert reader.meta()["status"] == "failed"

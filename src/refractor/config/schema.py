@@ -81,6 +81,13 @@ class RayKeys(_Strict):
     ray_inference_placement_strategy: PlacementStrategy = Field("PACK", description="Placement strategy of inference servers.")
     ray_trainer_placement_strategy: PlacementStrategy = Field("PACK", description="Placement strategy of trainer ranks.")
     ray_placement_timeout_s: int = Field(900, ge=1, description="Placement-group readiness and server start-up timeout.")
+    heartbeat_interval_s: float = Field(
+        10.0, gt=0, description="[refractor] How often the driver checks every inference server (/health and its process).")
+    heartbeat_timeout_s: float = Field(
+        120.0, gt=0, description="[refractor] A server that has not answered /health for this long stops the run, named.")
+    trainer_call_timeout_s: float = Field(
+        3600.0, gt=0, description="[refractor] A trainer step, weight sync or checkpoint that takes longer stops the run, "
+                                  "naming the ranks that did not finish (a hung collective).")
 
 
 class WorkerKeys(_Strict):

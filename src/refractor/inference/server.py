@@ -244,6 +244,9 @@ def run_native_server(model: str, host: str = "0.0.0.0", port: int = 8000, *, en
     core.eos_token_ids |= eos
     engine = AsyncLLMEngine(core)
     app = create_app(engine, tokenizer, served_model_name or str(model), chat_template=chat_template)
+    cfg = core.config
+    print(f"refractor native server (pid {os.getpid()}): {path} on {core.device}, max_model_len {cfg.max_model_len}, "
+          f"serving http://{host}:{port}", flush=True)  # the first line of the server's log
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:

@@ -7,11 +7,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from refractor.envs.registry import EnvironmentNotFoundError
     from refractor.inference.weight_transfer import WeightSyncError
     from refractor.runtime.cluster import ClusterError
+    from refractor.runtime.health import ComponentFailure
     from refractor.runtime.server_group import ServerStartError
     from refractor.train import RunSetupError
     from refractor.trainer.checkpoint import CheckpointError
 
-    return (RunSetupError, ClusterError, ServerStartError, WeightSyncError, EnvironmentNotFoundError, CheckpointError)
+    return (RunSetupError, ClusterError, ComponentFailure, ServerStartError, WeightSyncError, EnvironmentNotFoundError, CheckpointError)
 
 
 USER_ERRORS = _user_errors()

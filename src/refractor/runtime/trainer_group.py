@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.runtime.cluster import Reservation
+from refractor.runtime.health import await_ranks
 
 
 @ray.remote(max_restarts=0)
@@ -96,6 +97,7 @@ class RayTrainerGroup:
 
     def __init__(self, cfg, reservation: Reservation, run_dir: str, pad_token_id: int) -> None:
         self.cfg, self.pad_token_id = cfg, pad_token_id
+        self.call_timeout_s = float(cfg.trainer_call_timeout_s)
         self.world_size = reservation.count
         self.actors = [
             TrainerActor.options(
@@ -131,7 +133,8 @@ class RayTrainerGroup:
             num_dp_ranks=self.world_size, number_of_minibatches=self.cfg.number_of_minibatches,
             aggregation=LossSettings.from_config(self.cfg).aggregation, max_tokens=self.cfg.max_tokens)
         batch_ref = ray.put(batch)
-        results = await asyncio.gather(*[a.train_step.remote(batch_ref) for a in self.actors])
+        results = await await_ranks([a.train_step.remote(batch_ref) for a in self.actors], f"train_step (step {step})",
+                                    self.call_timeout_s)
         result = results[0]
         result.metrics.update(batch.metrics)
         for other in results[1:]:
@@ -139,14 +142,16 @@ class RayTrainerGroup:
         return result
 
     async def update_weights(self, version: int, target: str = "full") -> list[TimelineEvent]:
-        stats = await asyncio.gather(*[a.sync_weights.remote(version, target) for a in self.actors])
+        stats = await await_ranks([a.sync_weights.remote(version, target) for a in self.actors],
+                                  f"the weight sync to version {version}", self.call_timeout_s)
         s = stats[0]
         return [TimelineEvent("weight_sync", s["start"], s["end"], component="trainer",
                               attrs={"version": version, "target": target, "push_seconds": s["push_seconds"],
                                      "transfer_seconds": s["transfer_seconds"]})]
 
     async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None:
-        await asyncio.gather(*[a.save_checkpoint.remote(step, orchestrator_state) for a in self.actors])
+        await await_ranks([a.save_checkpoint.remote(step, orchestrator_state) for a in self.actors],
+                          f"the checkpoint of step {step}", self.call_timeout_s)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         with contextlib.suppress(Exception):  # best effort; the actors are killed next
