@@ -60,25 +60,69 @@ def test_prefetched_prompts_survive_resume():
         return f"{ref.env_name}:{ref.index}"
 
     async def consume(pf, n):
-        return [(await pf.take())[1] for _ in range(n)]
+        return [await pf.take() for _ in range(n)]
 
     async def main():
         reference = PromptPrefetcher(PromptStream(SIZES, seed=11), prepare, buffer_size=4)
         expected = await consume(reference, 30)
+        assert [ref.ordinal for ref, _ in expected] == list(range(30))
 
         pf = PromptPrefetcher(PromptStream(SIZES, seed=11), prepare, buffer_size=4)
         got = await consume(pf, 12)
         assert len(pf) == 4  # four prompts prepared but not taken
-        in_flight = [PromptRef("math", 6)]  # e.g. a group that was running at checkpoint time
+        in_flight = [got[10][0]]  # e.g. a group that was running at checkpoint time
         state = json.loads(json.dumps(pf.state_dict(in_flight=in_flight)))
         pf.close()
 
         resumed = PromptPrefetcher(PromptStream(SIZES, seed=0), prepare, buffer_size=4)
         resumed.load_state_dict(state)
+        assert resumed.lowest_unconsumed_ordinal() == 10
         after = await consume(resumed, 19)
         resumed.close()
-        assert after[0] == "math:6"  # the in-flight prompt is replayed first
-        assert got + after[1:] == expected  # then exactly the uninterrupted sequence
+        # the in-flight prompt is replayed first, with its ordinal; then exactly the uninterrupted sequence
+        assert after[0] == expected[10]
+        assert after[1:] == expected[12:]
         reference.close()
+
+    asyncio.run(main())
+
+
+def test_replay_is_served_in_stream_order_and_keeps_ordinals():
+    s = PromptStream(SIZES, seed=4)
+    drawn = draw(s, 10)
+    # saved out of order (buffered batch, bucket, in flight, ...), replayed in stream order
+    state = json.loads(json.dumps(s.state_dict(unconsumed=[drawn[7], drawn[2], drawn[5]])))
+    resumed = PromptStream(SIZES, seed=4)
+    resumed.load_state_dict(state)
+    assert resumed.lowest_unconsumed_ordinal() == 2
+    assert draw(resumed, 3) == [drawn[2], drawn[5], drawn[7]]
+    assert [r.ordinal for r in draw(resumed, 2)] == [10, 11]  # fresh draws continue the count
+
+
+def test_replay_entries_without_ordinal_get_fresh_ones():
+    s = PromptStream(SIZES, seed=4)
+    draw(s, 3)
+    state = s.state_dict()
+    state["replay"] = [["math", 1], ["code", 2]]  # a checkpoint written before ordinals existed
+    resumed = PromptStream(SIZES, seed=4)
+    resumed.load_state_dict(state)
+    assert draw(resumed, 3) == [PromptRef("math", 1, 3), PromptRef("code", 2, 4), PromptRef(*_fresh(SIZES, 4, 3), 5)]
+
+
+def _fresh(sizes, seed, n_before):
+    """(env, index) of the stream's draw number ``n_before`` (what a fresh stream yields there)."""
+    ref = draw(PromptStream(sizes, seed=seed), n_before + 1)[-1]
+    return ref.env_name, ref.index
+
+
+def test_put_back_serves_returned_prompts_first_in_stream_order():
+    async def main():
+        pf = PromptPrefetcher(PromptStream(SIZES, seed=2), lambda ref: ref.index, buffer_size=3)
+        taken = [(await pf.take())[0] for _ in range(6)]
+        pf.put_back([taken[5], taken[3]])  # e.g. groups past a batch's cut
+        again = [(await pf.take())[0] for _ in range(3)]
+        assert again[:2] == [taken[3], taken[5]]
+        assert again[2].ordinal == 6 and pf.lowest_unconsumed_ordinal() == 7
+        pf.close()
 
     asyncio.run(main())

@@ -6,6 +6,12 @@ advantages are equal (``zero_advantage``: no learning signal). When the bucket h
 ``prompts_batch_size_for_trainer`` kept groups, the first ones become the batch of the step
 being filled and ``inference_step`` advances. Discards (and cancellations) are counted per reason
 in rollouts, and reported with the batch of the step they happened during.
+
+With ``pins`` (``deterministic_rollouts``) groups are judged in prompt-stream order instead of
+completion order: a completed group waits until every group with a smaller stream ordinal has
+been judged (or cancelled), so a batch's composition does not depend on which group finished
+first. Judging stops at a cut after which the next batch needs newer weights; the groups still
+waiting are then taken back with :meth:`BatchAssembler.requeue_waiting` and run again.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refractor.orchestrator.control import StepCounters, within_async_limit
+from refractor.orchestrator.control import StepCounters, VersionPins, within_async_limit
+from refractor.orchestrator.prompts import PromptRef
 from refractor.orchestrator.records import DiscardReason, Group, Rollout, RolloutStatus
 
 
@@ -42,7 +49,7 @@ class Batch:
 class BatchAssembler:
     def __init__(self, prompts_batch_size_for_trainer: int, max_async_rollout: int,
                  discard_group_zero_advantage: bool, is_zero_advantage: Callable[[list[float]], bool],
-                 number_of_steps: int | None = None) -> None:
+                 number_of_steps: int | None = None, pins: VersionPins | None = None) -> None:
         self.batch_size = prompts_batch_size_for_trainer
         self.number_of_steps = number_of_steps  # no batch is cut past the last step
         self.max_async_rollout = max_async_rollout
@@ -51,10 +58,56 @@ class BatchAssembler:
         self.bucket: list[Group] = []
         self.discarded: list[Rollout] = []
         self.cancelled: list[Rollout] = []
+        self.pins = pins
+        self.next_ordinal = 0  # in stream order: the next group to judge
+        self.waiting: dict[int, Group] = {}  # in stream order: completed, not judged yet (by ordinal)
+        self._skipped: set[int] = set()  # cancelled ordinals that will not come back
+
+    @property
+    def in_stream_order(self) -> bool:
+        return self.pins is not None
 
     def add(self, group: Group, counters: StepCounters) -> list[Batch]:
-        """Judge a completed group (advantages already set); return the batches it completes."""
+        """A completed group (advantages already set): judge it (in stream order: when its turn comes);
+        return the batches completed."""
         group.completion_version = counters.loaded_version
+        if not self.in_stream_order:
+            return self._judge(group, counters)
+        if group.ordinal < self.next_ordinal or group.ordinal in self.waiting:
+            raise ValueError(f"group {group.group_id}: stream ordinal {group.ordinal} was already judged or is waiting")
+        self.waiting[group.ordinal] = group
+        return self._judge_in_order(counters)
+
+    def _judge_in_order(self, counters: StepCounters) -> list[Batch]:
+        assert self.pins is not None
+        batches: list[Batch] = []
+        while True:
+            while self.next_ordinal in self._skipped:
+                self._skipped.discard(self.next_ordinal)
+                self.next_ordinal += 1
+            group = self.waiting.pop(self.next_ordinal, None)
+            if group is None:
+                return batches
+            self.next_ordinal += 1
+            cut = self._judge(group, counters)
+            batches += cut
+            if cut and self.pins.version_changes_at(counters.inference_step):
+                return batches  # the rest waits for requeue_waiting(): it was generated with the old weights
+
+    def requeue_waiting(self) -> list[PromptRef]:
+        """Give up the completed groups still waiting (marked cancelled, reason ``requeued``); their prompts."""
+        groups = [self.waiting[o] for o in sorted(self.waiting)]
+        self.waiting.clear()
+        for g in groups:
+            g.mark(RolloutStatus.CANCELLED, DiscardReason.REQUEUED)
+            self.cancelled += g.rollouts
+        return [g.prompt_ref for g in groups]
+
+    def unconsumed(self) -> list[Group]:
+        """Groups completed but not in a batch yet (their prompts are replayed after a resume)."""
+        return [*self.bucket, *(self.waiting[o] for o in sorted(self.waiting))]
+
+    def _judge(self, group: Group, counters: StepCounters) -> list[Batch]:
         failed = [r for r in group.rollouts if r.status == RolloutStatus.DISCARDED]
         if failed:
             group.mark(RolloutStatus.DISCARDED, DiscardReason.GROUP_MEMBER_FAILED)
@@ -70,7 +123,10 @@ class BatchAssembler:
         return self._cut(counters)
 
     def add_cancelled(self, group: Group) -> None:
+        """A cancelled group; in stream order a requeued group keeps its ordinal's turn, others give it up."""
         self.cancelled += group.rollouts
+        if self.in_stream_order and group.reason != DiscardReason.REQUEUED and group.ordinal >= self.next_ordinal:
+            self._skipped.add(group.ordinal)
 
     def _cut(self, counters: StepCounters) -> list[Batch]:
         batches = []

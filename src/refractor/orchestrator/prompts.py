@@ -4,10 +4,15 @@ The stream is infinite. Each draw picks an environment with probability proporti
 weight (one seeded generator), then the next index of that environment's current epoch; every
 epoch is a fresh seeded permutation of the dataset, so within an epoch no prompt repeats.
 
+Every fresh draw gets an *ordinal* (0, 1, 2, ...: its position in the stream). A prompt keeps
+its ordinal when it is replayed, so what is derived from it (the sampling seeds and the batch
+order of ``deterministic_rollouts``) is the same whether or not the prompt was interrupted.
+
 Resume: ``state_dict()`` holds the generator state, the per-environment cursors and a *replay*
 list of prompts that were drawn but never trained on (prefetched, or in flight at checkpoint
-time). A stream restored from it serves the replay list first, then continues exactly where the
-saved stream would have. So an uninterrupted run and a save/restore run see the same prompts.
+time). A stream restored from it serves the replay list first (in stream order), then continues
+exactly where the saved stream would have. So an uninterrupted run and a save/restore run see the
+same prompts, with the same ordinals.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ P = TypeVar("P")
 class PromptRef:
     env_name: str
     index: int
+    ordinal: int = -1  # position in the prompt stream (-1: not drawn from a stream)
 
 
 class PromptStream:
@@ -51,12 +57,15 @@ class PromptStream:
         self._cursors = dict.fromkeys(self.names, 0)
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
         self.replay: deque[PromptRef] = deque()
-        self.drawn = 0
+        self.drawn = 0  # next() calls, replays included
+        self.next_ordinal = 0  # fresh draws so far
 
     def next(self) -> PromptRef:
         self.drawn += 1
         if self.replay:
             return self.replay.popleft()
+        ordinal = self.next_ordinal
+        self.next_ordinal += 1
         if len(self.names) == 1:
             name = self.names[0]
         else:
@@ -64,7 +73,7 @@ class PromptStream:
         cursor = self._cursors[name]
         self._cursors[name] = cursor + 1
         epoch, pos = divmod(cursor, self.sizes[name])
-        return PromptRef(name, int(self._epoch_permutation(name, epoch)[pos]))
+        return PromptRef(name, int(self._epoch_permutation(name, epoch)[pos]), ordinal)
 
     def _epoch_permutation(self, name: str, epoch: int) -> np.ndarray:
         cached = self._perms.get(name)
@@ -82,8 +91,9 @@ class PromptStream:
             "sizes": dict(self.sizes),
             "rng": self._rng.bit_generator.state,
             "cursors": dict(self._cursors),
-            "replay": [[r.env_name, r.index] for r in (*unconsumed, *self.replay)],
+            "replay": [[r.env_name, r.index, r.ordinal] for r in (*unconsumed, *self.replay)],
             "drawn": self.drawn,
+            "next_ordinal": self.next_ordinal,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -94,8 +104,21 @@ class PromptStream:
         self._rng.bit_generator.state = state["rng"]
         self._cursors = {k: int(v) for k, v in state["cursors"].items()}
         self._perms.clear()
-        self.replay = deque(PromptRef(n, int(i)) for n, i in state["replay"])
         self.drawn = int(state["drawn"])
+        self.next_ordinal = int(state.get("next_ordinal", self.drawn))
+        replay = []
+        for entry in state["replay"]:
+            ordinal = int(entry[2]) if len(entry) > 2 and int(entry[2]) >= 0 else self._fresh_ordinal()
+            replay.append(PromptRef(entry[0], int(entry[1]), ordinal))
+        self.replay = deque(sorted(replay, key=lambda r: r.ordinal))  # stream order, however it was saved
+
+    def _fresh_ordinal(self) -> int:  # for replay entries saved without one (older checkpoints)
+        self.next_ordinal += 1
+        return self.next_ordinal - 1
+
+    def lowest_unconsumed_ordinal(self) -> int:
+        """The smallest ordinal not handed out yet: the next replayed prompt's, else the next fresh one."""
+        return min([r.ordinal for r in self.replay] + [self.next_ordinal])
 
 
 class PromptPrefetcher(Generic[P]):
@@ -139,6 +162,14 @@ class PromptPrefetcher(Generic[P]):
 
     def buffered_refs(self) -> list[PromptRef]:
         return [ref for ref, _ in self._buffer]
+
+    def put_back(self, refs: list[PromptRef]) -> None:
+        """Return taken prompts (their groups will run again): they are served next, in stream order."""
+        returned = [(ref, asyncio.ensure_future(self._run_blocking(lambda ref=ref: self.prepare(ref)))) for ref in refs]
+        self._buffer = deque(sorted([*returned, *self._buffer], key=lambda item: item[0].ordinal))
+
+    def lowest_unconsumed_ordinal(self) -> int:
+        return min([ref.ordinal for ref, _ in self._buffer] + [self.stream.lowest_unconsumed_ordinal()])
 
     def state_dict(self, in_flight: list[PromptRef] | tuple[PromptRef, ...] = ()) -> dict[str, Any]:
         """Stream state with in-flight and prefetched prompts queued for replay (none is lost)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from refractor.orchestrator.prompts import PromptRef
 from refractor.records import TrainSample
 
 
@@ -46,6 +47,9 @@ class DiscardReason(StrEnum):
     # cancellation reasons
     OFF_POLICY = "off_policy"
     SHUTDOWN = "shutdown"
+    # deterministic_rollouts: past a batch's cut and the next batch needs newer weights; the prompt
+    # goes back to the stream and runs again (same ordinal, same seeds)
+    REQUEUED = "requeued"
 
 
 @dataclass
@@ -155,6 +159,7 @@ class Group:
     env_name: str
     prompt_key: tuple[str, int]  # (environment, dataset index): what the prompt stream replays on resume
     rollouts: list[Rollout]
+    ordinal: int = -1  # the prompt's position in the prompt stream (seeds, deterministic batch order)
     server: str = ""
     dispatch_version: int = 0  # version loaded when the group was created
     completion_version: int = 0  # version loaded when its last rollout finished
@@ -169,6 +174,10 @@ class Group:
     @property
     def advantages(self) -> list[float]:
         return [r.advantage for r in self.rollouts]
+
+    @property
+    def prompt_ref(self) -> PromptRef:
+        return PromptRef(self.prompt_key[0], self.prompt_key[1], self.ordinal)
 
     def mark(self, status: RolloutStatus, reason: str = "") -> None:
         """Set the group's final status on every member (a member's own discard reason is kept)."""

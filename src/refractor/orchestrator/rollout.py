@@ -5,11 +5,16 @@ flags, stop reasons and token layout cannot diverge between modes. Generation go
 object with ``async generate(token_ids, sampling)`` (a real client, or a fake server in tests).
 The reward is computed with the environments package's ``score_rollout`` (timeout, failures
 recorded, blocking work off the event loop); a failure discards the rollout with its reason.
+
+Sampling seeds (``deterministic_rollouts``): each request's seed is a hash of the run seed, the
+prompt's stream ordinal, the sample's index in its group and the turn index, so a group that runs
+again (requeued, or replayed after a resume) draws exactly the same tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -56,15 +61,56 @@ class PreparedPrompt:
     prompt_ids: list[int]
     prompt_text: str = ""
     system_prompt: str = ""
+    ordinal: int = -1  # position in the prompt stream
 
 
-def prepare_prompt(env: Environment, index: int, chat: ChatTokens) -> PreparedPrompt:
+def prepare_prompt(env: Environment, index: int, chat: ChatTokens, ordinal: int = -1) -> PreparedPrompt:
     sample = env.get_sample(index)
     messages = env.get_initial_prompt(sample, chat.tokenizer)
     user = next((m for m in messages if m.get("role") == "user"), {})
     system = next((m for m in messages if m.get("role") == "system"), {})
     return PreparedPrompt(env.name, index, sample, messages, chat.render(messages),
-                          str(user.get("content", "")), str(system.get("content", "")))
+                          str(user.get("content", "")), str(system.get("content", "")), ordinal)
+
+
+def sampling_seed(run_seed: int, ordinal: int, sample_idx: int, turn: int) -> int:
+    """The seed of one generation request, in [0, 2**31): a hash, so nearby inputs give unrelated seeds.
+
+    It depends only on where the prompt sits in the prompt stream, never on group/rollout ids or
+    on timing, which change when a group runs again.
+    """
+    if ordinal < 0:
+        raise ValueError(f"a sampling seed needs the prompt's stream ordinal, got {ordinal}")
+    key = f"refractor-sampling:{run_seed}:{ordinal}:{sample_idx}:{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % (2**31)
+
+
+class SerialServer:
+    """Sends the wrapped server one generation request at a time (``serialize_generation``).
+
+    Engines whose numerics depend on which requests share a batch (GEMM results change with the
+    number of rows) then compute every request alone. A request whose caller is cancelled still
+    runs to its end before the next one starts, so an abandoned request never shares the engine.
+    """
+
+    def __init__(self, server: InferenceServer) -> None:
+        self.server, self.name = server, server.name
+        self._turn = asyncio.Lock()
+
+    async def generate(self, token_ids: list[int], sampling: Sampling, *, priority: int = 0) -> GenerateResult:
+        await self._turn.acquire()
+        try:
+            request = asyncio.ensure_future(self.server.generate(token_ids, sampling, priority=priority))
+        except BaseException:
+            self._turn.release()
+            raise
+        request.add_done_callback(self._finished)
+        return await asyncio.shield(request)
+
+    def _finished(self, request: asyncio.Future) -> None:
+        self._turn.release()
+        if not request.cancelled():
+            request.exception()  # retrieved here, so an abandoned request's error is not reported as unhandled
 
 
 @dataclass
@@ -76,6 +122,7 @@ class RolloutSettings:
     interleaved: bool = True
     reward_timeout_s: float = 120.0
     eos_token: str = ""
+    seed: int | None = None  # run seed; set: every request carries its sampling_seed()
 
 
 @dataclass
@@ -101,7 +148,7 @@ async def run_rollout(rollout: Rollout, prompt: PreparedPrompt, env: Environment
     messages, prompt_ids = list(prompt.messages), list(prompt.prompt_ids)
     hooks.generating.add(rollout.rollout_id)
     try:
-        await _generate_turns(rollout, state, messages, prompt_ids, env, server, chat, settings, hooks)
+        await _generate_turns(rollout, state, messages, prompt_ids, env, server, chat, settings, hooks, prompt.ordinal)
     finally:
         hooks.generating.discard(rollout.rollout_id)
         rollout.generation_end_time = hooks.clock()
@@ -123,7 +170,7 @@ async def run_rollout(rollout: Rollout, prompt: PreparedPrompt, env: Environment
     return rollout
 
 
-async def _generate_turns(rollout, state, messages, prompt_ids, env, server, chat, settings, hooks) -> None:
+async def _generate_turns(rollout, state, messages, prompt_ids, env, server, chat, settings, hooks, ordinal) -> None:
     base = Sampling(max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p or 1.0)
     index = 0
     while True:
@@ -141,7 +188,8 @@ async def _generate_turns(rollout, state, messages, prompt_ids, env, server, cha
         if index == 0:
             rollout.first_start_version = turn.start_version
         try:
-            result = await server.generate(prompt_ids, replace(base, max_tokens=budget), priority=-index)
+            seed = None if settings.seed is None else sampling_seed(settings.seed, ordinal, rollout.sample_idx, index)
+            result = await server.generate(prompt_ids, replace(base, max_tokens=budget, seed=seed), priority=-index)
         except asyncio.CancelledError:
             raise
         except Exception as err:
