@@ -217,3 +217,29 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
     assert time.monotonic() - killed_at < 60
     with RunReader(tmp_path / "runs" / "dead") as reader:
         assert reader.meta()["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_a_run_starved_of_advantage_says_so(tmp_path):
+    """Every group scores the same and is discarded: no batch can fill, and the console says why."""
+    env = {**os.environ, "REFRACTOR_ENV_PATH": os.environ["REFRACTOR_ENV_PATH"]}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "refractor.cli", "train", "--config", str(QUICKSTART), "--quiet",
+         "--run_dir", str(tmp_path / "runs"), "--run_name", "starved", "--ray_address", "",
+         "--environments", '[{"name": "constant_reward"}]', "--discard_group_zero_advantage", "true",
+         "--group_size", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    lines = []
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        lines.append(line)
+        if "zero-advantage" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert "warning: the last 16 finished groups were all discarded as zero-advantage" in text, text + rest
+    assert "discard_group_zero_advantage: false" in text
+    with RunReader(tmp_path / "runs" / "starved") as reader:
+        assert not reader.step_metrics()
+        assert [e for e in reader.timeline() if e["name"] == "zero_advantage_stall"]

@@ -50,6 +50,7 @@ from refractor.orchestrator.rollout import (
     prepare_prompt,
     run_rollout,
 )
+from refractor.orchestrator.stall import ZeroAdvantageWatch
 from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.telemetry.metrics import RolloutSummary, rollout_step_metrics
 from refractor.telemetry.system import SystemSampler
@@ -97,6 +98,7 @@ class Orchestrator:
         self.counters = StepCounters()
         self.assembler = BatchAssembler(cfg.prompts_batch_size_for_trainer, cfg.max_async_rollout,
                                         cfg.discard_group_zero_advantage, is_zero_advantage_group, cfg.number_of_steps)
+        self.stall_watch = ZeroAdvantageWatch(4 * cfg.prompts_batch_size_for_trainer)
         self.ckpt_gate: CheckpointGate[Batch] = CheckpointGate(CheckpointSchedule(cfg.checkpoint_every, cfg.number_of_steps))
         self.adv_settings = AdvantageSettings.from_config(cfg)
         self.filter_settings = FilterSettings.from_config(cfg)
@@ -287,6 +289,8 @@ class Orchestrator:
         batches = self.assembler.add(group, self.counters)
         if group.status == RolloutStatus.DISCARDED:
             self._event(f"rollout_discarded_{group.reason}", group_id=group.group_id)
+        if (warning := self.stall_watch.observe(group)) is not None:
+            self._warn(warning, "zero_advantage_stall", streak=self.stall_watch.streak)
         for batch in batches:
             self.store.log_rollouts(batch.rollouts, self.counters.trainer_step, batch.step)
             self.store.log_rollouts(batch.discarded_rollouts + batch.cancelled_rollouts,
@@ -396,6 +400,12 @@ class Orchestrator:
             metrics = sampler.sample()
             if metrics:
                 self.store.log_system_metrics("driver", metrics, timestamp=self.clock())
+
+    def _warn(self, message: str, event: str, **attrs: Any) -> None:
+        self._event(event, message=message, **attrs)
+        shown = [sink.warn(message) for sink in self.sinks if hasattr(sink, "warn")]
+        if not shown:
+            log.warning(message)
 
     def _event(self, name: str, **attrs: Any) -> None:
         now = self.clock()

@@ -70,6 +70,10 @@ class ConsoleSink:
             return None
         return (self.clock() - self._start) / done_here * (self.total_steps - steps_done)
 
+    def warn(self, message: str) -> None:
+        """A run-level warning (e.g. training starved), printed above the progress bar."""
+        self.console.print(f"[yellow]warning[/]: {message}", highlight=False, soft_wrap=True)
+
     def log_step(self, step: int, metrics: dict[str, float], rollouts: list[Any] | None = None) -> None:
         s = step_summary(metrics)
         reward, kl, tps = _fmt(s["reward"], ".3f"), _fmt(s["kl"], ".4f"), _fmt(s["tokens_per_s"], ".0f")
