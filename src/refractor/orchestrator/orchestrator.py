@@ -35,6 +35,7 @@ from refractor.orchestrator.control import (
     CheckpointSchedule,
     GeneratingRollout,
     StepCounters,
+    VersionPins,
     off_policy_groups,
     within_async_limit,
 )
@@ -47,6 +48,7 @@ from refractor.orchestrator.rollout import (
     PreparedPrompt,
     RolloutSettings,
     SampleHooks,
+    SerialServer,
     prepare_prompt,
     run_rollout,
 )
@@ -86,7 +88,7 @@ class Orchestrator:
         self.envs = {e.name: e for e in envs}
         if len(self.envs) != len(envs):
             raise ValueError(f"environment names must be unique, got {[e.name for e in envs]}")
-        self.servers = {s.name: s for s in servers}
+        self.servers = {s.name: SerialServer(s) if cfg.serialize_generation else s for s in servers}
         if not self.servers:
             raise ValueError("the orchestrator needs at least one inference server")
         self.trainer, self.store, self.sinks, self.clock = trainer, store, list(sinks), clock
@@ -96,8 +98,11 @@ class Orchestrator:
         self.number_of_steps = cfg.number_of_steps
         self.lanes = LaneManager(list(self.servers), cfg.max_concurrent_prompts_per_server * cfg.group_size)
         self.counters = StepCounters()
+        self.pins = (VersionPins(cfg.max_async_rollout, cfg.checkpoint_every, cfg.number_of_steps)
+                     if cfg.deterministic_rollouts else None)
         self.assembler = BatchAssembler(cfg.prompts_batch_size_for_trainer, cfg.max_async_rollout,
-                                        cfg.discard_group_zero_advantage, is_zero_advantage_group, cfg.number_of_steps)
+                                        cfg.discard_group_zero_advantage, is_zero_advantage_group, cfg.number_of_steps,
+                                        self.pins)
         self.stall_watch = ZeroAdvantageWatch(4 * cfg.prompts_batch_size_for_trainer)
         self.ckpt_gate: CheckpointGate[Batch] = CheckpointGate(CheckpointSchedule(cfg.checkpoint_every, cfg.number_of_steps))
         self.adv_settings = AdvantageSettings.from_config(cfg)
@@ -107,7 +112,7 @@ class Orchestrator:
         self.rollout_settings = RolloutSettings(
             max_tokens=cfg.max_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature, top_p=cfg.top_p,
             interleaved=cfg.interleaved_rollouts, reward_timeout_s=cfg.reward_timeout_s,
-            eos_token=tokenizer.eos_token or "")
+            eos_token=tokenizer.eos_token or "", seed=cfg.seed if cfg.deterministic_rollouts else None)
         weights = {e.name: e.weight for e in cfg.environments if e.name in self.envs}
         self.stream = PromptStream({n: len(e) for n, e in self.envs.items()}, weights, seed=cfg.seed)
         buffer = cfg.prompt_prefetch_buffer_size if cfg.enable_prompt_prefetch else 0
@@ -119,6 +124,7 @@ class Orchestrator:
         self.next_rollout_id = 0
         self._held_prompt: tuple[PromptRef, PreparedPrompt] | None = None
         self._wake: asyncio.Event | None = None
+        self._batch_cut = asyncio.Event()  # set at every cut (a held weight push may go)
         self._failure: asyncio.Future | None = None
         self._stopping = False
         self._paused_by_async = False
@@ -151,23 +157,25 @@ class Orchestrator:
 
     def state_dict(self) -> dict[str, Any]:
         """Orchestrator state for a checkpoint: counters, ids and the prompt stream (nothing lost)."""
-        unconsumed = [g.prompt_key for _, b in self.ckpt_gate.buffered for g in b.groups]
-        unconsumed += [g.prompt_key for g in self.assembler.bucket]
-        unconsumed += [ig.group.prompt_key for ig in self.in_flight.values()]
+        unconsumed = [g.prompt_ref for _, b in self.ckpt_gate.buffered for g in b.groups]
+        unconsumed += [g.prompt_ref for g in self.assembler.unconsumed()]
+        unconsumed += [ig.group.prompt_ref for ig in self.in_flight.values()]
         if self._held_prompt is not None:
-            unconsumed.append((self._held_prompt[0].env_name, self._held_prompt[0].index))
+            unconsumed.append(self._held_prompt[0])
         return {"counters": self.counters.state_dict(), "next_group_id": self.next_group_id,
-                "next_rollout_id": self.next_rollout_id,
-                "prompts": self.prompts.state_dict(in_flight=[PromptRef(n, i) for n, i in unconsumed])}
+                "next_rollout_id": self.next_rollout_id, "prompts": self.prompts.state_dict(in_flight=unconsumed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters.load_state_dict(state["counters"])
         self.next_group_id, self.next_rollout_id = int(state["next_group_id"]), int(state["next_rollout_id"])
         self.prompts.load_state_dict(state["prompts"])
+        if self.pins is not None:  # the version schedule and the stream order continue from the checkpoint
+            self.pins.resumed_version = self.counters.loaded_version
+            self.assembler.next_ordinal = self.prompts.lowest_unconsumed_ordinal()
 
     # ------------------------------------------------------------------ dispatch
     def _prepare(self, ref: PromptRef) -> PreparedPrompt:
-        return prepare_prompt(self.envs[ref.env_name], ref.index, self.chat)
+        return prepare_prompt(self.envs[ref.env_name], ref.index, self.chat, ref.ordinal)
 
     def wake(self) -> None:
         if self._wake is not None:
@@ -183,7 +191,10 @@ class Orchestrator:
     def _may_create_group(self) -> bool:
         if self._stopping or self.ckpt_gate.paused or self.counters.inference_step >= self.number_of_steps:
             return False
-        allowed = within_async_limit(self.counters, self.cfg.max_async_rollout)
+        if self.pins is None:
+            allowed = within_async_limit(self.counters, self.cfg.max_async_rollout)
+        else:  # the pinned version is loaded, and at most a batch of finished groups waits on a slower earlier one
+            allowed = self.pins.may_dispatch(self.counters) and len(self.assembler.waiting) < self.assembler.batch_size
         if allowed == self._paused_by_async:  # log transitions only
             self._paused_by_async = not allowed
             self._event("rollout_resumed_max_async" if allowed else "rollout_paused_max_async")
@@ -211,8 +222,8 @@ class Orchestrator:
         for i in range(self.group_size):
             rollouts.append(Rollout(self.next_rollout_id, gid, i, prompt.env_name, server=server))
             self.next_rollout_id += 1
-        group = Group(gid, prompt.env_name, (prompt.env_name, prompt.index), rollouts, server=server,
-                      dispatch_version=self.counters.loaded_version)
+        group = Group(gid, prompt.env_name, (prompt.env_name, prompt.index), rollouts, ordinal=prompt.ordinal,
+                      server=server, dispatch_version=self.counters.loaded_version)
         ig = InFlightGroup(group, prompt, server)
         self.in_flight[gid] = ig
         self._event("inference_call", group_id=gid, server=server)
@@ -298,6 +309,21 @@ class Orchestrator:
             self._event("save_batch", step=batch.step)
             for item in self.ckpt_gate.on_batch(batch.step, batch):
                 self.train_queue.put_nowait(item)
+        if batches:
+            self._batch_cut.set()
+            if self.pins is not None and self.pins.version_changes_at(self.counters.inference_step):
+                self._requeue_past_cut()
+
+    def _requeue_past_cut(self) -> None:
+        """deterministic_rollouts: the next batch needs newer weights, so every group past the cut runs
+        again under them (same prompts, same ordinals, hence the same sampling seeds)."""
+        refs = [ig.group.prompt_ref for ig in self.in_flight.values()] + self.assembler.requeue_waiting()
+        for ig in list(self.in_flight.values()):
+            self._cancel_group(ig, DiscardReason.REQUEUED)
+        if self._held_prompt is not None:
+            refs.append(self._held_prompt[0])
+            self._held_prompt = None
+        self.prompts.put_back(refs)
 
     def _cancel_group(self, ig: InFlightGroup, reason: str) -> None:
         group = ig.group
@@ -373,6 +399,7 @@ class Orchestrator:
         result = await self.trainer.train_step(step, samples)
         t1 = self.clock()
         events = list(result.timeline)
+        held = await self._hold_weights(step + 1)
         events += await self.trainer.update_weights(step + 1) or []
         t2 = self.clock()
         self.counters.trainer_step = step + 1
@@ -383,7 +410,7 @@ class Orchestrator:
         metrics |= {k: float(v) for k, v in result.metrics.items()}
         step_total = t2 - (self._last_step_end if self._last_step_end is not None else t0 - waited)
         tokens = sum(r.num_completion_tokens for r in batch.rollouts)
-        metrics |= {"timing_waiting_for_data": waited, "timing_train_step": t1 - t0, "timing_weight_sync_total": t2 - t1,
+        metrics |= {"timing_waiting_for_data": waited, "timing_train_step": t1 - t0, "timing_weight_sync_total": t2 - t1 - held,
                     "timing_step_total": step_total, "tokens_per_second": tokens / step_total if step_total > 0 else 0.0,
                     "async_level": float(self.counters.async_level()), "policy_version": float(step + 1)}
         self._last_step_end = t2
@@ -391,6 +418,16 @@ class Orchestrator:
         self.store.log_events(events, step=step)
         for sink in self.sinks:
             sink.log_step(step, metrics, batch.rollouts)
+
+    async def _hold_weights(self, version: int) -> float:
+        """deterministic_rollouts: wait until no batch being filled needs older weights; the seconds held."""
+        if self.pins is None:
+            return 0.0
+        start = self.clock()
+        while not self.pins.may_push(version, self.counters.inference_step):
+            self._batch_cut.clear()
+            await self._batch_cut.wait()
+        return self.clock() - start
 
     # ------------------------------------------------------------------ telemetry
     async def _system_metrics_loop(self) -> None:

@@ -134,7 +134,7 @@ class PromptPrefetcher(Generic[P]):
         self.prepare = prepare
         self.buffer_size = max(0, buffer_size)
         self._run_blocking = run_blocking or (lambda fn: asyncio.to_thread(fn))
-        self._buffer: deque[tuple[PromptRef, asyncio.Task[P]]] = deque()
+        self._buffer: deque[tuple[PromptRef, asyncio.Future[P]]] = deque()
 
     def __len__(self) -> int:
         return len(self._buffer)
@@ -142,30 +142,35 @@ class PromptPrefetcher(Generic[P]):
     def refill(self) -> None:
         """Start preparing prompts until the buffer is full (call from the event loop)."""
         while len(self._buffer) < self.buffer_size:
-            ref = self.stream.next()
-            task = asyncio.ensure_future(self._run_blocking(lambda ref=ref: self.prepare(ref)))
-            self._buffer.append((ref, task))
+            self._buffer.append(self._start(self.stream.next()))
 
     def ready(self) -> bool:
         """True when the next prompt can be taken without waiting on its preparation."""
         return bool(self._buffer) and self._buffer[0][1].done()
 
     async def take(self) -> tuple[PromptRef, P]:
-        if self._buffer:
-            ref, task = self._buffer.popleft()
-            prompt = await task
-        else:
-            ref = self.stream.next()
-            prompt = await self._run_blocking(lambda: self.prepare(ref))
-        self.refill()
-        return ref, prompt
+        """The next prompt in order. It stays in the buffer (so a checkpoint taken meanwhile still holds
+        it) until its preparation is done; if ``put_back`` slipped earlier prompts in front of it in
+        the meantime, the new head is taken instead."""
+        while True:
+            if not self._buffer:
+                self._buffer.append(self._start(self.stream.next()))
+            ref, task = self._buffer[0]
+            await asyncio.wait([task])  # not `await task`: cancelling take() must not cancel the preparation
+            if self._buffer and self._buffer[0] == (ref, task):
+                self._buffer.popleft()
+                self.refill()
+                return ref, task.result()
+
+    def _start(self, ref: PromptRef) -> tuple[PromptRef, asyncio.Future[P]]:
+        return ref, asyncio.ensure_future(self._run_blocking(lambda: self.prepare(ref)))
 
     def buffered_refs(self) -> list[PromptRef]:
         return [ref for ref, _ in self._buffer]
 
     def put_back(self, refs: list[PromptRef]) -> None:
         """Return taken prompts (their groups will run again): they are served next, in stream order."""
-        returned = [(ref, asyncio.ensure_future(self._run_blocking(lambda ref=ref: self.prepare(ref)))) for ref in refs]
+        returned = [self._start(ref) for ref in refs]
         self._buffer = deque(sorted([*returned, *self._buffer], key=lambda item: item[0].ordinal))
 
     def lowest_unconsumed_ordinal(self) -> int:
