@@ -48,7 +48,8 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
         assert [m["step"] for m in steps] == [0, 1, 2]
         for m in steps:
             for key in ("loss", "grad_norm", "entropy", "kl_divergence_inference", "reward_sum_mean",
-                        "timing_weight_sync_total", "timing_waiting_for_data"):
+                        "timing_weight_sync_total", "timing_weight_sync_trainer_total",
+                        "timing_weight_sync_inference_total", "timing_waiting_for_data"):
                 assert key in m and m[key] == m[key], key  # present and not NaN
             assert m["policy_version"] >= 0
         kept = reader.rollouts(status="kept")

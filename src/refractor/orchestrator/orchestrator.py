@@ -413,6 +413,10 @@ class Orchestrator:
         metrics |= {"timing_waiting_for_data": waited, "timing_train_step": t1 - t0, "timing_weight_sync_total": t2 - t1 - held,
                     "timing_step_total": step_total, "tokens_per_second": tokens / step_total if step_total > 0 else 0.0,
                     "async_level": float(self.counters.async_level()), "policy_version": float(step + 1)}
+        for e in events:  # the trainer side's own account of the sync (reference §8 names)
+            if e.name == "weight_sync" and "trainer_seconds" in e.attrs:
+                metrics["timing_weight_sync_trainer_total"] = float(e.attrs["trainer_seconds"])
+                metrics["timing_weight_sync_inference_total"] = float(e.attrs["paused_seconds"])
         self._last_step_end = t2
         self.store.log_step_metrics(step, metrics, timestamp=t2)
         self.store.log_events(events, step=step)

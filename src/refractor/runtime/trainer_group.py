@@ -147,7 +147,10 @@ class RayTrainerGroup:
         s = stats[0]
         return [TimelineEvent("weight_sync", s["start"], s["end"], component="trainer",
                               attrs={"version": version, "target": target, "push_seconds": s["push_seconds"],
-                                     "transfer_seconds": s["transfer_seconds"]})]
+                                     "transfer_seconds": s["transfer_seconds"],
+                                     # the trainer's whole time in the sync, and how long the servers were paused
+                                     "trainer_seconds": s.get("trainer_seconds", s["end"] - s["start"]),
+                                     "paused_seconds": s.get("paused_seconds", s["push_seconds"])})]
 
     async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None:
         await await_ranks([a.save_checkpoint.remote(step, orchestrator_state) for a in self.actors],
