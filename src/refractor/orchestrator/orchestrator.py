@@ -92,6 +92,7 @@ class Orchestrator:
         if not self.servers:
             raise ValueError("the orchestrator needs at least one inference server")
         self.trainer, self.store, self.sinks, self.clock = trainer, store, list(sinks), clock
+        self.evals: Any = None  # EvalScheduler, set by refractor.orchestrator.evals.attach_evals
         self.individual = cfg.enable_individual_sample_lanes
         self.free_after_generation = cfg.free_lane_after_generation and self.individual
         self.group_size = cfg.group_size
@@ -135,16 +136,20 @@ class Orchestrator:
         """Train ``number_of_steps`` steps (from the loaded state), then cancel what is still running."""
         loop = asyncio.get_running_loop()
         self._wake, self._failure = asyncio.Event(), loop.create_future()
+        if self.evals is not None:
+            await self.evals.before_training()  # the baseline eval, before any rollout
         self._event("training_loop_start")
         self.prompts.refill()
         self._wake.set()
         dispatch = asyncio.create_task(self._dispatch_loop(), name="refractor-dispatch")
         train = asyncio.create_task(self._train_loop(), name="refractor-train")
         system = asyncio.create_task(self._system_metrics_loop(), name="refractor-system-metrics")
+        completed = False
         try:
             done, _ = await asyncio.wait({dispatch, train, self._failure}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # re-raise the first failure
+            completed = True
         finally:
             self._stopping = True
             for task in (dispatch, train, system):
@@ -152,6 +157,8 @@ class Orchestrator:
             await asyncio.gather(dispatch, train, system, return_exceptions=True)
             await self._cancel_all(DiscardReason.SHUTDOWN)
             self.prompts.close()
+            if self.evals is not None:  # a running step eval ends (or is cancelled); then the final eval
+                await self.evals.after_training(completed)
             for sink in self.sinks:
                 sink.close()
 
@@ -163,12 +170,15 @@ class Orchestrator:
         if self._held_prompt is not None:
             unconsumed.append(self._held_prompt[0])
         return {"counters": self.counters.state_dict(), "next_group_id": self.next_group_id,
-                "next_rollout_id": self.next_rollout_id, "prompts": self.prompts.state_dict(in_flight=unconsumed)}
+                "next_rollout_id": self.next_rollout_id, "prompts": self.prompts.state_dict(in_flight=unconsumed),
+                "evals": self.evals.state_dict() if self.evals is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters.load_state_dict(state["counters"])
         self.next_group_id, self.next_rollout_id = int(state["next_group_id"]), int(state["next_rollout_id"])
         self.prompts.load_state_dict(state["prompts"])
+        if self.evals is not None and state.get("evals"):
+            self.evals.load_state_dict(state["evals"])
         if self.pins is not None:  # the version schedule and the stream order continue from the checkpoint
             self.pins.resumed_version = self.counters.loaded_version
             self.assembler.next_ordinal = self.prompts.lowest_unconsumed_ordinal()
