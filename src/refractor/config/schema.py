@@ -417,4 +417,11 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
     names = [ev.name for ev in c.evals]
     if len(names) != len(set(names)):
         e.append(f"`evals` names must be unique, got {names}")
+    from refractor.evals.passk import parse_pass_k
+
+    for ev in c.evals:
+        try:
+            parse_pass_k(ev.pass_k, f"`evals` entry {ev.name!r}: pass_k")
+        except ValueError as err:
+            e.append(str(err))
     return e
