@@ -91,17 +91,22 @@ def trainer_config(model_dir, **overrides):
             min_lr_ratio=0.0, checkpoint_dir=None, run_name=None, run_dir="runs", number_of_minibatches=1,
             ppo_clip_ref_logprobs="rollout", weight_broadcast_bucket_mb=256, checkpoint_save_training_state=True,
             checkpoint_keep_last=None, checkpoint_keep_every=None, resume_from_checkpoint=False,
-            seq_len=4096, pad_to_multiple_of=64, temperature=1.0, entropy_chunk_size=1024)
+            seq_len=4096, pad_to_multiple_of=64, temperature=1.0, entropy_chunk_size=1024, trainer_compile=True,
+            trainer_max_tokens_per_forward=16384)
         return SimpleNamespace(**{**asdict(LossSettings()), **defaults, **values})
     return RefractorConfig(**values)
 
 
-def bench_refractor(model_dir, batch, activation_checkpointing: bool, warmup: int, steps: int,
-                    export: bool, compile: bool = False) -> dict:
+def bench_refractor(model_dir, batches, activation_checkpointing: bool, warmup: int, steps: int,
+                    export: bool, compile: bool = False, tokens_per_forward: int = 16384,
+                    profile: str | None = None) -> dict:
+    """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
     from refractor.trainer import Trainer
 
-    cfg = trainer_config(model_dir, activation_checkpointing=activation_checkpointing)
-    trainer = Trainer(cfg, random_init=True, compile=compile)
+    batches = batches if isinstance(batches, list) else [batches]
+    cfg = trainer_config(model_dir, activation_checkpointing=activation_checkpointing, trainer_compile=compile,
+                         trainer_max_tokens_per_forward=tokens_per_forward)
+    trainer = Trainer(cfg, random_init=True)
     out: dict = {"n_params": sum(p.numel() for p in trainer.model.parameters())}
     if export:
         # Weight export for sync (256 MiB bf16 buckets): time and peak memory above the resident
@@ -122,20 +127,57 @@ def bench_refractor(model_dir, batch, activation_checkpointing: bool, warmup: in
                          "bytes": sum(x.numel() * x.element_size() for x in weights.values()),
                          "peak_extra_gb": (torch.cuda.max_memory_allocated() - base) / 2**30}
         out["weights"] = weights
-    out["first_loss"] = trainer.train_step(batch).metrics["loss"]  # before any update: parity with HF
-    for _ in range(warmup - 1):
-        trainer.train_step(batch)
+        out["export"]["warm_s"] = time_export(trainer)
+    out["first_loss"] = trainer.train_step(batches[0]).metrics["loss"]  # before any update: parity with HF
+    for i in range(warmup - 1):
+        trainer.train_step(batches[(i + 1) % len(batches)])
     torch.cuda.reset_peak_memory_stats()
     last = {}
+    count = iter(range(10**9))
 
     def step():
-        last.update(trainer.train_step(batch).metrics)
+        last.update(trainer.train_step(batches[next(count) % len(batches)]).metrics)
 
     out["time_s"] = timed(step, steps)
     out["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    if profile:
+        from profile_step import profile_steps
+
+        out["profile"] = profile_steps(step, os.path.dirname(profile), os.path.basename(profile))
     out.update(loss=last["loss"], grad_norm=last["grad_norm"],
                timings={k: v for k, v in last.items() if k.startswith("timing_") and k.endswith("_total")})
     return out
+
+
+def time_export(trainer, repeats: int = 3) -> float:
+    """Best time of a whole export (256 MiB bf16 buckets, tensors dropped at once), warm."""
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for bucket in trainer.export_weight_buckets(256, torch.bfloat16):
+            del bucket
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bench_export_only(model_dir) -> dict:
+    from refractor.trainer import Trainer
+
+    trainer = Trainer(trainer_config(model_dir, trainer_compile=False), random_init=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    nbytes = 0
+    for bucket in trainer.export_weight_buckets(256, torch.bfloat16):
+        nbytes += sum(x.numel() * x.element_size() for _, x in bucket)
+        del bucket
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t
+    return {"time_s": first, "warm_s": time_export(trainer), "bytes": nbytes,
+            "peak_extra_gb": (torch.cuda.max_memory_allocated() - base) / 2**30}
 
 
 def bench_naive_hf(model_dir, batch, weights, warmup: int, steps: int) -> dict:
@@ -181,11 +223,14 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-VARIANTS = {  # name -> (label, activation_checkpointing, compiled decoder layers)
-    "ac": ("refractor (activation ckpt on, default)", True, False),
-    "noac": ("refractor (activation ckpt off)", False, False),
-    "compile_ac": ("refractor (compiled layers, activation ckpt on; experimental)", True, True),
-    "compile_noac": ("refractor (compiled layers, activation ckpt off; experimental)", False, True),
+VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, trainer_max_tokens_per_forward)
+    "default": ("refractor default (compiled layers + ckpt, 16k-token passes)", True, True, 16384),
+    "noac": ("compiled layers, ckpt off, 16k-token passes", False, True, 16384),
+    "rows": ("compiled layers + ckpt, one pass per 4k row", True, True, 0),
+    "rows_noac": ("compiled layers, ckpt off, one pass per 4k row", False, True, 0),
+    "eager": ("eager layers + ckpt, 16k-token passes", True, False, 16384),
+    "eager_noac": ("eager layers, ckpt off, 16k-token passes", False, False, 16384),
+    "session1": ("session-1 default (eager layers + ckpt, one pass per 4k row)", True, False, 0),
 }
 BASELINE = "naive HF fwd+bwd (fp32 logits)"
 
@@ -197,10 +242,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--variants", default="ac,noac", help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="default,noac,session1", help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--export-only", action="store_true", help="only time the weight export (256 MiB buckets)")
+    ap.add_argument("--vary", action="store_true", help="cycle 3 batches whose rows differ in length (no baseline)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the naive HF baseline")
     ap.add_argument("--model-dir", default=None, help="a config dir to use instead of the Qwen2.5 shapes (dry runs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", default="", help="comma list of variants to profile (torch.profiler + cProfile, 2 steps)")
     args = ap.parse_args()
 
     from refractor.algorithms.packing import pack_train_batch
@@ -223,15 +271,33 @@ def main() -> None:
                                  pad_token_id=0, num_dp_ranks=world)
         real = sum(len(s.input_ids) for s in samples)
         rows = [[mb.num_tokens for mb in rank_rows] for rank_rows in batch.micro_batches]
+        if args.vary:  # realistic rows: lengths differ between steps (padding to 64 only)
+            batches = [pack_train_batch(make_samples(args.tokens // args.seq_len, args.seq_len, vocab, seed=100 * k),
+                                        step=k, seq_len=args.seq_len, pad_to_multiple_of=64, pad_token_id=0,
+                                        num_dp_ranks=world) for k in range(1, 4)]
+            print("   --vary: 3 batches with rows", [[mb.num_tokens for mb in b.micro_batches[0]] for b in batches])
+            real = sum(int(mb.loss_mask.numel() - (mb.document_ids < 0).sum()) for b in batches
+                       for r in b.micro_batches for mb in r) / len(batches)
+        if args.export_only:
+            e = bench_export_only(model_dir)
+            release()
+            print(f"== Qwen2.5-{size} weight export: {e['bytes'] / 2**20:.0f} MiB bf16, first call "
+                  f"{e['time_s'] * 1e3:.1f} ms, warm {e['warm_s'] * 1e3:.1f} ms, peak +{e['peak_extra_gb']:.2f} GiB")
+            results.append({"size": size, "export": e})
+            continue
         print(f"\n== Qwen2.5-{size} shape: {len(samples)} samples, {real} tokens in rows {rows}")
         entry = {"size": size, "tokens": real, "rows": rows}
+        batches = batches if args.vary else batch
         weights = None
         labels = []
         for i, name in enumerate(args.variants.split(",")):
-            label, ac, compiled = VARIANTS[name]
+            label, ac, compiled, per_forward = VARIANTS[name]
             t = time.perf_counter()
             try:
-                r = bench_refractor(model_dir, batch, ac, args.warmup, args.steps, export=i == 0, compile=compiled)
+                profiled = name in args.profile.split(",")
+                prof = os.path.join(args.out, f"profile_{size}_{name}") if profiled else None
+                r = bench_refractor(model_dir, batches, ac, args.warmup, args.steps, export=i == 0 and not args.vary,
+                                    compile=compiled, tokens_per_forward=per_forward, profile=prof)
             except Exception as err:  # report and keep the other variants
                 print(f"{label}: failed: {type(err).__name__}: {str(err)[:800]}")
                 continue
@@ -246,11 +312,14 @@ def main() -> None:
                   f"peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M ({time.perf_counter() - t:.0f} s incl. warmup)")
             print("   spans (s):", {k[7:-6]: round(v, 4) for k, v in r["timings"].items()},
                   f"first-step loss {r['first_loss']:.6f}")
+            if "profile" in r:
+                print("   profile:", json.dumps(r["profile"]))
             if "export" in r:
                 e = r["export"]
-                print(f"   weight export: {e['bytes'] / 2**20:.0f} MiB bf16 in {e['time_s'] * 1e3:.0f} ms, "
+                print(f"   weight export: {e['bytes'] / 2**20:.0f} MiB bf16 in {e['time_s'] * 1e3:.0f} ms "
+                      f"(warm {e['warm_s'] * 1e3:.1f} ms), "
                       f"peak +{e['peak_extra_gb']:.2f} GiB above the resident state (256 MiB buckets)")
-        if not args.no_baseline and world == 1:
+        if not args.no_baseline and not args.vary and world == 1:
             base = bench_naive_hf(model_dir, batch, weights, max(1, args.warmup - 1), args.steps)
             release()
             base["tok_s"] = real / base["time_s"]

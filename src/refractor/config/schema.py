@@ -139,7 +139,8 @@ class TrainerKeys(_Strict):
     train_backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend.")
     fsdp_context_parallel_size: int = Field(1, ge=1, description="Context parallelism for FSDP.")
     activation_checkpointing: bool = Field(True, description="[refractor] Recompute decoder layers in the backward pass.")
-    trainer_compile: bool = Field(False, description="[refractor] torch.compile each decoder layer of the trainer (CUDA; experimental).")
+    trainer_compile: bool = Field(True, description="[refractor] torch.compile each decoder layer of the trainer, activation checkpointing included (CUDA only; CPU trainers run eagerly).")
+    trainer_max_tokens_per_forward: int = Field(16384, ge=0, description="[refractor] CUDA trainer: the packed rows of a minibatch (each <= seq_len) are concatenated into forward passes of up to this many tokens (samples stay isolated); fewer, longer passes cut per-layer host overhead. 0 = one pass per row. CPU trainers run one pass per row.")
 
 
 class MegatronKeys(_Strict):
@@ -208,6 +209,7 @@ class WeightSyncKeys(_Strict):
     weight_broadcast_mode: Literal["flattened_bucket", "per_tensor"] = Field("flattened_bucket", description="Broadcast layout.")
     weight_broadcast_bucket_mb: int = Field(256, ge=1, description="Bucket size in MiB.")
     weight_broadcast_cpu_staging: bool = Field(False, description="Stage gathered weights on CPU before broadcast.")
+    weight_sync_gather_before_pause_mb: int = Field(4096, ge=0, description="[refractor] Gather up to this many MiB of the weight-update buckets on the trainer BEFORE pausing the inference servers (generation continues during the gather); the rest streams while paused. 0 = gather while paused.")
     weight_broadcast_pin_memory: bool = Field(True, description="Megatron only: pinned staging buffers.")
     weight_broadcast_free_grad_buffers: bool = Field(True, description="Megatron only: free grad buffers during sync.")
 

@@ -33,7 +33,9 @@ def _flex_attention():
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        # Automatic dynamic shapes (not dynamic=False): rows of a real run differ in length, and a
+        # static kernel per length would recompile until Dynamo's limit, then run unfused.
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 
@@ -87,6 +89,10 @@ class PackedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
         global _flex_broken
+        if self._block_mask is not None and torch.compiler.is_compiling():
+            # Inside a compiled decoder layer: FlexAttention is traced into the layer's graph
+            # (no nested compiled call, no Python fallback logic for Dynamo to trace).
+            return _flex_call(_raw_flex_attention(), q, k, v, self._block_mask)
         use_flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda and not _flex_broken)
         if use_flex:
             try:
@@ -104,11 +110,20 @@ class PackedAttention:
             self._block_mask = self._build_block_mask(compiled=False)
             if self._block_mask is None:
                 raise RuntimeError("no FlexAttention block mask")
-        out = _flex_attention()(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            block_mask=self._block_mask, enable_gqa=k.shape[1] != q.shape[1],
-        )
-        return out[0].transpose(0, 1)
+        return _flex_call(_flex_attention(), q, k, v, self._block_mask)
+
+
+def _raw_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def _flex_call(flex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    """[T, H, D] tensors -> FlexAttention over one row ([1, H, T, D]) -> [T, H, D]."""
+    out = flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+               block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)
 
 
 @dataclass

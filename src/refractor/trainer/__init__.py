@@ -12,8 +12,10 @@ run_dir=None, model_impl="auto", random_init=False, compile=None)``
     ``model_dtype``, compute in ``mixed_precision_dtype`` with fp32 gradient reduction (CPU: all
     fp32, logged), activation checkpointing per decoder layer (``activation_checkpointing``),
     FSDP2 ``fully_shard`` per layer + root (gradients summed: the loss is globally normalized),
-    AdamW, the LR schedule of reference §3.5; ``trainer_compile`` (or ``compile=``) compiles each
-    decoder layer (experimental). ``cfg`` is only read (attributes), so a plain namespace with the
+    AdamW, the LR schedule of reference §3.5. On CUDA, ``trainer_compile`` (default on; or
+    ``compile=``) compiles each decoder layer with its activation checkpoint, and the rows of a
+    minibatch are concatenated into passes of ``trainer_max_tokens_per_forward`` tokens (``rows.py``).
+    ``cfg`` is only read (attributes), so a plain namespace with the
     same keys works where pydantic is missing (GPU benchmark images).
 
 ``trainer.train_step(batch: TrainBatch) -> StepResult``

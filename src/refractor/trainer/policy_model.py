@@ -16,7 +16,6 @@ Parameter names are ``lm.`` + the HF names; ``hf_name`` strips the prefix.
 from __future__ import annotations
 
 import logging
-from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -122,26 +121,36 @@ def load_lm(
     return model.to(device).train()
 
 
-def compile_layers(layers: nn.ModuleList) -> None:
-    """torch.compile each decoder layer's forward in place (names unchanged; FSDP hooks stay eager).
+def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool, compile: bool) -> None:
+    """Activation checkpointing and/or ``torch.compile`` of each decoder layer's forward, in place.
 
-    Experimental: apply before activation checkpointing, so the recompute runs the compiled code too.
+    The layer's ``forward`` attribute is replaced (no wrapper module), so parameter names and
+    state dicts are untouched and FSDP2's hooks stay eager on the layer's ``__call__`` (they
+    unshard before the forward and before the backward).
+
+    Order matters: the checkpoint goes INSIDE the compiled function. Dynamo then traces it as one
+    checkpointed region and the recompute runs in the compiled backward graph, instead of Python
+    saved-tensor hooks per tensor and an eager re-run of the layer (which cost more host time than
+    the GPU work of a 0.5B layer; bench/RESULTS.md). The compiled code also fuses the RMSNorm,
+    rotary and SiLU-gate glue into a few kernels.
     """
     for layer in layers:
-        layer.forward = torch.compile(layer.forward)
-
-
-def enable_activation_checkpointing(layers: nn.ModuleList) -> None:
-    """Recompute each decoder layer in backward (non-reentrant), keeping the layer's parameter names.
-
-    The layer's ``forward`` is wrapped in place (no wrapper module), so names and state dicts are
-    untouched; FSDP2's hooks stay on the layer's ``__call__`` and unshard before the recompute.
-    """
-    for layer in layers:
-        if getattr(layer, "_refractor_checkpointed", False):
+        if getattr(layer, "_refractor_prepared", False):
             continue
-        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
-        layer._refractor_checkpointed = True
+        forward = layer.forward
+        if checkpoint_activations:
+            forward = _checkpointed(forward)
+        if compile:
+            forward = torch.compile(forward)
+        layer.forward = forward
+        layer._refractor_prepared = True
+
+
+def _checkpointed(forward):
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
 
 
 def shard_model(model: PolicyModel, *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype,

@@ -2,8 +2,9 @@
 
 Kept apart from ``Trainer`` (lifecycle, checkpoints, export) so the numerics read top to bottom:
 
-1. micro-batches go to the device, grouped by ``MicroBatch.minibatch`` (one optimizer step each);
-   ranks agree on the number of rows per minibatch (padding with no-op rows if a producer did not),
+1. micro-batches are grouped by ``MicroBatch.minibatch`` (one optimizer step each), a group's
+   rows are concatenated into longer forward passes on CUDA (``rows.py``), and moved to the device;
+   ranks agree on the number of passes per minibatch (padding with no-op rows if a producer did not),
    because every forward/backward is a collective under FSDP;
 2. ``ppo_clip_ref_logprobs: batch``: a no-grad pass stores the pre-update log-probs as the ratio
    reference for every minibatch;
@@ -26,6 +27,7 @@ from refractor.algorithms.packing import build_micro_batch
 from refractor.records import MicroBatch, TrainBatch
 from refractor.trainer.distributed import all_reduce_
 from refractor.trainer.policy_model import PolicyModel
+from refractor.trainer.rows import merge_rows
 from refractor.trainer.timing import StepTimer
 
 RATIO_ALGORITHMS = {"cispo", "gspo", "sapo"}
@@ -41,13 +43,17 @@ class StepSettings:
     batch_ref_logprobs: bool  # ppo_clip_ref_logprobs == "batch" and the loss uses a ratio
     pad_token_id: int
     pad_to_multiple_of: int
+    max_tokens_per_forward: int = 0  # rows of a minibatch are concatenated up to this (rows.py); 0 = off
 
     @classmethod
-    def from_config(cls, cfg, pad_token_id: int) -> StepSettings:
+    def from_config(cls, cfg, pad_token_id: int, on_cuda: bool = True) -> StepSettings:
+        """Rows are merged only on CUDA: there the attention is FlexAttention (cost ~ the tokens of each
+        sample), while the CPU path builds a dense [T, T] mask per pass."""
         uses_ratio = cfg.use_ppo_clip or cfg.algorithm in RATIO_ALGORITHMS
         return cls(temperature=cfg.temperature, chunk_size=cfg.entropy_chunk_size, grad_clip=cfg.grad_clip,
                    batch_ref_logprobs=cfg.ppo_clip_ref_logprobs == "batch" and uses_ratio,
-                   pad_token_id=pad_token_id, pad_to_multiple_of=min(cfg.pad_to_multiple_of, 64))
+                   pad_token_id=pad_token_id, pad_to_multiple_of=min(cfg.pad_to_multiple_of, 64),
+                   max_tokens_per_forward=getattr(cfg, "trainer_max_tokens_per_forward", 0) if on_cuda else 0)
 
 
 @dataclass
@@ -68,12 +74,15 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
 
 
 def group_minibatches(rows: list[MicroBatch], settings: StepSettings, device: torch.device) -> list[list[MicroBatch]]:
-    """Rows per minibatch, with the same number of minibatches and rows per minibatch on every rank."""
+    """Forward passes per minibatch (rows merged up to ``max_tokens_per_forward``, on the device),
+    with the same number of minibatches and passes per minibatch on every rank."""
     local = max((mb.minibatch for mb in rows), default=-1) + 1
     num = int(all_reduce_(torch.tensor([local], device=device), dist.ReduceOp.MAX).item())
     groups: list[list[MicroBatch]] = [[] for _ in range(num)]
     for mb in rows:
         groups[mb.minibatch].append(mb)
+    groups = [[to_device(mb, device) for mb in merge_rows(group, settings.max_tokens_per_forward)]
+              for group in groups]
     counts = all_reduce_(torch.tensor([len(g) for g in groups], device=device), dist.ReduceOp.MAX).tolist()
     normalizers = all_reduce_(torch.tensor([g[0].loss_normalizer if g else 0.0 for g in groups],
                                            dtype=torch.float64, device=device), dist.ReduceOp.MAX).tolist()
@@ -114,7 +123,7 @@ def run_step(
 ) -> StepOutcome:
     """Minibatch loop of one training step (module docstring). Call on every rank."""
     with timer.span("data_to_device"):
-        groups = group_minibatches([to_device(mb, device) for mb in rows], settings, device)
+        groups = group_minibatches(rows, settings, device)
     refs = reference_logprobs(model, groups, settings, timer) if settings.batch_ref_logprobs else None
     outcome = StepOutcome(stats=LossStats.zeros(device), loss=torch.zeros((), dtype=torch.float64, device=device))
     params = [p for group in optimizer.param_groups for p in group["params"]]  # the sharded parameters

@@ -29,10 +29,9 @@ from refractor.trainer.policy_model import (
     ModelImpl,
     PolicyModel,
     choose_impl,
-    compile_layers,
-    enable_activation_checkpointing,
     hf_name,
     load_lm,
+    prepare_layers,
     shard_model,
 )
 from refractor.trainer.step import StepSettings, run_step, step_metrics
@@ -91,10 +90,9 @@ class Trainer:
         lm = load_lm(source, self.impl, master, self.device, random_init=random_init or init_checkpoint is not None,
                      seed=cfg.seed)
         self.model = PolicyModel(lm, self.impl)
-        if getattr(cfg, "trainer_compile", False) if compile is None else compile:
-            compile_layers(self.model.layers)
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(self.model.layers)
+        # Compiled layers only on CUDA (Inductor on CPU needs a C++ toolchain and gains little there).
+        self.compiled = self.info.is_cuda and (getattr(cfg, "trainer_compile", True) if compile is None else compile)
+        prepare_layers(self.model.layers, checkpoint_activations=cfg.activation_checkpointing, compile=self.compiled)
         shard_model(self.model, param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
                     keep_unsharded=self.world_size == 1)
         if init_checkpoint is not None:
@@ -106,12 +104,14 @@ class Trainer:
             cfg.lr_scheduler, cfg.warmup_steps, cfg.number_of_steps, cfg.min_lr_ratio))
         self.loss_settings = LossSettings.from_config(cfg)
         pad_id = self.hf_config.get("pad_token_id")
-        self.step_settings = StepSettings.from_config(cfg, pad_token_id=pad_id if isinstance(pad_id, int) else 0)
+        self.step_settings = StepSettings.from_config(cfg, pad_token_id=pad_id if isinstance(pad_id, int) else 0,
+                                                      on_cuda=self.info.is_cuda)
         self._step = 0
         self.skipped_updates = 0
-        log.info("trainer rank %d/%d on %s: %s model, master %s, compute %s, activation checkpointing %s",
-                 self.rank, self.world_size, self.device, self.impl, master, self.compute_dtype or master,
-                 cfg.activation_checkpointing)
+        log.info("trainer rank %d/%d on %s: %s model, master %s, compute %s, activation checkpointing %s, "
+                 "compiled layers %s, tokens per forward %s", self.rank, self.world_size, self.device, self.impl,
+                 master, self.compute_dtype or master, cfg.activation_checkpointing, self.compiled,
+                 self.step_settings.max_tokens_per_forward or "one row")
 
     # ------------------------------------------------------------------ model source
     @staticmethod

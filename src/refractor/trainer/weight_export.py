@@ -1,9 +1,14 @@
 """Full (unsharded) weights, bucket by bucket, for the weight sync to inference servers.
 
-Every rank iterates in lockstep (each parameter is all-gathered, a collective); rank 0 keeps the
-gathered tensors and yields them in buckets of about ``bucket_bytes``, the other ranks drop them
-at once and yield empty lists, so no rank ever holds more than about one bucket of full weights
-(the all-gather happens in the target dtype, halving the traffic for bf16 targets).
+Buckets are planned from shapes alone (the same on every rank): consecutive parameters in
+``named_parameters`` order, closed before a bucket would exceed ``bucket_bytes`` in the target
+dtype (a larger tensor forms a bucket of its own). Per bucket, each rank casts its local FSDP
+shards into ONE flat buffer (one ``_foreach_copy_``), the buffers are all-gathered in ONE
+collective, and rank 0 cuts the full tensors out of the result; the other ranks drop it at once
+and yield empty lists. No rank holds more than about two buckets of full weights (the gathered
+buffer while its tensors are cut out), and the gather moves the target dtype (half the bytes of
+fp32 master weights for bf16 inference). On one rank there is no collective: the shards are the
+full tensors, cast into the bucket's buffer, and yielded as views of it.
 
 Names are HF names; a tied LM head appears once, as ``model.embed_tokens.weight`` (as in
 ``named_parameters``; inference engines alias ``lm_head.weight`` to it).
@@ -11,7 +16,9 @@ Names are HF names; a tied LM head appears once, as ``model.embed_tokens.weight`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,36 +34,100 @@ def tensor_nbytes(t: torch.Tensor, dtype: torch.dtype) -> int:
     return t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """One parameter inside a bucket's per-rank buffer (FSDP2 shards dim 0 like ``torch.chunk``)."""
+
+    name: str
+    param: torch.Tensor
+    shape: torch.Size
+    rows_per_rank: int  # ceil(dim0 / world): every rank's part is padded to this many rows
+    offset: int  # element offset in the per-rank buffer
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def padded_numel(self) -> int:
+        return self.rows_per_rank * self.row_numel
+
+
+def _plan(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, world: int
+          ) -> Iterator[tuple[torch.dtype, list[_Slot]]]:
+    """Buckets of slots, each with one dtype (a dtype change closes the bucket)."""
+    slots: list[_Slot] = []
+    size, offset, current = 0, 0, None
+    for name, param in model.named_parameters():
+        target = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
+        nbytes = tensor_nbytes(param, target)
+        if slots and (size + nbytes > bucket_bytes or target != current):
+            yield current, slots
+            slots, size, offset = [], 0, 0
+        shape = param.shape  # a DTensor reports the full (global) shape
+        rows = -(-shape[0] // world) if len(shape) else 1
+        slot = _Slot(hf_name(name), param, shape, rows, offset)
+        slots.append(slot)
+        size += nbytes
+        offset += slot.padded_numel
+        current = target
+    if slots:
+        yield current, slots
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return (param.to_local() if isinstance(param, DTensor) else param).detach()
+
+
 @torch.no_grad()
 def iter_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
     """Yield ``[(hf_name, full_tensor)]`` buckets; call on every rank, consume on rank 0.
 
-    A bucket is closed before it would exceed ``bucket_bytes`` (a single larger tensor forms a
-    bucket of its own). Tensors live on the training device; floating tensors are cast to ``dtype``.
-    Every rank yields the same number of buckets (the split depends only on shapes).
+    Tensors live on the training device; floating tensors are cast to ``dtype``. Every rank
+    yields the same number of buckets. The tensors of a bucket share one buffer: keep a bucket
+    only as long as it is needed (the next one is gathered when the iterator advances).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    keep = not dist.is_initialized() or dist.get_rank() == 0
-    bucket: WeightBucket = []
-    size = 0
-    for name, param in model.named_parameters():
-        target = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
-        nbytes = tensor_nbytes(param, target)
-        if size and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        local = param.detach().to(target)  # cast the shard before gathering
-        if isinstance(local, DTensor):  # one rank: the local shard is the whole tensor, no collective
-            if local.device_mesh.size() > 1:
-                full = local.full_tensor()
-            else:  # a copy even without a cast: the caller must never alias a live parameter
-                full = local.to_local() if target != param.dtype else local.to_local().clone()
-        else:
-            full = local
-        size += nbytes
-        if keep:
-            bucket.append((hf_name(name), full))
-        del full, local
-    if size:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sharded = world > 1 and any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in model.parameters())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for target, slots in _plan(model, bucket_bytes, dtype, world if sharded else 1):
+        device = _local(slots[0].param).device
+        local = torch.zeros(sum(s.padded_numel for s in slots), dtype=target, device=device)
+        shards = [_local(s.param).reshape(-1) for s in slots]
+        views = [local[s.offset:s.offset + shard.numel()] for s, shard in zip(slots, shards, strict=True)]
+        torch._foreach_copy_(views, shards)  # cast + copy of every shard, a few kernels in all
+        del views, shards
+        if not sharded:  # one rank: the buffer holds the full tensors
+            yield [(s.name, local[s.offset:s.offset + s.padded_numel].view(s.shape)) for s in slots]
+            del local
+            continue
+        gathered = _all_gather(local, world)  # [world, numel]
+        del local
+        if rank != 0:
+            del gathered
+            yield []
+            continue
+        bucket = [(s.name, _full_tensor(gathered, s)) for s in slots]
+        del gathered
         yield bucket
+        del bucket
+
+
+def _all_gather(local: torch.Tensor, world: int) -> torch.Tensor:
+    out = torch.empty((world, local.numel()), dtype=local.dtype, device=local.device)
+    if dist.get_backend() == "gloo":  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.unbind(0)), local)
+    else:
+        dist.all_gather_into_tensor(out, local)
+    return out
+
+
+def _full_tensor(gathered: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    """Rank-major padded parts -> the full tensor (rows beyond dim 0 are padding)."""
+    parts = gathered[:, slot.offset:slot.offset + slot.padded_numel]
+    if not slot.shape:
+        return parts[0, 0].clone()
+    rows = parts.reshape(-1, *slot.shape[1:])[:slot.shape[0]]
+    return rows.contiguous()
