@@ -10,8 +10,8 @@ in rollouts, and reported with the batch of the step they happened during.
 With ``pins`` (``deterministic_rollouts``) groups are judged in prompt-stream order instead of
 completion order: a completed group waits until every group with a smaller stream ordinal has
 been judged (or cancelled), so a batch's composition does not depend on which group finished
-first. Judging stops at a cut after which the next batch needs newer weights; the groups still
-waiting are then taken back with :meth:`BatchAssembler.requeue_waiting` and run again.
+first. Judging stops at a cut after which the next batch needs newer weights (or after the last
+batch); the groups still waiting are then taken back with :meth:`BatchAssembler.requeue_waiting`.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class BatchAssembler:
             self.next_ordinal += 1
             cut = self._judge(group, counters)
             batches += cut
-            if cut and self.pins.version_changes_at(counters.inference_step):
+            if cut and self.pins.requeue_after_cut(counters.inference_step):
                 return batches  # the rest waits for requeue_waiting(): it was generated with the old weights
 
     def requeue_waiting(self) -> list[PromptRef]:

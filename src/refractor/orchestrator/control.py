@@ -106,8 +106,15 @@ class VersionPins:
         """Whether the weights after ``version`` steps may replace the servers' weights now."""
         return inference_step >= self.number_of_steps or self.required_version(inference_step) >= version
 
-    def version_changes_at(self, step: int) -> bool:
-        """Whether batch ``step`` needs other weights than batch ``step - 1`` (groups past the cut then run again)."""
+    def requeue_after_cut(self, step: int) -> bool:
+        """Batch ``step - 1`` was just cut: whether the groups past the cut go back to the prompt stream.
+
+        They do when batch ``step`` needs other weights than the ones they were generated with (they
+        run again under the new ones), and after the last batch (their prompts then stay in the
+        stream, for a run resumed from the final checkpoint, instead of being cancelled half-way).
+        """
+        if step >= self.number_of_steps:
+            return True
         return step > 0 and self.required_version(step) != self.required_version(step - 1)
 
 

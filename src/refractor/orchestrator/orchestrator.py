@@ -321,7 +321,7 @@ class Orchestrator:
                 self.train_queue.put_nowait(item)
         if batches:
             self._batch_cut.set()
-            if self.pins is not None and self.pins.version_changes_at(self.counters.inference_step):
+            if self.pins is not None and self.pins.requeue_after_cut(self.counters.inference_step):
                 self._requeue_past_cut()
 
     def _requeue_past_cut(self) -> None:
