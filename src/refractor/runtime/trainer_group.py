@@ -70,7 +70,8 @@ class TrainerActor:
             return {}
         result = self.sender.push(buckets, version, target)
         return {"start": start, "end": time.time(), "push_seconds": result.seconds,
-                "transfer_seconds": result.transfer_seconds}
+                "transfer_seconds": result.transfer_seconds, "trainer_seconds": result.trainer_seconds,
+                "paused_seconds": result.paused_seconds}
 
     def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> str:
         extra = {"orchestrator.json": json.dumps(orchestrator_state)}

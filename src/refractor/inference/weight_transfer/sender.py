@@ -1,6 +1,7 @@
 """Trainer rank 0's side of a weight update: ``WeightSender(...).push(buckets, version)``.
 
-One push = pause (keep in-flight requests) -> start -> update (bucketed broadcast on the
+One push = gather buckets ahead (within a memory budget, while the servers still generate) ->
+pause (keep in-flight requests) -> start -> update (bucketed broadcast on the
 target's dedicated group while every server receives) -> finish with the version -> prefix-cache
 reset -> resume, then the canary: every worker's checksum of the bytes it received must equal the
 trainer's, and every engine parameter must have been written. Targets: ``full`` (every server)
@@ -38,10 +39,17 @@ class CanaryError(WeightSyncError):
 class PushResult:
     version: int
     target: str
-    seconds: float  # pause -> resume
+    trainer_seconds: float  # the trainer's whole sync: gather ahead + pause ... resume + canary
+    paused_seconds: float  # the servers' pause -> resume (generation stopped)
     transfer_seconds: float  # data plane only (pack + broadcast of every bucket)
     stats: SendStats
     reports: dict[str, list[WorkerReport]]  # server name -> one report per worker
+    gathered_ahead_bytes: int = 0  # bucket bytes materialized before the pause
+
+    @property
+    def seconds(self) -> float:
+        """Pause -> resume (the name of the first version of this record)."""
+        return self.paused_seconds
 
 
 @dataclass
@@ -58,7 +66,7 @@ class WeightSender:
     def __init__(self, servers: Sequence[ServerRef], *, eval_servers: Collection[str] = (),
                  master_address: str = "127.0.0.1", device: torch.device | str | None = None,
                  mode: BroadcastMode = "flattened_bucket", cpu_staging: bool = False,
-                 init_timeout_s: float = 300.0, timeout_s: float = 300.0):
+                 init_timeout_s: float = 300.0, timeout_s: float = 300.0, gather_before_pause_bytes: int = 0):
         names = [s.name for s in servers]
         if len(set(names)) != len(names):
             raise ValueError(f"server names must be unique, got {names}")
@@ -75,6 +83,7 @@ class WeightSender:
         self.mode = mode
         self.init_timeout_s = init_timeout_s
         self.timeout_s = timeout_s
+        self.gather_before_pause_bytes = gather_before_pause_bytes
         self._groups: dict[str, _Group] = {}
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.servers) + 2, thread_name_prefix="weight-sync")
 
@@ -83,7 +92,8 @@ class WeightSender:
                     master_address: str = "127.0.0.1", device: torch.device | str | None = None) -> WeightSender:
         return cls(servers, eval_servers=eval_servers, master_address=master_address, device=device,
                    mode=cfg.weight_broadcast_mode, cpu_staging=cfg.weight_broadcast_cpu_staging,
-                   init_timeout_s=cfg.ray_broadcast_init_timeout_s, timeout_s=cfg.ray_broadcast_init_timeout_s)
+                   init_timeout_s=cfg.ray_broadcast_init_timeout_s, timeout_s=cfg.ray_broadcast_init_timeout_s,
+                   gather_before_pause_bytes=int(getattr(cfg, "weight_sync_gather_before_pause_mb", 0)) * 2**20)
 
     def target_servers(self, target: str) -> list[ServerRef]:
         if target == FULL:
@@ -138,8 +148,12 @@ class WeightSender:
              *, _corrupt_for_test: bool = False) -> PushResult:
         """Send every bucket to the target's servers and make them serve it as ``version``.
 
-        ``buckets`` is always consumed to its end, also when the update fails: trainer ranks that
-        gather the buckets in lockstep with rank 0 (FSDP) never wait for a rank that gave up.
+        Buckets are gathered BEFORE the servers pause, up to ``gather_before_pause_bytes`` (about:
+        the bucket that crosses the budget is kept too), so generation goes on while the trainer
+        gathers; the rest is gathered while streaming, during the pause (0 = stream everything
+        while paused). ``buckets`` is always consumed to its end, also when the update fails:
+        trainer ranks that gather the buckets in lockstep with rank 0 (FSDP) never wait for a
+        rank that gave up.
         """
         buckets = iter(buckets)
         try:
@@ -152,18 +166,21 @@ class WeightSender:
 
     def _push(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: int, target: str,
               corrupt: bool) -> PushResult:
+        start = time.perf_counter()
         group = self._group(target)
         controls = group.servers
-        start = time.perf_counter()
+        ahead, ahead_bytes = gather_ahead(buckets, self.gather_before_pause_bytes)
         what = f"weight update to version {version} ({target!r})"
         unresponsive: frozenset[str] = frozenset()
+        paused_at = time.perf_counter()
         try:  # resumed in every case: a server that paused must not stay paused because another failed
             self._on_all(controls, ServerControl.pause, what)
             self._on_all(controls, ServerControl.start_weight_update, what)
             receiving = {c: self._pool.submit(c.update_weights, target, str(version), self.timeout_s)
                          for c in controls}
             try:
-                stats = group.sender.send(self._checked(buckets, receiving, controls, what), corrupt=corrupt)
+                stream = _release_as_sent(ahead, buckets)
+                stats = group.sender.send(self._checked(stream, receiving, controls, what), corrupt=corrupt)
                 reports = group.sender.gather_reports()
             except (CollectiveTimeout, WeightSyncError) as err:
                 group.transfer.broken = True  # workers hold a partial stream: the next push re-creates it
@@ -175,9 +192,12 @@ class WeightSender:
             self._on_all(controls, ServerControl.reset_prefix_cache, what)
         finally:
             self._resume_quietly([c for c in controls if c.server.name not in unresponsive])
+            paused = time.perf_counter() - paused_at
         by_server = self._reports_by_server(group, reports)
         check_canary(stats, by_server, version)
-        return PushResult(version, target, time.perf_counter() - start, stats.seconds, stats, by_server)
+        return PushResult(version, target, trainer_seconds=time.perf_counter() - start, paused_seconds=paused,
+                          transfer_seconds=stats.seconds, stats=stats, reports=by_server,
+                          gathered_ahead_bytes=ahead_bytes)
 
     def _checked(self, buckets, receiving: dict[ServerControl, Future], controls, what):
         """Pass buckets through, stopping early when a server already failed its receive call."""
@@ -250,6 +270,33 @@ class WeightSender:
                 control.close()
         self._groups.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def gather_ahead(buckets: Iterator[list[tuple[str, torch.Tensor]]], budget_bytes: int
+                 ) -> tuple[list[list[tuple[str, torch.Tensor]]], int]:
+    """Materialize buckets from ``buckets`` until ``budget_bytes`` are held (the last one may cross it).
+
+    Waits for the device, so the gather is really over before the caller pauses the servers.
+    """
+    ahead: list[list[tuple[str, torch.Tensor]]] = []
+    held = 0
+    while held < budget_bytes:
+        bucket = next(buckets, None)
+        if bucket is None:
+            break
+        ahead.append(bucket)
+        held += sum(t.numel() * t.element_size() for _, t in bucket)
+    devices = {t.device for bucket in ahead for _, t in bucket if t.is_cuda}
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return ahead, held
+
+
+def _release_as_sent(ahead: list, rest: Iterator) -> Iterator:
+    """The gathered buckets, each dropped once handed over, then the rest of the stream."""
+    while ahead:
+        yield ahead.pop(0)
+    yield from rest
 
 
 def rank_layout(world_sizes: Sequence[int]) -> tuple[list[int], int]:
