@@ -93,7 +93,7 @@ def run_mode(name: str, max_async: int, args, model: Path, workdir: Path) -> dic
         "max_concurrent_prompts_per_server": args.groups * 3, "max_async_rollout": max_async,
         "max_off_policy_steps": max(max_async, 1), "discard_group_zero_advantage": False,
         "max_tokens": args.max_tokens, "max_model_len": args.max_tokens + 512, "seq_len": args.seq_len,
-        "temperature": 1.0, "learning_rate": 1e-6, "checkpoint_every": False,
+        "temperature": 1.0, "learning_rate": 1e-6, "trainer_compile": args.compile, "checkpoint_every": False,
         "eval_before_training": False, "eval_after_training": False, "use_wandb": False,
         "run_dir": str(workdir), "run_name": name,
         "environments": [{"name": "countdown", "kwargs": {"dataset_name": "procedural"}}],
@@ -140,6 +140,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="0.5b")
     p.add_argument("--model", default=None, help="an existing model dir instead of a random --size one (CPU dry runs)")
+    p.add_argument("--compile", action="store_true",
+                   help="trainer_compile (off by default here: its first-step compile would dominate a short run)")
     p.add_argument("--cpus", type=int, default=4, help="CPUs per server and per trainer rank")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
