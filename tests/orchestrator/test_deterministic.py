@@ -187,7 +187,9 @@ def test_batches_do_not_depend_on_timing(tok, lag):
             pinned = orch.pins.required_version(_step_of(store, r))
             assert all(t.start_version == t.end_version == pinned for t in r.turns)
         assert {r.reason for r in store.by_status("cancelled")} <= {"requeued"}  # no update under a request
-        assert orch.lanes.in_use() == 0 and not orch.in_flight
+        assert orch.lanes.in_use() == 0 and not orch.in_flight and not orch.assembler.waiting
+        logged = [r.rollout_id for r, _, _ in store.rollouts]  # every rollout recorded once, requeued ones too
+        assert sorted(logged) == list(range(orch.next_rollout_id))
     completion_orders = [run[3] for run in runs]
     # the timing really differed (groups finished in other orders), the batches did not
     assert len({tuple(order) for order in completion_orders}) > 1
@@ -241,6 +243,7 @@ def test_serial_server_runs_one_request_at_a_time_even_when_callers_give_up(tok)
         tasks = [asyncio.create_task(serial.generate([i], None)) for i in range(6)]
         await asyncio.sleep(0)
         await asyncio.sleep(0)
+        assert serial.name == "s" and serial.peak == 1  # other attributes are the wrapped server's
         tasks[0].cancel()  # running: it still finishes on the server before request 1 starts
         tasks[3].cancel()  # still waiting its turn: never sent
         results = await asyncio.gather(*tasks, return_exceptions=True)

@@ -357,7 +357,7 @@ class Orchestrator:
             self._cancel_group(ig, reason)
         await asyncio.gather(*(t for ig in groups for t in ig.tasks.values()), return_exceptions=True)
         leftovers = self.assembler.cancelled + self.assembler.discarded
-        for g in self.assembler.bucket:  # kept but never trained: recorded as cancelled at shutdown
+        for g in self.assembler.unconsumed():  # finished but never trained: recorded as cancelled at shutdown
             g.mark(RolloutStatus.CANCELLED, reason)
             leftovers += g.rollouts
         if leftovers:

@@ -91,11 +91,17 @@ class SerialServer:
     Engines whose numerics depend on which requests share a batch (GEMM results change with the
     number of rows) then compute every request alone. A request whose caller is cancelled still
     runs to its end before the next one starts, so an abandoned request never shares the engine.
+    Only ``generate`` is serialized; every other attribute is the wrapped server's.
     """
 
     def __init__(self, server: InferenceServer) -> None:
         self.server, self.name = server, server.name
         self._turn = asyncio.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "server":  # not set yet (e.g. while copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.server, name)
 
     async def generate(self, token_ids: list[int], sampling: Sampling, *, priority: int = 0) -> GenerateResult:
         await self._turn.acquire()
