@@ -61,6 +61,7 @@ def test_version_pins_schedule():
     c.loaded_version = 1
     assert lag1.may_dispatch(c)
     # a run resumed from a checkpoint off the grid (the last step of a shorter run) starts there
+    assert [v for v in range(7) if ckpt.drains_at(v)] == [0, 2, 4, 6] and sync.drains_at(3)
     resumed = VersionPins(1, 2, 6, resumed_version=3)
     assert resumed.required_version(3) == 3 and resumed.may_dispatch(StepCounters(3, 3, 3))
 

@@ -98,6 +98,11 @@ class VersionPins:
             version = max(version, step // self.every * self.every)
         return version
 
+    def drains_at(self, version: int) -> bool:
+        """Whether an uninterrupted run holds nothing older than ``version`` once it is trained, i.e. a
+        run resumed from that version's checkpoint continues exactly like the uninterrupted one."""
+        return self.lag == 0 or version <= 0 or (self.every > 0 and version % self.every == 0)
+
     def may_dispatch(self, counters: StepCounters) -> bool:
         return (counters.inference_step < self.number_of_steps
                 and counters.loaded_version == self.required_version(counters.inference_step))

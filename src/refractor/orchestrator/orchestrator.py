@@ -181,6 +181,11 @@ class Orchestrator:
             self.evals.load_state_dict(state["evals"])
         if self.pins is not None:  # the version schedule and the stream order continue from the checkpoint
             self.pins.resumed_version = self.counters.loaded_version
+            if not self.pins.drains_at(self.pins.resumed_version):
+                log.warning("deterministic_rollouts: resuming from version %d, which `checkpoint_every` does not save "
+                            "(the last step of a shorter run?); with `max_async_rollout` %d an uninterrupted run "
+                            "generated the next batches with older weights, so this run will differ from it",
+                            self.pins.resumed_version, self.pins.lag)
             self.assembler.next_ordinal = self.prompts.lowest_unconsumed_ordinal()
 
     # ------------------------------------------------------------------ dispatch
