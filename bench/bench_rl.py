@@ -104,10 +104,12 @@ def run_mode(name: str, max_async: int, args, model: Path, workdir: Path) -> dic
            "--quiet", "--overwrite"]
     sampler = GpuSampler()
     start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    out_path = workdir / f"{name}.out"  # streamed, so a run killed from outside leaves its log
+    with open(out_path, "w") as out:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     sampler.stop()
     wall = time.time() - start
-    log = (proc.stdout + proc.stderr)[-6000:]
+    log = out_path.read_text(errors="replace")[-6000:]
     if proc.returncode != 0:
         raise SystemExit(f"{name}: refractor train failed ({proc.returncode}):\n{log}")
     return summarize(name, max_async, workdir / name, sampler, args.warmup, wall)
