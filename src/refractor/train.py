@@ -84,6 +84,17 @@ def load_environments(cfg: RefractorConfig):
     return envs
 
 
+def load_evals(cfg: RefractorConfig, envs):
+    """Resolve and load every eval; ``separate_eval_samples`` removes its prompts from ``envs``."""
+    from refractor.orchestrator.eval_runner import EvalSetupError
+    from refractor.orchestrator.eval_runner import load_evals as load
+
+    try:
+        return load(cfg.evals, {entry.name: env for entry, env in zip(cfg.environments, envs, strict=True)})
+    except EvalSetupError as err:
+        raise RunSetupError(str(err)) from None
+
+
 def load_tokenizer(cfg: RefractorConfig):
     from transformers import AutoTokenizer
 
@@ -100,6 +111,7 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
     import ray
 
     from refractor.orchestrator import Orchestrator
+    from refractor.orchestrator.evals import attach_evals, eval_server_names
     from refractor.runtime.cluster import RaySettings, cluster_has_gpus, init_ray, reserve
     from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
     from refractor.runtime.server_group import RayServerGroup, choose_engine
@@ -109,6 +121,7 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
 
     cfg, paths = prepare_run(cfg, overwrite=overwrite)
     envs = load_environments(cfg)
+    evals = load_evals(cfg, envs)
     tokenizer = load_tokenizer(cfg)
     store = RunStore(paths.root, config=cfg.model_dump(mode="json"), run_name=cfg.run_name)
     write_config_file(cfg, paths)
@@ -139,10 +152,12 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
             infos = server_future.result()
             trainer_future.result()
         store.set_meta({"engine": engine, "servers": json.dumps([i.__dict__ for i in infos])})
-        trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=[])
+        eval_servers = eval_server_names(cfg, [i.name for i in infos])
+        trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
 
         orchestrator = Orchestrator(cfg, envs, servers=_http_servers(infos, cfg), trainer=trainers, store=store,
                                     tokenizer=tokenizer, sinks=sinks)
+        attach_evals(orchestrator, evals, eval_servers)  # before load_state_dict: the state holds eval ids
         if cfg.resume_from_checkpoint is not False:
             step = trainers.load_checkpoint(cfg.resume_from_checkpoint if cfg.resume_from_checkpoint is not True
                                             else "latest")
