@@ -90,7 +90,7 @@ def run_mode(name: str, max_async: int, args, model: Path, workdir: Path) -> dic
         "ray_inference_cpus_per_worker": args.cpus, "ray_trainer_cpus_per_worker": args.cpus,
         "gpu_memory_utilization": 0.45 if gpus < 2 else 0.85,
         "number_of_steps": args.steps, "prompts_batch_size_for_trainer": args.groups, "group_size": args.group_size,
-        "max_concurrent_prompts_per_server": args.groups * 3, "max_async_rollout": max_async,
+        "max_concurrent_prompts_per_server": args.concurrency or args.groups * (max_async + 1), "max_async_rollout": max_async,
         "max_off_policy_steps": max(max_async, 1), "discard_group_zero_advantage": False,
         "max_tokens": args.max_tokens, "max_model_len": args.max_tokens + 512, "seq_len": args.seq_len,
         "temperature": 1.0, "learning_rate": 1e-6, "trainer_compile": args.compile, "checkpoint_every": False,
@@ -144,6 +144,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="an existing model dir instead of a random --size one (CPU dry runs)")
     p.add_argument("--compile", action="store_true",
                    help="trainer_compile (off by default here: its first-step compile would dominate a short run)")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="max_concurrent_prompts_per_server (0: groups x (max_async_rollout + 1), what each mode can use)")
     p.add_argument("--cpus", type=int, default=4, help="CPUs per server and per trainer rank")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)

@@ -58,9 +58,13 @@ def test_two_gpus_match_one_gpu_on_the_same_global_batch(tiny_qwen2_path, tmp_pa
             assert got[key] == other[key], key  # the same global metrics on every rank
             assert got[key] == pytest.approx(want[key], rel=tolerance, abs=1e-6), (key, got[key], want[key])
         assert got["trainer/batch/trainable_tokens"] == want["trainer/batch/trainable_tokens"]
-    # After two AdamW steps (lr 1e-3, ~lr * sign(g) each) the parameters agree to a fraction of the steps.
+    # After two AdamW steps (lr 1e-3, ~lr * sign(g) each). In fp32 they agree to a fraction of a step. In bf16
+    # an element whose gradient is rounding noise (e.g. an embedding row seen once) can get opposite signs on
+    # 1 and 2 ranks, and Adam moves it by ~lr either way: the bound is 2 * lr per step (measured on 2 x H200:
+    # embed_tokens exceeded 2e-3 while loss/grad norm agreed within the bf16 tolerance above).
+    atol = 2e-3 if case == "fp32_eager" else 2 * 2 * 1e-3 + 5e-4
     for name, p in single["params"].items():
-        torch.testing.assert_close(rank0["params"][name], p, rtol=0, atol=2e-3, msg=name)
+        torch.testing.assert_close(rank0["params"][name], p, rtol=0, atol=atol, msg=name)
     # Sharded export: rank 0 gets every full tensor, bucket by bucket; rank 1 gets empty buckets.
     assert len(rank0["buckets"]) == len(rank1["buckets"]) > 1 and all(b == [] for b in rank1["buckets"])
     exported = {name: t for bucket in rank0["buckets"] for name, t in bucket}
