@@ -122,3 +122,16 @@ def test_a_standalone_eval_without_scoring_says_what_to_implement():
         asyncio.run(half.score_eval(state))
     with pytest.raises(TypeError, match="no training reward"):
         asyncio.run(half.score(state))
+
+
+def test_the_example_config_with_evals_loads_and_its_evals_resolve():
+    from pathlib import Path
+
+    from refractor.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "examples" / "hendrycks_math_with_eval.yaml", {})
+    assert [e.name for e in cfg.evals] == ["math500", "hendrycks_math"] and cfg.eval_num_servers == 1
+    math500, hendrycks = (resolve_eval(e.name, **e.kwargs) for e in cfg.evals)
+    assert isinstance(math500, Eval) and math500.dataset_name == "HuggingFaceH4/MATH-500"
+    assert not isinstance(hendrycks, Eval) and hendrycks.name == "hendrycks_math"  # the environment itself
+    assert cfg.evals[1].separate_eval_samples and cfg.evals[1].name == cfg.environments[0].name
