@@ -74,6 +74,16 @@ class ConsoleSink:
         """A run-level warning (e.g. training starved), printed above the progress bar."""
         self.console.print(f"[yellow]warning[/]: {message}", highlight=False, soft_wrap=True)
 
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Eval results (``eval/<name>/<metric>``): one line per eval above the progress bar."""
+        by_eval: dict[str, list[str]] = {}
+        for key, value in metrics.items():
+            _, name, metric = key.split("/", 2)
+            if not metric.startswith(("num_", "timing_")) and metric != "policy_version":
+                by_eval.setdefault(name, []).append(f"{metric}={value:.3f}")
+        for name, parts in by_eval.items():
+            self.console.print(f"eval {name} @ step {step}: " + " ".join(parts), highlight=False, soft_wrap=True)
+
     def log_step(self, step: int, metrics: dict[str, float], rollouts: list[Any] | None = None) -> None:
         s = step_summary(metrics)
         reward, kl, tps = _fmt(s["reward"], ".3f"), _fmt(s["kl"], ".4f"), _fmt(s["tokens_per_s"], ".0f")

@@ -33,6 +33,7 @@ class WandbSink:
         if os.environ.get("WANDB_TAGS"):
             tags = [t.strip() for t in os.environ["WANDB_TAGS"].split(",") if t.strip()]
         self.table_rows = table_rows
+        self._eval_axis = False
         kwargs: dict[str, Any] = {"project": project, "name": run_name, "tags": list(tags), "config": config or {}}
         if run_dir is not None:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -54,6 +55,15 @@ class WandbSink:
                                r.reward, r.advantage, r.num_turns, r.stop_reason, r.off_policy_steps)
             data["rollouts"] = table
         self.run.log(data, step=step)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Eval metrics on their own x-axis ``eval/step``: a step eval finishes after later training
+        steps were logged, and W&B drops rows logged at a step below its current one."""
+        if not self._eval_axis:
+            self.run.define_metric("eval/step")
+            self.run.define_metric("eval/*", step_metric="eval/step")
+            self._eval_axis = True
+        self.run.log({**metrics, "eval/step": step}, commit=False)
 
     def close(self) -> None:
         if self.run is not None:
