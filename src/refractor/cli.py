@@ -114,6 +114,11 @@ from refractor.envs.cli import register as _register_envs  # noqa: E402  (`refra
 _register_envs(app)
 
 
+from refractor.evals.cli import register as _register_evals  # noqa: E402  (`refractor evals`)
+
+_register_evals(app)
+
+
 from refractor.inference.serve_cli import register as _register_serve  # noqa: E402  (`refractor serve`)
 
 _register_serve(app)

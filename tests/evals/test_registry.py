@@ -135,3 +135,15 @@ def test_the_example_config_with_evals_loads_and_its_evals_resolve():
     assert isinstance(math500, Eval) and math500.dataset_name == "HuggingFaceH4/MATH-500"
     assert not isinstance(hendrycks, Eval) and hendrycks.name == "hendrycks_math"  # the environment itself
     assert cfg.evals[1].separate_eval_samples and cfg.evals[1].name == cfg.environments[0].name
+
+
+def test_refractor_evals_lists_builtins_and_user_folders(tmp_path):
+    from typer.testing import CliRunner
+
+    from refractor.cli import app
+
+    write(tmp_path, "broken", "raise RuntimeError('boom')\n")
+    result = CliRunner().invoke(app, ["evals", "--path", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "math500" in result.output and "HuggingFaceH4/MATH-500" in result.output
+    assert "broken" in result.output and "RuntimeError: boom" in result.output
