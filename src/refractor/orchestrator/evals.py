@@ -250,6 +250,10 @@ def attach_evals(orch: Any, loaded: Sequence[LoadedEval], eval_servers: Sequence
         return None
     scheduler = EvalScheduler(orch, loaded, eval_servers)
     orch.evals = scheduler
+    periodic = [t.name for t in scheduler.tasks if t.eval_every <= orch.number_of_steps]
+    if periodic and not scheduler.eval_servers:
+        log.warning("evals %s will not run every `eval_every` steps: that needs `eval_num_servers` >= 1 (dedicated "
+                    "eval servers); only the baseline and final evals run", periodic)
     if scheduler.eval_servers:
         orch.trainer = EvalTrainer(orch.trainer, scheduler)
     return scheduler
