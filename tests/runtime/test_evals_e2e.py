@@ -57,4 +57,5 @@ def test_baseline_step_and_final_evals_land_in_the_run_store(tmp_path, monkeypat
         assert names == ["eval_baseline_start", "eval_baseline_done", "eval_step_start", "eval_step_done",
                          "eval_final_start", "eval_final_done"]
         assert reader.meta()["status"] == "finished"
+        assert reader.last_step() == 2  # the last training step (0-indexed), not the final eval's row at 3
     assert os.path.exists(Path(run_dir) / "logs" / "server-1.log")

@@ -65,7 +65,8 @@ class RunReader:
         return self.meta().get("config", {})
 
     def last_step(self) -> int | None:
-        row = self._conn.execute("SELECT MAX(step) FROM step_metrics").fetchone()
+        # training steps only: eval metrics sit at 1-indexed steps (after N steps), see evals
+        row = self._conn.execute("SELECT MAX(step) FROM step_metrics WHERE name NOT LIKE 'eval/%'").fetchone()
         return None if row[0] is None else int(row[0])
 
     def step_metrics(self, names: list[str] | None = None) -> list[dict[str, Any]]:
@@ -82,7 +83,8 @@ class RunReader:
 
     def step_times(self) -> dict[int, float]:
         """When each step's metrics were logged (the end of its weight update), by step."""
-        return {r["step"]: r["t"] for r in self._rows("SELECT step, MAX(time) AS t FROM step_metrics GROUP BY step")}
+        return {r["step"]: r["t"] for r in self._rows(
+            "SELECT step, MAX(time) AS t FROM step_metrics WHERE name NOT LIKE 'eval/%' GROUP BY step")}
 
     def rollouts(self, step: int | None = None, status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         clauses, args = [], []
