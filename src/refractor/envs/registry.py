@@ -167,20 +167,22 @@ def _concrete_env_class(obj: Any) -> bool:
     return inspect.isclass(obj) and issubclass(obj, Environment) and obj not in _BASES and not inspect.isabstract(obj)
 
 
-def select_class(module: Any, origin: str) -> type[Environment]:
-    """The module's ``ENVIRONMENT_CLASS``, else its only concrete Environment subclass."""
-    marker = getattr(module, "ENVIRONMENT_CLASS", None)
-    if marker is not None:
-        cls = getattr(module, marker) if isinstance(marker, str) else marker
-        if not _concrete_env_class(cls):
-            raise TypeError(f"{origin}: ENVIRONMENT_CLASS={marker!r} is not a concrete Environment subclass")
+def select_class(module: Any, origin: str, is_candidate: Any = None, marker: str = "ENVIRONMENT_CLASS",
+                 kind: str = "Environment") -> type:
+    """The module's ``marker`` attribute (a class or its name), else its only class that ``is_candidate``
+    accepts (defined in the module itself, not imported: an import must never change the choice)."""
+    is_candidate = is_candidate or _concrete_env_class
+    chosen = getattr(module, marker, None)
+    if chosen is not None:
+        cls = getattr(module, chosen) if isinstance(chosen, str) else chosen
+        if not is_candidate(cls):
+            raise TypeError(f"{origin}: {marker}={chosen!r} is not a concrete {kind} subclass")
         return cls
-    candidates = [obj for obj in vars(module).values()
-                  if _concrete_env_class(obj) and obj.__module__ == module.__name__]
+    candidates = [obj for obj in vars(module).values() if is_candidate(obj) and obj.__module__ == module.__name__]
     if len(candidates) != 1:
         names = sorted(c.__name__ for c in candidates)
-        problem = "defines no concrete Environment subclass" if not candidates else f"defines several: {names}"
-        raise TypeError(f"{origin} {problem}; set ENVIRONMENT_CLASS = <the class> in that module")
+        problem = f"defines no concrete {kind} subclass" if not candidates else f"defines several {kind} subclasses {names}"
+        raise TypeError(f"{origin} {problem}; set {marker} = <the class> in that module")
     return candidates[0]
 
 

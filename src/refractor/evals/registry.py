@@ -31,6 +31,7 @@ from refractor.envs.registry import (
     declared_packages,
     get_environment,
     package_available,
+    select_class,
 )
 from refractor.evals.base import DatasetEval, Eval
 
@@ -98,19 +99,7 @@ def load_eval_class(spec: EvalSpec) -> type[Eval]:
     if missing:
         raise ImportError(f"eval {spec.name!r} needs packages that are not installed: {missing}. "
                           f"Install them with: pip install {' '.join(missing)}")
-    module = _import(spec)
-    marker = getattr(module, "EVAL_CLASS", None)
-    if marker is not None:
-        cls = getattr(module, marker) if isinstance(marker, str) else marker
-        if not _concrete_eval(cls):
-            raise TypeError(f"{spec.source_file}: EVAL_CLASS={marker!r} is not a concrete Eval subclass")
-        return cls
-    found = [o for o in vars(module).values() if _concrete_eval(o) and o.__module__ == module.__name__]
-    if len(found) != 1:
-        problem = "defines no concrete Eval subclass" if not found else \
-            f"defines several Eval subclasses {sorted(c.__name__ for c in found)}"
-        raise TypeError(f"{spec.source_file} {problem}; set EVAL_CLASS = <the class> in that module")
-    return found[0]
+    return select_class(_import(spec), str(spec.source_file), _concrete_eval, marker="EVAL_CLASS", kind="Eval")
 
 
 def resolve_eval(name: str, extra_paths: list[str | Path] | None = None, **kwargs: Any) -> Environment:
