@@ -48,7 +48,8 @@ def batch_of(reader: RunReader, step: int) -> list[tuple]:
     groups: dict[int, list[dict]] = {}
     for r in reader.rollouts(step=step, status="kept"):
         groups.setdefault(r["group_id"], []).append(r)
-    return [tuple((r["prompt_text"], r["sample_idx"], r["completion_text"], r["prompt_tokens"], r["completion_tokens"],
+    return [tuple((r["prompt_text"], r["prompt_index"], r["prompt_ordinal"], r["sample_idx"], r["completion_ids"],
+                   r["completion_text"], r["prompt_tokens"], r["completion_tokens"],
                    r["stop_reason"], r["reward"], r["advantage"], r["start_version"], r["end_version"])
                   for r in sorted(rows, key=lambda r: r["sample_idx"]))
             for _, rows in sorted(groups.items())]
@@ -75,7 +76,7 @@ def test_resumed_run_matches_the_uninterrupted_run(tmp_path):
             assert {"loss", "grad_norm"} <= set(metrics_a[step])
             assert metrics_b[step] == metrics_a[step], f"step {step}"  # bitwise: exact float equality
         # the pinned versions: lag 1, and the checkpointed version 2 generates batch 2
-        assert [{g[0][8] for g in batch_of(a, s)} for s in range(3)] == [{0}, {0}, {2}]
+        assert [{g[0][11] for g in batch_of(a, s)} for s in range(3)] == [{0}, {0}, {2}]  # start_version
         # the task varies: completions differ across samples (sampling really ran with the seeds)
         assert len({row[2] for group in batch_of(a, 0) for row in group}) > 1
     assert os.path.isdir(Path(interrupted) / "checkpoints" / "step_2")

@@ -14,6 +14,7 @@ from refractor.telemetry.store import RunStore
 
 def make_rollout(rid, group, status=RolloutStatus.KEPT, reason="", reward=1.0, step=0):
     r = Rollout(rollout_id=rid, group_id=group, sample_idx=rid % 2, env_name="countdown", prompt_text=f"q{rid}",
+                prompt_index=7 * group, prompt_ordinal=group,
                 server="s0", lane=rid % 4, reward=reward, advantage=reward - 0.5, sample_metrics={"correct": reward})
     t0 = Turn(0, [1, 2, 3], [4, 5], [-0.1, -0.2], "stop", "ab", start_version=0, end_version=1,
               env_messages=[{"role": "user", "content": "again"}],
@@ -56,6 +57,8 @@ def test_round_trip(tmp_path):
         assert (r0["prompt_tokens"], r0["completion_tokens"], r0["total_tokens"]) == (3, 3, 3 + 4)  # completion = 4 5 | 9 (env glue) | 6
         assert (r0["start_version"], r0["end_version"], r0["off_policy_steps"]) == (0, 2, 2)
         assert r0["sample_metrics"] == {"correct": 1.0} and r0["completion_text"] == "ab\nc"
+        assert r0["completion_ids"] == [4, 5, 9, 6]  # the trained sequence, env glue included
+        assert (rows[2]["prompt_index"], rows[2]["prompt_ordinal"]) == (7, 1)
         assert reader.rollouts(status="cancelled")[0]["step"] == 1
         turns = reader.turns(0)
         assert [t["finish_reason"] for t in turns] == ["stop", "length"]

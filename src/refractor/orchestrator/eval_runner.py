@@ -60,7 +60,6 @@ class EvalSetupError(RuntimeError):
 @dataclass
 class EvalRollout(Rollout):
     step: int = 0  # reported eval step (1-indexed; the baseline is 0)
-    prompt_index: int = 0  # index of the prompt in the eval's dataset
 
 
 @dataclass

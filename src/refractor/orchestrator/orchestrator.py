@@ -235,7 +235,8 @@ class Orchestrator:
         self.next_group_id += 1
         rollouts = []
         for i in range(self.group_size):
-            rollouts.append(Rollout(self.next_rollout_id, gid, i, prompt.env_name, server=server))
+            rollouts.append(Rollout(self.next_rollout_id, gid, i, prompt.env_name, prompt_index=prompt.index,
+                                    prompt_ordinal=prompt.ordinal, server=server))
             self.next_rollout_id += 1
         group = Group(gid, prompt.env_name, (prompt.env_name, prompt.index), rollouts, ordinal=prompt.ordinal,
                       server=server, dispatch_version=self.counters.loaded_version)

@@ -93,6 +93,8 @@ class Rollout:
     group_id: int
     sample_idx: int  # index within the group
     env_name: str
+    prompt_index: int = -1  # the prompt's index in its environment's dataset
+    prompt_ordinal: int = -1  # the prompt's position in the prompt stream (seeds, replay on resume)
     prompt_text: str = ""
     system_prompt: str = ""
     turns: list[Turn] = field(default_factory=list)

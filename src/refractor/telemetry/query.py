@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from refractor.telemetry.metrics import RolloutSummary
+from refractor.telemetry.store import tokens_from_blob
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class RunReader:
         for r in rows:
             r["sample_metrics"] = json.loads(r["sample_metrics"])
             r["golden_answers"] = json.loads(r["golden_answers"])
+            r["completion_ids"] = tokens_from_blob(r["completion_ids"])
         return rows
 
     def rollout_summaries(self, step: int) -> list[RolloutSummary]:
