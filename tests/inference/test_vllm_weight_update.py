@@ -55,17 +55,17 @@ def test_corrupted_bucket_fails_the_canary(vllm_server, vllm_sender, hf_models, 
     assert max_error(sample(vllm_server.url, n=2, seed=21), hf_models[1]) < 1e-4
 
 
-def test_update_during_an_inflight_request(vllm_server, vllm_sender, vllm_model_name, hf_models,
-                                           hf_token_logprobs):
-    vllm_sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=30)
-    body = {"model": vllm_model_name, "token_ids": PROMPT, "request_id": "inflight", "stream": True,
+def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
+    """Stream one 450-token request; push new weights once 10 tokens arrived. Returns tokens, logprobs, spans."""
+    sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=old_version)
+    body = {"model": model_name, "token_ids": PROMPT, "request_id": f"inflight-{old_version}", "stream": True,
             "sampling_params": {"max_tokens": 450, "temperature": 1.0, "logprobs": 0, "ignore_eos": True,
                                 "seed": 5}}
     tokens, logprobs, spans, finish = [], [], None, None
-    pusher = threading.Thread(target=lambda: vllm_sender.push(
-        iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=31))
+    pusher = threading.Thread(target=lambda: sender.push(
+        iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=old_version + 1))
     # stream, so that the update provably lands while the request is decoding
-    with httpx.stream("POST", vllm_server.url + "/inference/v1/generate", json=body, timeout=300) as response:
+    with httpx.stream("POST", url + "/inference/v1/generate", json=body, timeout=300) as response:
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -77,9 +77,22 @@ def test_update_during_an_inflight_request(vllm_server, vllm_sender, vllm_model_
                 pusher.start()
     pusher.join(120)
     assert finish == "length" and len(tokens) == 450
-    assert [s["version"] for s in spans] == ["30", "31"], spans
+    return tokens, logprobs, spans
+
+
+def test_update_during_an_inflight_request(vllm_server, vllm_sender, vllm_model_name, hf_models,
+                                           hf_token_logprobs):
+    # Where the update lands is up to the scheduler: on a loaded machine the request can finish before
+    # the push arrives. That is not a failure of the update, so such an attempt is repeated (3 at most).
+    for attempt in range(3):
+        tokens, logprobs, spans = _stream_while_pushing(vllm_server.url, vllm_model_name, vllm_sender, hf_models,
+                                                        old_version=30 + 2 * attempt)
+        if len(spans) > 1:
+            break
+    old_v, new_v = str(30 + 2 * attempt), str(31 + 2 * attempt)
+    assert [s["version"] for s in spans] == [old_v, new_v], spans
     switch = spans[0]["end"]
-    assert spans[0]["start"] == 0 and spans[1] == {"version": "31", "start": switch, "end": 450}
+    assert spans[0]["start"] == 0 and spans[1] == {"version": new_v, "start": switch, "end": 450}
     assert 10 <= switch < 450
     # tokens before the switch came from the old model; after it, from the new one on the full
     # sequence (the request's KV was recomputed with the new weights)
