@@ -296,3 +296,40 @@ def test_run_store_holds_every_rollout_and_the_dashboard_recomputes_the_same_met
         assert {"training_loop_start", "save_batch", "weight_update"} <= names
         statuses = {r["status"] for r in reader.rollouts()}
         assert "kept" in statuses and statuses <= {"kept", "discarded", "cancelled"}
+
+
+@pytest.mark.parametrize("cap", [False, True])
+def test_dispatch_only_needed_groups_removes_stale_over_dispatch(tok, cap):
+    """Sync mode, lanes for 8 groups, batches of 2: filling every free lane starts 8 groups, and the 6 that finish
+    after the cut are thrown away as `max_async`. The cap starts only the 2 the batch needs, and replaces a group
+    that gets discarded."""
+    cfg = make_config(number_of_steps=1, max_async_rollout=0, max_concurrent_prompts_per_server=8,
+                      prompts_batch_size_for_trainer=2, discard_group_zero_advantage=True, prompt_prefetch_buffer_size=8,
+                      dispatch_only_needed_groups=cap)
+    orch, [server], trainer, store = build(tok, cfg, envs=[ToyEnv(n=16)], manual=True)
+
+    def groups_pending() -> set[str]:
+        return {r.prompt_text for r in server.pending}
+
+    async def main():
+        task = asyncio.create_task(orch.run())
+        expected = 2 if cap else 8
+        await wait_until(lambda: len(groups_pending()) == expected, f"{expected} groups dispatched")
+        await settle()
+        assert len(groups_pending()) == expected  # and no more
+        first = sorted(groups_pending())[0]
+        for req in [r for r in server.pending if r.prompt_text == first]:
+            server.finish(req, "yes")  # every sample scores 1: zero advantage, discarded
+        await wait_until(lambda: first not in groups_pending() and len(groups_pending()) == expected,
+                         "the discarded group replaced" if cap else "lanes refilled")
+        while server.pending:
+            for i, req in enumerate(list(server.pending)):
+                server.finish(req, "yes" if i % 2 else "no")
+            await settle(20)
+        await task
+
+    asyncio.run(main())
+    assert [s for s, _ in trainer.steps] == [0]
+    stale = [r for r in store.by_status("discarded") if r.reason == "max_async"]
+    assert bool(stale) == (not cap)
+    assert orch.lanes.in_use() == 0 and not orch.in_flight

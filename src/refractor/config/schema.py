@@ -122,6 +122,11 @@ class OrchestratorKeys(_Strict):
         "drains at each checkpoint, and max_async_rollout above 1 only adds staleness. Still timing-dependent: reward "
         "timeouts and server errors. Bitwise-equal rollouts also need an engine whose numerics do not depend on which "
         "requests share a batch (see serialize_generation).")
+    dispatch_only_needed_groups: bool = Field(
+        False, description="[refractor] Create a new group only while the batches the async gate leaves open still lack "
+        "groups (counting the ones in flight, scaled up by the observed keep rate), instead of whenever a lane is free. "
+        "Removes the over-dispatch that max_async_rollout then discards as stale (33% of all rollouts with "
+        "max_async_rollout 0 in bench/RESULTS.md); a run whose groups are often discarded gets a slower tail.")
     serialize_generation: bool = Field(
         False, description="[refractor] Send each inference server one generation request at a time (the rest wait in the "
         "orchestrator). With deterministic_rollouts this makes rollouts bitwise reproducible on engines whose results depend "

@@ -105,6 +105,8 @@ class Orchestrator:
                                         cfg.discard_group_zero_advantage, is_zero_advantage_group, cfg.number_of_steps,
                                         self.pins)
         self.stall_watch = ZeroAdvantageWatch(4 * cfg.prompts_batch_size_for_trainer)
+        self.cap_dispatch = cfg.dispatch_only_needed_groups and not cfg.deterministic_rollouts  # that mode has its own
+        self.keep_rate = 1.0  # moving average of the fraction of finished groups kept (sizes the dispatch cap)
         self.ckpt_gate: CheckpointGate[Batch] = CheckpointGate(CheckpointSchedule(cfg.checkpoint_every, cfg.number_of_steps))
         self.adv_settings = AdvantageSettings.from_config(cfg)
         self.filter_settings = FilterSettings.from_config(cfg)
@@ -213,7 +215,15 @@ class Orchestrator:
         if allowed == self._paused_by_async:  # log transitions only
             self._paused_by_async = not allowed
             self._event("rollout_resumed_max_async" if allowed else "rollout_paused_max_async")
-        return allowed
+        return allowed and (not self.cap_dispatch or self._groups_still_needed() > 0)
+
+    def _groups_still_needed(self) -> float:
+        """``dispatch_only_needed_groups``: groups the batches open under the async gate still lack, beyond those
+        in flight; divided by the recent keep rate so that expected discards are replaced ahead of time."""
+        c = self.counters
+        open_batches = min(c.loaded_version + self.cfg.max_async_rollout, self.number_of_steps - 1) - c.inference_step + 1
+        missing = open_batches * self.cfg.prompts_batch_size_for_trainer - len(self.assembler.bucket)
+        return missing / max(self.keep_rate, 0.1) - len(self.in_flight)
 
     async def _dispatch(self) -> None:
         self._start_queued()
@@ -316,6 +326,7 @@ class Orchestrator:
         batches = self.assembler.add(group, self.counters)
         if group.status == RolloutStatus.DISCARDED:
             self._event(f"rollout_discarded_{group.reason}", group_id=group.group_id)
+        self.keep_rate = 0.9 * self.keep_rate + 0.1 * (group.status != RolloutStatus.DISCARDED)
         if (warning := self.stall_watch.observe(group)) is not None:
             self._warn(warning, "zero_advantage_stall", streak=self.stall_watch.streak)
         for batch in batches:
