@@ -3,8 +3,10 @@
 It is written only against the public environment API, exactly like a user's environment, and is
 found because it sits in ./environments/<name>/environment.py.
 
-Reward: the fraction of the completion's characters that are the requested letter. A random model
-scores ~0.05; a model that has learned to repeat the letter scores 1.0.
+Reward: the fraction of the completion's non-whitespace characters that are the requested letter. A
+random model scores ~0.05; a model that has learned to repeat the letter scores 1.0, with or without
+spaces between the letters. (Counting spaces made " a a a" a 0.5 plateau: the tokenizer has a " a"
+token, and a run that collapsed onto it had no reward variance left to climb out.)
 """
 
 from refractor.envs.base import SingleTurnEnvironment
@@ -28,6 +30,7 @@ class RepeatLetterEnvironment(SingleTurnEnvironment):
 
     async def compute_reward(self, completion: str, sample: Sample, eos_token: str = "") -> RewardResult:
         text = completion[: -len(eos_token)] if eos_token and completion.endswith(eos_token) else completion
-        fraction = sum(ch == sample.answer for ch in text) / max(len(text), 1)
+        visible = [ch for ch in text if not ch.isspace()]
+        fraction = sum(ch == sample.answer for ch in visible) / max(len(visible), 1)
         return RewardResult(total_reward=fraction, sample_metrics={"letter_fraction": fraction},
                             golden_answers={"letter": sample.answer})
