@@ -83,7 +83,25 @@ class GpuSampler:
         return [1.0 - statistics.fmean(u[i] for u in window) / 100.0 for i in range(len(self.handles))]
 
 
-def run_mode(name: str, max_async: int, args, model: Path, workdir: Path) -> dict:
+def parse_mode(token: str) -> tuple[str, int, dict]:
+    """``2`` or ``2+weight_sync_inflight_kv=keep+...``: max_async_rollout, then config overrides (YAML values)."""
+    import yaml
+
+    value, *pairs = token.split("+")
+    max_async = int(value)
+    overrides = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--modes: {pair!r} in {token!r} is not key=value")
+        overrides[key] = yaml.safe_load(raw)
+    name = "sync" if max_async == 0 else f"async{max_async}"
+    if overrides:
+        name += "-" + "-".join(f"{k}={v}" for k, v in overrides.items())
+    return name, max_async, overrides
+
+
+def run_mode(name: str, max_async: int, args, model: Path, workdir: Path, overrides: dict | None = None) -> dict:
     gpus = torch.cuda.device_count()
     config = {
         "model": str(model), "inference_engine": "native", "inference_num_workers": 1, "trainer_num_workers": 1,
@@ -97,6 +115,7 @@ def run_mode(name: str, max_async: int, args, model: Path, workdir: Path) -> dic
         "eval_before_training": False, "eval_after_training": False, "use_wandb": False,
         "run_dir": str(workdir), "run_name": name,
         "environments": [{"name": "countdown", "kwargs": {"dataset_name": "procedural"}}],
+        **(overrides or {}),
     }
     cfg_path = workdir / f"{name}.json"
     cfg_path.write_text(json.dumps(config))
@@ -153,7 +172,8 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--modes", default="0,2", help="max_async_rollout values to run, in order")
+    p.add_argument("--modes", default="0,2", help="max_async_rollout values to run, in order; each may carry "
+                   "config overrides: 2+weight_sync_inflight_kv=keep+dispatch_only_needed_groups=true")
     p.add_argument("--workdir", default="/tmp/refractor_bench_rl")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -164,8 +184,8 @@ def main() -> None:
     print(f"device: {device}; model {args.model or args.size}; "
           f"{args.groups} groups x {args.group_size} samples x {args.max_tokens} tokens per step", flush=True)
     results = []
-    for value in (int(v) for v in args.modes.split(",")):
-        r = run_mode("sync" if value == 0 else f"async{value}", value, args, model, workdir)
+    for name, value, overrides in (parse_mode(t) for t in args.modes.split(",")):
+        r = run_mode(name, value, args, model, workdir, overrides)
         results.append(r)
         idle = ", ".join(f"gpu{i} {f:.0%}" for i, f in enumerate(r["gpu_idle_fraction"]))
         print(f"{r['mode']:>7}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | "

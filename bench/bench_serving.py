@@ -88,8 +88,6 @@ def run_engine(path: Path, jobs, concurrency: int, warmup: int, engine_args: dic
             finished.append((started[out.request_id], time.perf_counter(), out.num_generated_tokens))
             if pending:
                 submit()
-    del engine
-    release_memory()
     return summarize("engine", finished, warmup)
 
 
@@ -122,8 +120,6 @@ def run_async(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict
         finished = asyncio.run(_closed_loop(generate, jobs, concurrency))
     finally:
         engine.shutdown()
-    del engine
-    release_memory()
     return summarize("async", finished, warmup)
 
 
@@ -196,6 +192,7 @@ def main() -> None:
                 row = run_http(path, jobs, c, warmup, engine_args, workdir / f"server-c{c}.log")
             else:
                 raise SystemExit(f"unknown mode {mode!r}: choose from engine, async, http")
+            release_memory()  # the in-process engine is gone with its function: free its KV cache now
             row["concurrency"] = c
             rows.append(row)
             base = rows[0]["tok_s"]

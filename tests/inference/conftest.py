@@ -60,6 +60,21 @@ def hf_token_logprobs():
     return _hf_token_logprobs
 
 
+@torch.no_grad()
+def _stale_kv_logprobs(old, new, prompt: list[int], completion: list[int], switch: int) -> torch.Tensor:
+    """log p(completion[i]), i >= switch, when ``old`` wrote the KV of prompt + completion[:switch - 1] and ``new``
+    runs from there on: an in-flight request that kept its KV across a weight update (the token sampled at
+    step i is fed, and cached, at step i + 1, so completion[switch - 1] is the first token ``new`` caches)."""
+    cache = old(torch.tensor([prompt + completion[:switch - 1]]), use_cache=True).past_key_values
+    logits = new(torch.tensor([completion[switch - 1:-1]]), past_key_values=cache, use_cache=True).logits[0].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion[switch:])[:, None])[:, 0]
+
+
+@pytest.fixture(scope="session")
+def stale_kv_logprobs():
+    return _stale_kv_logprobs
+
+
 @pytest.fixture(scope="session")
 def vllm_model_name():
     return VLLM_SERVED_NAME

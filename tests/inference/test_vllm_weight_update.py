@@ -80,24 +80,30 @@ def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
     return tokens, logprobs, spans
 
 
-def test_update_during_an_inflight_request(vllm_server, vllm_sender, vllm_model_name, hf_models,
-                                           hf_token_logprobs):
+@pytest.mark.parametrize("inflight_kv", ["recompute", "keep"])
+def test_update_during_an_inflight_request(inflight_kv, vllm_server, vllm_sender, vllm_model_name, hf_models,
+                                           hf_token_logprobs, stale_kv_logprobs, monkeypatch):
+    monkeypatch.setattr(vllm_sender, "inflight_kv", inflight_kv)
+    first = 30 if inflight_kv == "recompute" else 40
     # Where the update lands is up to the scheduler: on a loaded machine the request can finish before
     # the push arrives. That is not a failure of the update, so such an attempt is repeated (3 at most).
     for attempt in range(3):
         tokens, logprobs, spans = _stream_while_pushing(vllm_server.url, vllm_model_name, vllm_sender, hf_models,
-                                                        old_version=30 + 2 * attempt)
+                                                        old_version=first + 2 * attempt)
         if len(spans) > 1:
             break
-    old_v, new_v = str(30 + 2 * attempt), str(31 + 2 * attempt)
+    old_v, new_v = str(first + 2 * attempt), str(first + 1 + 2 * attempt)
     assert [s["version"] for s in spans] == [old_v, new_v], spans
     switch = spans[0]["end"]
     assert spans[0]["start"] == 0 and spans[1] == {"version": new_v, "start": switch, "end": 450}
     assert 10 <= switch < 450
-    # tokens before the switch came from the old model; after it, from the new one on the full
-    # sequence (the request's KV was recomputed with the new weights)
     logprobs = torch.tensor(logprobs, dtype=torch.float64)
     old = hf_token_logprobs(hf_models[0], PROMPT, tokens)
     new = hf_token_logprobs(hf_models[1], PROMPT, tokens)
-    assert (logprobs[:switch] - old[:switch]).abs().max() < 1e-4
-    assert (logprobs[switch:] - new[switch:]).abs().max() < 1e-4
+    assert (logprobs[:switch] - old[:switch]).abs().max() < 1e-4  # tokens before the switch: the old model
+    if inflight_kv == "recompute":  # after it, the new model on the full sequence (KV recomputed)
+        assert (logprobs[switch:] - new[switch:]).abs().max() < 1e-4
+    else:  # after it, the new weights over the old-weight KV (the same as the native engine)
+        stale = stale_kv_logprobs(hf_models[0], hf_models[1], PROMPT, tokens, switch)
+        assert (logprobs[switch:] - stale).abs().max() < 1e-4
+        assert (logprobs[switch:] - new[switch:]).abs().max() > 1e-2

@@ -111,9 +111,11 @@ def test_corrupted_bucket_fails_the_canary(qwen_servers, hf_models, hf_token_log
         sender.close()
 
 
-def test_update_during_an_inflight_request(qwen_servers, hf_models, hf_token_logprobs):
+@pytest.mark.parametrize("inflight_kv", ["recompute", "keep"])
+def test_update_during_an_inflight_request(inflight_kv, qwen_servers, hf_models, hf_token_logprobs,
+                                           stale_kv_logprobs):
     train, _ = qwen_servers
-    sender = WeightSender([train.ref], init_timeout_s=30, timeout_s=30)
+    sender = WeightSender([train.ref], init_timeout_s=30, timeout_s=30, inflight_kv=inflight_kv)
     try:
         sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=10)
         before = train.engine.stats().generation_tokens_total
@@ -126,7 +128,9 @@ def test_update_during_an_inflight_request(qwen_servers, hf_models, hf_token_log
         while train.engine.stats().generation_tokens_total < before + 20:  # decoding has begun
             assert time.monotonic() < deadline
             time.sleep(0.005)
+        preemptions = train.engine.stats().num_preemptions_total
         sender.push(iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=11)
+        preempted = train.engine.stats().num_preemptions_total - preemptions
         request.join(60)
         output = result["output"]
         spans = [(s.version, s.start, s.end) for s in output.weight_versions]
@@ -137,7 +141,14 @@ def test_update_during_an_inflight_request(qwen_servers, hf_models, hf_token_log
         old = hf_token_logprobs(hf_models[0], PROMPT, output.token_ids)
         new = hf_token_logprobs(hf_models[1], PROMPT, output.token_ids)
         assert (logprobs[:switch] - old[:switch]).abs().max() < 1e-4
-        assert (logprobs[switch:] - new[switch:]).abs().max() < 1e-4
+        if inflight_kv == "recompute":  # KV re-prefilled with the new weights: exactly the new policy
+            assert preempted == 1
+            assert (logprobs[switch:] - new[switch:]).abs().max() < 1e-4
+        else:  # the old-weight KV stays: new weights over it, which is neither policy
+            assert preempted == 0
+            stale = stale_kv_logprobs(hf_models[0], hf_models[1], PROMPT, output.token_ids, switch)
+            assert (logprobs[switch:] - stale).abs().max() < 1e-4
+            assert (logprobs[switch:] - new[switch:]).abs().max() > 1e-2
     finally:
         sender.close()
 
@@ -208,3 +219,20 @@ def test_a_server_failing_mid_update_is_named_in_bounded_time(failure, tiny_qwen
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def test_the_inflight_kv_key_reaches_the_sender():
+    from pathlib import Path
+
+    from refractor.config import ConfigError, load_config
+
+    quickstart = Path(__file__).resolve().parents[2] / "configs" / "examples" / "quickstart.yaml"
+    servers = [ServerRef("server-0", "http://127.0.0.1:9")]
+    for value in ("recompute", "keep"):
+        sender = WeightSender.from_config(load_config(quickstart, {"weight_sync_inflight_kv": value}), servers)
+        assert sender.inflight_kv == value
+        sender.close()
+    with pytest.raises(ConfigError, match="weight_sync_inflight_kv"):
+        load_config(quickstart, {"weight_sync_inflight_kv": "stale"})
+    with pytest.raises(ValueError, match="inflight_kv must be 'recompute' or 'keep', got 'stale'"):
+        WeightSender(servers, inflight_kv="stale")

@@ -215,6 +215,12 @@ class WeightSyncKeys(_Strict):
     weight_broadcast_bucket_mb: int = Field(256, ge=1, description="Bucket size in MiB.")
     weight_broadcast_cpu_staging: bool = Field(False, description="Stage gathered weights on CPU before broadcast.")
     weight_sync_gather_before_pause_mb: int = Field(4096, ge=0, description="[refractor] Gather up to this many MiB of the weight-update buckets on the trainer BEFORE pausing the inference servers (generation continues during the gather); the rest streams while paused. 0 = gather while paused.")
+    weight_sync_inflight_kv: Literal["recompute", "keep"] = Field(
+        "recompute", description="[refractor] What requests in flight during a weight update do with the KV they "
+        "already hold. recompute (exact): their KV is dropped and re-prefilled with the new weights, so every token "
+        "after the switch comes from the new policy; costs one prefill of every running sequence per update. keep "
+        "(Telescope's behaviour, PipelineRL-style): the old-weight KV stays, tokens after the switch come from new "
+        "weights over old-weight KV (neither policy exactly); no re-prefill.")
     weight_broadcast_pin_memory: bool = Field(True, description="Megatron only: pinned staging buffers.")
     weight_broadcast_free_grad_buffers: bool = Field(True, description="Megatron only: free grad buffers during sync.")
 

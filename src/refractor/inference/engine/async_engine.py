@@ -195,6 +195,9 @@ class AsyncLLMEngine:
                                    version: int | str | None = None, recompute_kv: bool = True) -> int:
         return await self._call_async(lambda: self.engine.update_weights(named_tensors, version, recompute_kv))
 
+    async def recompute_running_kv(self) -> None:
+        await self._call_async(self.engine.recompute_running_kv)
+
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Live parameters by HF name; read them while paused (e.g. for checksums)."""
         return self.engine.named_parameters()

@@ -239,8 +239,12 @@ class LLMEngine:
         if version is not None:
             self.weight_version = version
         if recompute_kv and copied:
-            self.scheduler.preempt_all()
+            self.recompute_running_kv()
         return copied
+
+    def recompute_running_kv(self) -> None:
+        """Drop the KV of every running sequence; each is re-prefilled (prompt + tokens so far) on its next step."""
+        self.scheduler.preempt_all()
 
     def stats(self) -> EngineStats:
         return EngineStats(

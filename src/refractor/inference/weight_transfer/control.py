@@ -78,9 +78,11 @@ class ServerControl:
     def finish_weight_update(self, version: str) -> None:
         self.call("POST", "/finish_weight_update", json={"weight_version": version})
 
-    def reset_prefix_cache(self) -> None:
-        # reset_running_requests: in-flight requests recompute their KV with the new weights on resume
-        self.call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+    def reset_prefix_cache(self, reset_running_requests: bool = True) -> None:
+        # reset_running_requests: in-flight requests recompute their KV with the new weights on resume;
+        # without it they keep their old-weight KV (only the cache of finished prefixes is dropped)
+        self.call("POST", "/reset_prefix_cache",
+                  params={"reset_running_requests": "true" if reset_running_requests else "false"})
 
     def resume(self) -> None:
         self.call("POST", "/resume")

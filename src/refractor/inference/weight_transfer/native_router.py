@@ -52,11 +52,10 @@ def weight_transfer_router(engine) -> APIRouter:
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = Query(False)):
-        # an engine without a prefix cache has nothing to drop; update_weights already made
-        # running requests recompute their KV with the new weights
-        reset = getattr(engine, "reset_prefix_cache", None)
-        if reset is not None:
-            await _call(reset)
+        # the engine has no prefix cache to drop; running requests recompute their KV with the new
+        # weights only when asked (vLLM's semantics), else they keep the KV they hold
+        if reset_running_requests:
+            await _call(engine.recompute_running_kv)
         return {"success": True}
 
     @router.get("/get_world_size")
@@ -119,7 +118,8 @@ def weight_transfer_router(engine) -> APIRouter:
             names = {name for name, _ in engine.named_parameters()}
             start = time.perf_counter()
             try:
-                await _call(engine.update_weights, received, update_info.get("version"))
+                # the KV of running requests is kept here; /reset_prefix_cache decides whether it is recomputed
+                await _call(engine.update_weights, received, update_info.get("version"), False)
             except Exception as err:
                 # report anyway (nothing written: the canary fails) so the trainer is not left
                 # waiting for this worker in the report gather

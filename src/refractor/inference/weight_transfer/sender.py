@@ -66,7 +66,8 @@ class WeightSender:
     def __init__(self, servers: Sequence[ServerRef], *, eval_servers: Collection[str] = (),
                  master_address: str = "127.0.0.1", device: torch.device | str | None = None,
                  mode: BroadcastMode = "flattened_bucket", cpu_staging: bool = False,
-                 init_timeout_s: float = 300.0, timeout_s: float = 300.0, gather_before_pause_bytes: int = 0):
+                 init_timeout_s: float = 300.0, timeout_s: float = 300.0, gather_before_pause_bytes: int = 0,
+                 inflight_kv: str = "recompute"):
         names = [s.name for s in servers]
         if len(set(names)) != len(names):
             raise ValueError(f"server names must be unique, got {names}")
@@ -84,6 +85,9 @@ class WeightSender:
         self.init_timeout_s = init_timeout_s
         self.timeout_s = timeout_s
         self.gather_before_pause_bytes = gather_before_pause_bytes
+        if inflight_kv not in ("recompute", "keep"):
+            raise ValueError(f"inflight_kv must be 'recompute' or 'keep', got {inflight_kv!r}")
+        self.inflight_kv = inflight_kv
         self._groups: dict[str, _Group] = {}
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.servers) + 2, thread_name_prefix="weight-sync")
 
@@ -93,7 +97,8 @@ class WeightSender:
         return cls(servers, eval_servers=eval_servers, master_address=master_address, device=device,
                    mode=cfg.weight_broadcast_mode, cpu_staging=cfg.weight_broadcast_cpu_staging,
                    init_timeout_s=cfg.ray_broadcast_init_timeout_s, timeout_s=cfg.ray_broadcast_init_timeout_s,
-                   gather_before_pause_bytes=int(getattr(cfg, "weight_sync_gather_before_pause_mb", 0)) * 2**20)
+                   gather_before_pause_bytes=int(getattr(cfg, "weight_sync_gather_before_pause_mb", 0)) * 2**20,
+                   inflight_kv=getattr(cfg, "weight_sync_inflight_kv", "recompute"))
 
     def target_servers(self, target: str) -> list[ServerRef]:
         if target == FULL:
@@ -189,7 +194,8 @@ class WeightSender:
                 raise failure from err
             self._wait_all(receiving, what, controls)
             self._on_all(controls, lambda c: c.finish_weight_update(str(version)), what)
-            self._on_all(controls, ServerControl.reset_prefix_cache, what)
+            recompute = self.inflight_kv == "recompute"
+            self._on_all(controls, lambda c: c.reset_prefix_cache(reset_running_requests=recompute), what)
         finally:
             self._resume_quietly([c for c in controls if c.server.name not in unresponsive])
             paused = time.perf_counter() - paused_at
