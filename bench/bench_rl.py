@@ -112,6 +112,7 @@ def run_mode(name: str, max_async: int, args, model: Path, workdir: Path, overri
         "max_off_policy_steps": max(max_async, 1), "discard_group_zero_advantage": False,
         "max_tokens": args.max_tokens, "max_model_len": args.max_tokens + 512, "seq_len": args.seq_len,
         "temperature": 1.0, "learning_rate": 1e-6, "trainer_compile": args.compile, "checkpoint_every": False,
+        "metrics_logger_interval_seconds": 0.5,
         "eval_before_training": False, "eval_after_training": False, "use_wandb": False,
         "run_dir": str(workdir), "run_name": name,
         "environments": [{"name": "countdown", "kwargs": {"dataset_name": "procedural"}}],
@@ -145,7 +146,11 @@ def summarize(name: str, max_async: int, run_dir: Path, sampler: GpuSampler, war
         measured = steps[warmup:]
         kept = [r for s in measured for r in reader.rollouts(step=s["step"], status="kept")]
         ends = reader.step_times()  # each step's metrics are logged when its weight update finished
-    t0, t1 = ends[steps[warmup - 1]["step"]], ends[measured[-1]["step"]]
+        t0, t1 = ends[steps[warmup - 1]["step"]], ends[measured[-1]["step"]]
+        scraped: dict[str, list[float]] = {}  # the server's /metrics over the measured steps
+        for row in reader.system_metrics(t0, t1):
+            if row["source"].startswith("inference:"):
+                scraped.setdefault(row["name"], []).append(row["value"])
     mean = lambda key: statistics.fmean(s.get(key, float("nan")) for s in measured)  # noqa: E731
     return {
         "mode": name, "max_async_rollout": max_async, "steps_measured": len(measured), "wall_s": wall,
@@ -154,6 +159,9 @@ def summarize(name: str, max_async: int, run_dir: Path, sampler: GpuSampler, war
         "train_step_s": mean("timing_train_step"), "weight_sync_s": mean("timing_weight_sync_total"),
         "waiting_for_data_s": mean("timing_waiting_for_data"),
         "gpu_idle_fraction": sampler.idle_fraction(t0, t1),
+        "server": {name: statistics.fmean(scraped[name]) for name in (
+            "requests_running", "requests_waiting", "engine_busy_fraction", "engine_step_ms",
+            "generation_tokens_per_s") if scraped.get(name)},
     }
 
 
@@ -191,6 +199,12 @@ def main() -> None:
         print(f"{r['mode']:>7}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | "
               f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | train {r['train_step_s']:.2f} s | sync {r['weight_sync_s']:.3f} s "
               f"| waiting for data {r['waiting_for_data_s']:.2f} s | idle {idle}", flush=True)
+        server = r["server"]
+        if server:  # how fed the engine was: sequences running, its thread's busy share, its own rate
+            print(f"{'':>7}  server: {server.get('requests_running', 0):.0f} running, "
+                  f"{server.get('requests_waiting', 0):.0f} waiting, engine busy {server.get('engine_busy_fraction', 0):.0%}, "
+                  f"step {server.get('engine_step_ms', 0):.1f} ms, {server.get('generation_tokens_per_s', 0) / 1e3:.1f}k tok/s",
+                  flush=True)
     Path(args.out, "bench_rl.json").write_text(json.dumps(results, indent=2))
     if len(results) >= 2:
         base = results[0]

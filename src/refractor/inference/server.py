@@ -60,6 +60,9 @@ class _EngineCollector:
             (CounterMetricFamily, "vllm:generation_tokens", "Generated tokens.", s.generation_tokens_total),
             (CounterMetricFamily, "vllm:num_preemptions", "Sequences preempted (KV recomputed).",
              s.num_preemptions_total),
+            (CounterMetricFamily, "refractor:engine_steps", "Engine steps (prefill or decode).", s.steps_total),
+            (CounterMetricFamily, "refractor:engine_busy_seconds", "Wall time the engine thread spent in steps.",
+             s.busy_seconds_total),
         ):
             family = cls(name, doc, labels=names)
             family.add_metric(self.labels, value)

@@ -55,6 +55,7 @@ from refractor.orchestrator.rollout import (
 from refractor.orchestrator.stall import ZeroAdvantageWatch
 from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.telemetry.metrics import RolloutSummary, rollout_step_metrics
+from refractor.telemetry.server_metrics import ServerMetricsScraper
 from refractor.telemetry.system import SystemSampler
 
 log = logging.getLogger("refractor.orchestrator")
@@ -92,6 +93,9 @@ class Orchestrator:
         if not self.servers:
             raise ValueError("the orchestrator needs at least one inference server")
         self.trainer, self.store, self.sinks, self.clock = trainer, store, list(sinks), clock
+        scraped = [s for s in servers if hasattr(s, "metrics")]  # real clients (fakes in unit tests have none)
+        self.server_metrics = ServerMetricsScraper(scraped, store.log_system_metrics,
+                                                   cfg.metrics_logger_interval_seconds, clock) if scraped else None
         self.evals: Any = None  # EvalScheduler, set by refractor.orchestrator.evals.attach_evals
         self.individual = cfg.enable_individual_sample_lanes
         self.free_after_generation = cfg.free_lane_after_generation and self.individual
@@ -145,7 +149,9 @@ class Orchestrator:
         self._wake.set()
         dispatch = asyncio.create_task(self._dispatch_loop(), name="refractor-dispatch")
         train = asyncio.create_task(self._train_loop(), name="refractor-train")
-        system = asyncio.create_task(self._system_metrics_loop(), name="refractor-system-metrics")
+        telemetry = [asyncio.create_task(self._system_metrics_loop(), name="refractor-system-metrics")]
+        if self.server_metrics is not None:
+            telemetry.append(asyncio.create_task(self.server_metrics.run(), name="refractor-server-metrics"))
         completed = False
         try:
             done, _ = await asyncio.wait({dispatch, train, self._failure}, return_when=asyncio.FIRST_COMPLETED)
@@ -154,9 +160,9 @@ class Orchestrator:
             completed = True
         finally:
             self._stopping = True
-            for task in (dispatch, train, system):
+            for task in (dispatch, train, *telemetry):
                 task.cancel()
-            await asyncio.gather(dispatch, train, system, return_exceptions=True)
+            await asyncio.gather(dispatch, train, *telemetry, return_exceptions=True)
             await self._cancel_all(DiscardReason.SHUTDOWN)
             self.prompts.close()
             if self.evals is not None:  # a running step eval ends (or is cancelled); then the final eval

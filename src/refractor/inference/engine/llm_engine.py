@@ -47,6 +47,8 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_preemptions_total: int
+    steps_total: int = 0
+    busy_seconds_total: float = 0.0  # wall time spent inside step() (busy / elapsed = how fed the engine is)
 
 
 class LLMEngine:
@@ -67,6 +69,8 @@ class LLMEngine:
         self._arrivals = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.steps_total = 0
+        self.busy_seconds_total = 0.0
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, **kwargs) -> LLMEngine:
@@ -128,6 +132,7 @@ class LLMEngine:
         """Run one prefill or decode step; return the requests that finished in it."""
         if self.paused or not self.scheduler.has_work:
             return []
+        started = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
@@ -155,7 +160,10 @@ class LLMEngine:
                 if all(s.is_finished for s in request.seqs):
                     finished_requests.append(seq.request_id)
         self.generation_tokens_total += len(seqs)
-        return [self._pop_output(r) for r in finished_requests]
+        outputs = [self._pop_output(r) for r in finished_requests]
+        self.steps_total += 1
+        self.busy_seconds_total += time.perf_counter() - started
+        return outputs
 
     def _check_stop(self, seq: Sequence) -> bool:
         token, params = seq.token_ids[-1], seq.params
@@ -254,4 +262,6 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
+            steps_total=self.steps_total,
+            busy_seconds_total=self.busy_seconds_total,
         )
