@@ -97,7 +97,7 @@ def trainer_config(model_dir, **overrides):
     return RefractorConfig(**values)
 
 
-def bench_refractor(model_dir, batches, activation_checkpointing: bool, warmup: int, steps: int,
+def bench_refractor(model_dir, batches, activation_checkpointing: bool | str, warmup: int, steps: int,
                     export: bool, compile: bool = False, tokens_per_forward: int = 16384,
                     profile: str | None = None) -> dict:
     """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
@@ -226,6 +226,7 @@ def release() -> None:
 VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, trainer_max_tokens_per_forward)
     "default": ("refractor default (compiled layers + ckpt, 16k-token passes)", True, True, 16384),
     "noac": ("compiled layers, ckpt off, 16k-token passes", False, True, 16384),
+    "sac": ("compiled layers + selective ckpt (matmul outputs kept), 16k-token passes", "selective", True, 16384),
     "rows": ("compiled layers + ckpt, one pass per 4k row", True, True, 0),
     "rows_noac": ("compiled layers, ckpt off, one pass per 4k row", False, True, 0),
     "eager": ("eager layers + ckpt, 16k-token passes", True, False, 16384),

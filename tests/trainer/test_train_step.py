@@ -108,13 +108,14 @@ def test_packed_rows_equal_samples_run_one_by_one(tiny_qwen3_path, impl, checkpo
 def test_activation_checkpointing_gives_the_same_step(tiny_qwen2_path):
     batch = pack(make_samples(seed=3))
     results = []
-    for checkpointing in (True, False):
+    for checkpointing in (False, True, "selective"):
         trainer = Trainer(make_cfg(tiny_qwen2_path, activation_checkpointing=checkpointing))
         results.append((trainer.train_step(batch).metrics, full_params(trainer)))
-    (m_on, p_on), (m_off, p_off) = results
-    assert m_on["loss"] == m_off["loss"] and m_on["grad_norm"] == pytest.approx(m_off["grad_norm"], rel=1e-6)
-    for name in p_on:
-        torch.testing.assert_close(p_on[name], p_off[name], rtol=0, atol=1e-7)
+    (m_off, p_off), *checkpointed = results
+    for m_on, p_on in checkpointed:
+        assert m_on["loss"] == m_off["loss"] and m_on["grad_norm"] == pytest.approx(m_off["grad_norm"], rel=1e-6)
+        for name in p_on:
+            torch.testing.assert_close(p_on[name], p_off[name], rtol=0, atol=1e-7)
 
 
 def test_non_finite_gradient_skips_the_update_and_is_counted(tiny_qwen2_path):

@@ -143,7 +143,10 @@ class TrainerKeys(_Strict):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of linear/cosine decay as a fraction of learning_rate.")
     train_backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend.")
     fsdp_context_parallel_size: int = Field(1, ge=1, description="Context parallelism for FSDP.")
-    activation_checkpointing: bool = Field(True, description="[refractor] Recompute decoder layers in the backward pass.")
+    activation_checkpointing: bool | Literal["selective"] = Field(
+        True, description="[refractor] Recompute decoder layers in the backward pass. true: the whole layer "
+        "(least memory); selective: keep the outputs of its matmuls and attention, recompute only the elementwise "
+        "glue (RMSNorm, rotary, SiLU gate); false: keep everything (fastest, most memory).")
     trainer_compile: bool = Field(True, description="[refractor] torch.compile each decoder layer of the trainer, activation checkpointing included (CUDA only; CPU trainers run eagerly).")
     trainer_max_tokens_per_forward: int = Field(16384, ge=0, description="[refractor] CUDA trainer: the packed rows of a minibatch (each <= seq_len) are concatenated into forward passes of up to this many tokens (samples stay isolated); fewer, longer passes cut per-layer host overhead. 0 = one pass per row. CPU trainers run one pass per row.")
 

@@ -16,13 +16,19 @@ Parameter names are ``lm.`` + the HF names; ``hf_name`` strips the prefix.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from refractor.algorithms.logprobs import token_logprobs_and_entropy
 from refractor.records import MicroBatch
@@ -121,8 +127,13 @@ def load_lm(
     return model.to(device).train()
 
 
-def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool, compile: bool) -> None:
+def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool | str, compile: bool) -> None:
     """Activation checkpointing and/or ``torch.compile`` of each decoder layer's forward, in place.
+
+    ``checkpoint_activations``: True recomputes the whole layer in the backward; ``"selective"``
+    keeps the outputs of its matmuls and attention and recomputes only the elementwise glue
+    (RMSNorm, rotary, SiLU gate), which is cheap to recompute but a large share of the activations;
+    False keeps everything.
 
     The layer's ``forward`` attribute is replaced (no wrapper module), so parameter names and
     state dicts are untouched and FSDP2's hooks stay eager on the layer's ``__call__`` (they
@@ -139,16 +150,36 @@ def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool, compi
             continue
         forward = layer.forward
         if checkpoint_activations:
-            forward = _checkpointed(forward)
+            forward = _checkpointed(forward, selective=checkpoint_activations == "selective")
         if compile:
             forward = torch.compile(forward)
         layer.forward = forward
         layer._refractor_prepared = True
 
 
-def _checkpointed(forward):
+def _saved_ops() -> frozenset:
+    """The ops whose outputs selective checkpointing keeps: matmuls and attention kernels."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    if hasattr(torch.ops.higher_order, "flex_attention"):
+        ops.add(torch.ops.higher_order.flex_attention)
+    return frozenset(ops)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVED_OPS = _saved_ops()
+
+
+def _checkpointed(forward, selective: bool = False):
+    context_fn = partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else noop_context_fn
+
     def checkpointed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return checkpointed_forward
 
