@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU measurements still pending (bench/RESULTS.md says which), batched for the lent device:
+#   bash bench/device_pending.sh trainer_1p5b                 # 1 GPU, one call (cold compile: minutes)
+#   bash bench/device_pending.sh trainer_sac trainer_vary     # 1 GPU, one call
+#   bash bench/device_pending.sh serving                      # 1 GPU
+#   bash bench/device_pending.sh fsdp_test fsdp_throughput    # 2 GPUs (nvidia-h200-x2), one call
+#   bash bench/device_pending.sh rl                           # 2 GPUs, one call
+# Each part writes its output under $OUT/<part>/ and the next part runs even when one fails; a part that
+# runs past its limit is killed (timeout). Keep one call under the device's 600 s per command. The device image has torch but neither Ray nor
+# the server dependencies: wheels carried in .whl/ and .whl-ray/ are installed into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+[ $# -gt 0 ] || { echo "usage: bash bench/device_pending.sh PART... (see run_part)" >&2; exit 2; }
+if [ -d .whl ] || [ -d .whl-ray ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl .whl-ray/*.whl >/dev/null 2>&1 || echo "wheel install failed (cp312 wheels; continuing)"
+fi
+export PYTHONPATH=/tmp/site:src:bench NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  mkdir -p "$OUT/$name"
+  echo "=== $name (limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" --out "$OUT/$name" >"$OUT/$name/log.txt" 2>&1
+  echo "=== $name: exit $? after $((SECONDS - start)) s"
+  tail -n 25 "$OUT/$name/log.txt"
+}
+
+run_part() {
+  case "$1" in
+    trainer_1p5b) part trainer_1p5b 540 python bench/bench_trainer.py --sizes 1.5b --variants default,sac,noac \
+                    --warmup 2 --steps 3 ;;
+    trainer_sac) part trainer_sac 300 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
+                    --warmup 2 --steps 3 ;;
+    trainer_vary) part trainer_vary 200 python bench/bench_trainer.py --sizes 0.5b --variants default --vary \
+                    --warmup 3 --steps 3 ;;
+    serving) part serving 240 python bench/bench_serving.py --model 0.5b --concurrency 64,384 --prompt-len 128 \
+                    --gen-len 512 --requests 1024 ;;
+    fsdp_test)  # 2 GPUs
+      mkdir -p "$OUT/fsdp_test"
+      echo "=== fsdp_test"
+      timeout 300 python -m pytest tests/trainer/test_fsdp_gpu.py -m gpu -q -x >"$OUT/fsdp_test/log.txt" 2>&1
+      echo "=== fsdp_test: exit $?"; tail -n 15 "$OUT/fsdp_test/log.txt" ;;
+    fsdp_throughput) part fsdp_throughput 240 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
+                    --tokens 32768 --variants default --warmup 2 --steps 3 ;;  # 2 GPUs
+    rl) part rl 540 python bench/bench_rl.py --steps 6 --warmup 2 \
+                    --modes 0,2,2+weight_sync_inflight_kv=keep,0+dispatch_only_needed_groups=true ;;  # 2 GPUs
+    *) echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary serving fsdp_test fsdp_throughput rl" >&2 ;;
+  esac
+}
+
+for name in "$@"; do
+  run_part "$name"
+done
