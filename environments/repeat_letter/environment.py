@@ -3,10 +3,12 @@
 It is written only against the public environment API, exactly like a user's environment, and is
 found because it sits in ./environments/<name>/environment.py.
 
-Reward: the fraction of the completion's non-whitespace characters that are the requested letter. A
-random model scores ~0.05; a model that has learned to repeat the letter scores 1.0, with or without
-spaces between the letters. (Counting spaces made " a a a" a 0.5 plateau: the tokenizer has a " a"
-token, and a run that collapsed onto it had no reward variance left to climb out.)
+Reward: the share of the completion's non-whitespace characters that sit in words made only of the
+requested letter ("aaa a" scores 1.0, "a an" 1/3, "an an" 0). A model that has learned to repeat the
+letter scores 1.0, with or without spaces. Letters inside other words earn nothing on purpose: with
+per-character credit, a policy that collapsed onto a two-character token such as "an" or " a" (the
+tiny tokenizer has both) scored exactly 0.5 on every sample, and GRPO, with no reward variance left,
+never climbed out (seen in CI).
 """
 
 from refractor.envs.base import SingleTurnEnvironment
@@ -30,7 +32,8 @@ class RepeatLetterEnvironment(SingleTurnEnvironment):
 
     async def compute_reward(self, completion: str, sample: Sample, eos_token: str = "") -> RewardResult:
         text = completion[: -len(eos_token)] if eos_token and completion.endswith(eos_token) else completion
-        visible = [ch for ch in text if not ch.isspace()]
-        fraction = sum(ch == sample.answer for ch in visible) / max(len(visible), 1)
+        words = text.split()
+        visible = sum(len(word) for word in words)
+        fraction = sum(len(word) for word in words if set(word) == {sample.answer}) / max(visible, 1)
         return RewardResult(total_reward=fraction, sample_metrics={"letter_fraction": fraction},
                             golden_answers={"letter": sample.answer})
