@@ -291,13 +291,13 @@ def main() -> None:
         batches = batches if args.vary else batch
         weights = None
         labels = []
-        for i, name in enumerate(args.variants.split(",")):
+        for name in args.variants.split(","):
             label, ac, compiled, per_forward = VARIANTS[name]
             t = time.perf_counter()
             try:
                 profiled = name in args.profile.split(",")
                 prof = os.path.join(args.out, f"profile_{size}_{name}") if profiled else None
-                r = bench_refractor(model_dir, batches, ac, args.warmup, args.steps, export=i == 0 and not args.vary,
+                r = bench_refractor(model_dir, batches, ac, args.warmup, args.steps, export=weights is None and not args.vary,
                                     compile=compiled, tokens_per_forward=per_forward, profile=prof)
             except Exception as err:  # report and keep the other variants
                 print(f"{label}: failed: {type(err).__name__}: {str(err)[:800]}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements still pending (bench/RESULTS.md says which), batched for the lent device:
-#   bash bench/device_pending.sh trainer_1p5b                 # 1 GPU, one call (cold compile: minutes)
-#   bash bench/device_pending.sh trainer_sac trainer_vary     # 1 GPU, one call
+#   bash bench/device_pending.sh trainer_1p5b trainer_sac     # 1 GPU, one call (cold compile: minutes)
+#   bash bench/device_pending.sh trainer_vary serving         # 1 GPU, one call
 #   bash bench/device_pending.sh serving                      # 1 GPU
 #   bash bench/device_pending.sh fsdp_test fsdp_throughput    # 2 GPUs (nvidia-h200-x2), one call
 #   bash bench/device_pending.sh rl                           # 2 GPUs, one call
@@ -31,9 +31,9 @@ part() {  # part NAME SECONDS COMMAND...
 
 run_part() {
   case "$1" in
-    trainer_1p5b) part trainer_1p5b 540 python bench/bench_trainer.py --sizes 1.5b --variants default,sac,noac \
+    trainer_1p5b) part trainer_1p5b 300 python bench/bench_trainer.py --sizes 1.5b --variants default,sac,noac \
                     --warmup 2 --steps 3 ;;
-    trainer_sac) part trainer_sac 300 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
+    trainer_sac) part trainer_sac 280 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
                     --warmup 2 --steps 3 ;;
     trainer_vary) part trainer_vary 200 python bench/bench_trainer.py --sizes 0.5b --variants default --vary \
                     --warmup 3 --steps 3 ;;

@@ -26,11 +26,11 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_ops(model_dir, mode) -> tuple[Counter, dict[str, torch.Tensor]]:
+def backward_ops(model_dir, mode, compile: bool = False) -> tuple[Counter, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = build_model(read_hf_config(model_dir), dtype=torch.float32)
     model.init_weights(generator=torch.Generator().manual_seed(0))
-    prepare_layers(model.model.layers, checkpoint_activations=mode, compile=False)
+    prepare_layers(model.model.layers, checkpoint_activations=mode, compile=compile)
     lengths = [7, 5]
     ids = torch.randint(3, 500, (sum(lengths),), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(n) for n in lengths])
@@ -64,3 +64,20 @@ def test_an_unknown_mode_is_named(tiny_qwen2_path):
 
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         load_config(None, {"model": str(tiny_qwen2_path), "activation_checkpointing": "partial"})
+
+
+@pytest.mark.parametrize("mode", [True, "selective", False])
+def test_every_mode_traces_under_torch_compile(tiny_qwen2_path, monkeypatch, mode):
+    """The CUDA default compiles each checkpointed layer; Dynamo must trace the checkpoint of every
+    mode (a ``context_fn`` passed for full checkpointing made Dynamo raise on the GPU). The
+    ``aot_eager`` backend runs Dynamo and AOTAutograd as on the GPU without Inductor's C++ toolchain."""
+    import functools
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager", fullgraph=True))
+    _, compiled = backward_ops(tiny_qwen2_path, mode, compile=True)
+    _, eager = backward_ops(tiny_qwen2_path, False)
+    for name, g in eager.items():
+        torch.testing.assert_close(compiled[name], g, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")

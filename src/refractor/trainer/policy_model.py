@@ -27,7 +27,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 from refractor.algorithms.logprobs import token_logprobs_and_entropy
@@ -176,12 +175,20 @@ _SAVED_OPS = _saved_ops()
 
 
 def _checkpointed(forward, selective: bool = False):
-    context_fn = partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else noop_context_fn
+    """Full checkpointing passes no ``context_fn``: Dynamo (torch 2.11) rejects the default
+    ``noop_context_fn`` when it is passed explicitly from a closure (it arrives as a lazy variable),
+    so the compiled full-checkpoint layer failed to trace on the GPU while the selective one traced."""
+    if not selective:
+        def checkpointed_forward(*args, **kwargs):
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    def checkpointed_forward(*args, **kwargs):
+        return checkpointed_forward
+    context_fn = partial(create_selective_checkpoint_contexts, _keep_matmuls)
+
+    def selective_forward(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-    return checkpointed_forward
+    return selective_forward
 
 
 def shard_model(model: PolicyModel, *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype,
