@@ -98,13 +98,14 @@ def trainer_config(model_dir, **overrides):
 
 
 def bench_refractor(model_dir, batches, activation_checkpointing: bool | str, warmup: int, steps: int,
-                    export: bool, compile: bool = False, tokens_per_forward: int = 16384,
+                    export: bool, compile: bool | str = False, tokens_per_forward: int = 16384,
                     profile: str | None = None) -> dict:
     """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
-    from refractor.trainer import Trainer
+    from refractor.trainer import Trainer, policy_model
 
     batches = batches if isinstance(batches, list) else [batches]
-    cfg = trainer_config(model_dir, activation_checkpointing=activation_checkpointing, trainer_compile=compile,
+    policy_model.COMPILE_DYNAMIC = True if compile == "dynamic" else None
+    cfg = trainer_config(model_dir, activation_checkpointing=activation_checkpointing, trainer_compile=bool(compile),
                          trainer_max_tokens_per_forward=tokens_per_forward)
     trainer = Trainer(cfg, random_init=True)
     out: dict = {"n_params": sum(p.numel() for p in trainer.model.parameters())}
@@ -128,9 +129,13 @@ def bench_refractor(model_dir, batches, activation_checkpointing: bool | str, wa
                          "peak_extra_gb": (torch.cuda.max_memory_allocated() - base) / 2**30}
         out["weights"] = weights
         out["export"]["warm_s"] = time_export(trainer)
+    t = time.perf_counter()
     out["first_loss"] = trainer.train_step(batches[0]).metrics["loss"]  # before any update: parity with HF
+    out["first_steps_s"] = [time.perf_counter() - t]  # wall time of the warm-up steps: compiles show here
     for i in range(warmup - 1):
+        t = time.perf_counter()
         trainer.train_step(batches[(i + 1) % len(batches)])
+        out["first_steps_s"].append(time.perf_counter() - t)
     torch.cuda.reset_peak_memory_stats()
     last = {}
     count = iter(range(10**9))
@@ -226,6 +231,7 @@ def release() -> None:
 VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, trainer_max_tokens_per_forward)
     "default": ("refractor default (compiled layers + ckpt, 16k-token passes)", True, True, 16384),
     "noac": ("compiled layers, ckpt off, 16k-token passes", False, True, 16384),
+    "dyn": ("compiled layers (dynamic shapes from the start) + ckpt, 16k-token passes", True, "dynamic", 16384),
     "sac": ("compiled layers + selective ckpt (matmul outputs kept), 16k-token passes", "selective", True, 16384),
     "rows": ("compiled layers + ckpt, one pass per 4k row", True, True, 0),
     "rows_noac": ("compiled layers, ckpt off, one pass per 4k row", False, True, 0),
@@ -313,6 +319,7 @@ def main() -> None:
                   f"peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M ({time.perf_counter() - t:.0f} s incl. warmup)")
             print("   spans (s):", {k[7:-6]: round(v, 4) for k, v in r["timings"].items()},
                   f"first-step loss {r['first_loss']:.6f}")
+            print("   warm-up steps (s, compiles included):", [round(x, 1) for x in r["first_steps_s"]])
             if "profile" in r:
                 print("   profile:", json.dumps(r["profile"]))
             if "export" in r:

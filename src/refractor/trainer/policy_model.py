@@ -126,6 +126,12 @@ def load_lm(
     return model.to(device).train()
 
 
+# ``dynamic`` for the compiled decoder layers. None (torch's automatic dynamic): the first pass
+# length compiles a static graph, the second distinct length recompiles a dynamic one; True compiles
+# the dynamic graph at once. bench/bench_trainer.py (variant ``dyn``) measures both.
+COMPILE_DYNAMIC: bool | None = None
+
+
 def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool | str, compile: bool) -> None:
     """Activation checkpointing and/or ``torch.compile`` of each decoder layer's forward, in place.
 
@@ -151,7 +157,7 @@ def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool | str,
         if checkpoint_activations:
             forward = _checkpointed(forward, selective=checkpoint_activations == "selective")
         if compile:
-            forward = torch.compile(forward)
+            forward = torch.compile(forward, dynamic=COMPILE_DYNAMIC)
         layer.forward = forward
         layer._refractor_prepared = True
 
