@@ -104,7 +104,7 @@ def bench_refractor(model_dir, batches, activation_checkpointing: bool | str, wa
     from refractor.trainer import Trainer, policy_model
 
     batches = batches if isinstance(batches, list) else [batches]
-    policy_model.COMPILE_DYNAMIC = True if compile == "dynamic" else None
+    policy_model.COMPILE_DYNAMIC = compile == "dynamic"
     cfg = trainer_config(model_dir, activation_checkpointing=activation_checkpointing, trainer_compile=bool(compile),
                          trainer_max_tokens_per_forward=tokens_per_forward)
     trainer = Trainer(cfg, random_init=True)
@@ -251,7 +251,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--variants", default="default,noac,session1", help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--export-only", action="store_true", help="only time the weight export (256 MiB buckets)")
-    ap.add_argument("--vary", action="store_true", help="cycle 3 batches whose rows differ in length (no baseline)")
+    ap.add_argument("--vary", action="store_true",
+                    help="cycle 3 batches of 4, 3 and 2 rows whose lengths differ (no baseline)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the naive HF baseline")
     ap.add_argument("--model-dir", default=None, help="a config dir to use instead of the Qwen2.5 shapes (dry runs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -279,7 +280,9 @@ def main() -> None:
         real = sum(len(s.input_ids) for s in samples)
         rows = [[mb.num_tokens for mb in rank_rows] for rank_rows in batch.micro_batches]
         if args.vary:  # realistic rows: lengths differ between steps (padding to 64 only)
-            batches = [pack_train_batch(make_samples(args.tokens // args.seq_len, args.seq_len, vocab, seed=100 * k),
+            # 4, 3 and 2 rows: with trainer_pass_pad_multiple 4096 the passes are 16k, 12k and 8k tokens
+            batches = [pack_train_batch(make_samples(max(1, args.tokens // args.seq_len + 1 - k), args.seq_len, vocab,
+                                                     seed=100 * k),
                                         step=k, seq_len=args.seq_len, pad_to_multiple_of=64, pad_token_id=0,
                                         num_dp_ranks=world) for k in range(1, 4)]
             print("   --vary: 3 batches with rows", [[mb.num_tokens for mb in b.micro_batches[0]] for b in batches])

@@ -9,7 +9,7 @@ import torch
 
 from refractor.algorithms.attention import block_causal_mask
 from refractor.trainer import Trainer
-from refractor.trainer.rows import merge_rows
+from refractor.trainer.rows import merge_rows, pad_row
 
 from ._helpers import make_cfg, make_samples, pack, quiet_env
 
@@ -47,15 +47,39 @@ def test_a_step_with_merged_passes_equals_the_step_with_one_pass_per_row(tiny_qw
     """Merging is a CUDA default; on CPU it is forced here to compare against per-row passes."""
     batch = pack(make_samples(n=9, seed=13))
     runs = []
-    for max_tokens in (0, 512):
+    for max_tokens, pad_multiple in ((0, 0), (512, 0), (512, 160)):
         trainer = Trainer(make_cfg(tiny_qwen2_path, kl_penalty_tau=0.1))
         assert trainer.step_settings.max_tokens_per_forward == 0  # CPU default: one pass per row
-        trainer.step_settings = replace(trainer.step_settings, max_tokens_per_forward=max_tokens)
+        assert trainer.step_settings.pass_pad_multiple == 0  # padding only for compiled (CUDA) layers
+        trainer.step_settings = replace(trainer.step_settings, max_tokens_per_forward=max_tokens,
+                                        pass_pad_multiple=pad_multiple)
         runs.append([trainer.train_step(batch).metrics for _ in range(2)])
-    rows, merged = runs
+    rows, merged, padded = runs
     assert rows[0]["timing_microbatch_count"] > merged[0]["timing_microbatch_count"] == 1
+    tokens = merged[0]["trainer/batch/tokens"]
+    assert padded[0]["trainer/batch/tokens"] == tokens + (-tokens % 160) > tokens  # the padding ran too
     # Same gradients up to float32 summation order: equal metrics before and after the first update
     # (AdamW's first step is ~lr * sign(g), so parameters are compared through the second step's loss).
-    for before, after in zip(rows, merged, strict=True):
-        for key in ("loss", "grad_norm", "entropy", "kl_divergence_inference"):
-            assert after[key] == pytest.approx(before[key], rel=1e-5), key
+    for run in (merged, padded):
+        for before, after in zip(rows, run, strict=True):
+            for key in ("loss", "grad_norm", "entropy", "kl_divergence_inference"):
+                assert after[key] == pytest.approx(before[key], rel=1e-5), key
+
+
+def test_pad_row_appends_one_isolated_segment_that_the_loss_ignores():
+    row = pack(make_samples(n=3, seed=14)).micro_batches[0][0]
+    n = row.num_tokens
+    padded = pad_row(row, 128, pad_token_id=7)
+    pad = padded.num_tokens - n
+    assert padded.num_tokens % 128 == 0 and 0 < pad < 128
+    assert padded.input_ids[n:].eq(7).all() and padded.document_ids[n:].eq(-1).all()
+    assert padded.loss_mask[n:].eq(0).all() and padded.advantages[n:].eq(0).all()
+    assert padded.position_ids[n:].tolist() == list(range(pad))
+    assert padded.cu_seqlens.tolist() == [*row.cu_seqlens.tolist(), padded.num_tokens]
+    for name in ("input_ids", "position_ids", "document_ids", "loss_mask", "advantages", "rollout_logprobs"):
+        torch.testing.assert_close(getattr(padded, name)[:n], getattr(row, name))
+    # the real tokens attend exactly as before; each padding token only to itself
+    mask = block_causal_mask(padded.document_ids)
+    torch.testing.assert_close(mask[:n, :n], block_causal_mask(row.document_ids))
+    assert not mask[n:, :n].any() and not mask[:n, n:].any()
+    assert pad_row(padded, 128, 7) is padded and pad_row(row, 0, 7) is row

@@ -126,10 +126,11 @@ def load_lm(
     return model.to(device).train()
 
 
-# ``dynamic`` for the compiled decoder layers. None (torch's automatic dynamic): the first pass
-# length compiles a static graph, the second distinct length recompiles a dynamic one; True compiles
-# the dynamic graph at once. bench/bench_trainer.py (variant ``dyn``) measures both.
-COMPILE_DYNAMIC: bool | None = None
+# ``dynamic`` for the compiled decoder layers: static graphs, one per pass length. The trainer pads
+# passes to a few lengths (``trainer_pass_pad_multiple``), because a dynamic-shape compile of a
+# layer did not finish within 8 minutes on an H100 (bench/RESULTS.md); torch's automatic dynamic
+# (None) would switch to it at the second distinct length. bench_trainer.py variant ``dyn`` sets True.
+COMPILE_DYNAMIC: bool | None = False
 
 
 def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool | str, compile: bool) -> None:
@@ -150,6 +151,8 @@ def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool | str,
     the GPU work of a 0.5B layer; bench/RESULTS.md). The compiled code also fuses the RMSNorm,
     rotary and SiLU-gate glue into a few kernels.
     """
+    if compile:  # one static graph per pass length and grad mode: room beyond Dynamo's default of 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in layers:
         if getattr(layer, "_refractor_prepared", False):
             continue

@@ -59,3 +59,32 @@ def concat_rows(rows: list[MicroBatch]) -> MicroBatch:
         rollout_logprobs=cat("rollout_logprobs"), sample_ids=[i for mb in rows for i in mb.sample_ids],
         max_seqlen=max(mb.max_seqlen for mb in rows),
     )
+
+
+def pad_row(mb: MicroBatch, multiple: int, pad_token_id: int) -> MicroBatch:
+    """``mb`` padded at the end to a multiple of ``multiple`` tokens (``multiple <= 0``: unchanged).
+
+    The padding is one trailing segment, as the packer pads a row: document id -1 (it attends only
+    to itself), loss mask 0, advantage 0, positions from 0. The pass's loss and gradients are
+    unchanged; the compiled layers see one static shape per multiple (``trainer_pass_pad_multiple``).
+    """
+    length = int(mb.input_ids.numel())
+    pad = -length % multiple if multiple > 0 else 0
+    if pad == 0:
+        return mb
+
+    def extend(x: torch.Tensor, value) -> torch.Tensor:
+        return torch.cat([x, torch.full((pad,), value, dtype=x.dtype, device=x.device)])
+
+    cu = mb.cu_seqlens
+    return replace(
+        mb,
+        input_ids=extend(mb.input_ids, pad_token_id),
+        position_ids=torch.cat([mb.position_ids, torch.arange(pad, dtype=mb.position_ids.dtype,
+                                                              device=mb.position_ids.device)]),
+        document_ids=extend(mb.document_ids, -1),
+        cu_seqlens=torch.cat([cu, cu.new_tensor([length + pad])]),
+        loss_mask=extend(mb.loss_mask, 0), advantages=extend(mb.advantages, 0),
+        rollout_logprobs=extend(mb.rollout_logprobs, 0),
+        max_seqlen=max(mb.max_seqlen, pad),
+    )

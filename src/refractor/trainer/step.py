@@ -27,7 +27,7 @@ from refractor.algorithms.packing import build_micro_batch
 from refractor.records import MicroBatch, TrainBatch
 from refractor.trainer.distributed import all_reduce_
 from refractor.trainer.policy_model import PolicyModel
-from refractor.trainer.rows import merge_rows
+from refractor.trainer.rows import merge_rows, pad_row
 from refractor.trainer.timing import StepTimer
 
 RATIO_ALGORITHMS = {"cispo", "gspo", "sapo"}
@@ -44,16 +44,19 @@ class StepSettings:
     pad_token_id: int
     pad_to_multiple_of: int
     max_tokens_per_forward: int = 0  # rows of a minibatch are concatenated up to this (rows.py); 0 = off
+    pass_pad_multiple: int = 0  # every pass is padded to a multiple of this (static compiled shapes); 0 = off
 
     @classmethod
-    def from_config(cls, cfg, pad_token_id: int, on_cuda: bool = True) -> StepSettings:
+    def from_config(cls, cfg, pad_token_id: int, on_cuda: bool = True, compiled: bool = False) -> StepSettings:
         """Rows are merged only on CUDA: there the attention is FlexAttention (cost ~ the tokens of each
-        sample), while the CPU path builds a dense [T, T] mask per pass."""
+        sample), while the CPU path builds a dense [T, T] mask per pass. Passes are padded to static
+        lengths only for compiled layers (eager kernels take any length at no cost)."""
         uses_ratio = cfg.use_ppo_clip or cfg.algorithm in RATIO_ALGORITHMS
         return cls(temperature=cfg.temperature, chunk_size=cfg.entropy_chunk_size, grad_clip=cfg.grad_clip,
                    batch_ref_logprobs=cfg.ppo_clip_ref_logprobs == "batch" and uses_ratio,
                    pad_token_id=pad_token_id, pad_to_multiple_of=min(cfg.pad_to_multiple_of, 64),
-                   max_tokens_per_forward=getattr(cfg, "trainer_max_tokens_per_forward", 0) if on_cuda else 0)
+                   max_tokens_per_forward=getattr(cfg, "trainer_max_tokens_per_forward", 0) if on_cuda else 0,
+                   pass_pad_multiple=getattr(cfg, "trainer_pass_pad_multiple", 0) if compiled else 0)
 
 
 @dataclass
@@ -81,8 +84,8 @@ def group_minibatches(rows: list[MicroBatch], settings: StepSettings, device: to
     groups: list[list[MicroBatch]] = [[] for _ in range(num)]
     for mb in rows:
         groups[mb.minibatch].append(mb)
-    groups = [[to_device(mb, device) for mb in merge_rows(group, settings.max_tokens_per_forward)]
-              for group in groups]
+    groups = [[to_device(pad_row(mb, settings.pass_pad_multiple, settings.pad_token_id), device)
+               for mb in merge_rows(group, settings.max_tokens_per_forward)] for group in groups]
     counts = all_reduce_(torch.tensor([len(g) for g in groups], device=device), dist.ReduceOp.MAX).tolist()
     normalizers = all_reduce_(torch.tensor([g[0].loss_normalizer if g else 0.0 for g in groups],
                                            dtype=torch.float64, device=device), dist.ReduceOp.MAX).tolist()

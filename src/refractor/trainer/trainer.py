@@ -105,7 +105,7 @@ class Trainer:
         self.loss_settings = LossSettings.from_config(cfg)
         pad_id = self.hf_config.get("pad_token_id")
         self.step_settings = StepSettings.from_config(cfg, pad_token_id=pad_id if isinstance(pad_id, int) else 0,
-                                                      on_cuda=self.info.is_cuda)
+                                                      on_cuda=self.info.is_cuda, compiled=self.compiled)
         self._step = 0
         self.skipped_updates = 0
         log.info("trainer rank %d/%d on %s: %s model, master %s, compute %s, activation checkpointing %s, "
