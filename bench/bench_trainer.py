@@ -92,7 +92,7 @@ def trainer_config(model_dir, **overrides):
             ppo_clip_ref_logprobs="rollout", weight_broadcast_bucket_mb=256, checkpoint_save_training_state=True,
             checkpoint_keep_last=None, checkpoint_keep_every=None, resume_from_checkpoint=False,
             seq_len=4096, pad_to_multiple_of=64, temperature=1.0, entropy_chunk_size=1024, trainer_compile=True,
-            trainer_max_tokens_per_forward=16384)
+            trainer_max_tokens_per_forward=16384, trainer_pass_pad_multiple=4096)
         return SimpleNamespace(**{**asdict(LossSettings()), **defaults, **values})
     return RefractorConfig(**values)
 

@@ -149,7 +149,7 @@ class TrainerKeys(_Strict):
         "glue (RMSNorm, rotary, SiLU gate); false: keep everything (fastest, most memory).")
     trainer_compile: bool = Field(True, description="[refractor] torch.compile each decoder layer of the trainer, activation checkpointing included (CUDA only; CPU trainers run eagerly).")
     trainer_max_tokens_per_forward: int = Field(16384, ge=0, description="[refractor] CUDA trainer: the packed rows of a minibatch (each <= seq_len) are concatenated into forward passes of up to this many tokens (samples stay isolated); fewer, longer passes cut per-layer host overhead. 0 = one pass per row. CPU trainers run one pass per row.")
-    trainer_pass_pad_multiple: int = Field(4096, ge=0, description="[refractor] Compiled CUDA trainer: every forward pass is padded to a multiple of this many tokens (padding is masked out of attention and loss), so the compiled decoder layers see a few static lengths (<= trainer_max_tokens_per_forward / this) instead of a new one each step; a dynamic-shape recompile of a layer takes minutes on the GPU. 0 = no padding (lengths vary; not recommended with trainer_compile).")
+    trainer_pass_pad_multiple: int = Field(4096, ge=0, description="[refractor] Compiled CUDA trainer: every forward pass is padded to a multiple of this many tokens (padding is masked out of attention and loss), so the compiled decoder layers see a few static lengths (<= trainer_max_tokens_per_forward / this) instead of a new one each step; a dynamic-shape compile of a layer did not finish within 8 minutes on an H100. 0 = no padding (lengths vary; not recommended with trainer_compile).")
 
 
 class MegatronKeys(_Strict):

@@ -14,7 +14,8 @@ run_dir=None, model_impl="auto", random_init=False, compile=None)``
     FSDP2 ``fully_shard`` per layer + root (gradients summed: the loss is globally normalized),
     AdamW, the LR schedule of reference §3.5. On CUDA, ``trainer_compile`` (default on; or
     ``compile=``) compiles each decoder layer with its activation checkpoint, and the rows of a
-    minibatch are concatenated into passes of ``trainer_max_tokens_per_forward`` tokens (``rows.py``).
+    minibatch are concatenated into passes of ``trainer_max_tokens_per_forward`` tokens (``rows.py``),
+    padded to multiples of ``trainer_pass_pad_multiple`` when compiled (a few static lengths).
     ``cfg`` is only read (attributes), so a plain namespace with the
     same keys works where pydantic is missing (GPU benchmark images).
 
