@@ -83,3 +83,15 @@ def test_pad_row_appends_one_isolated_segment_that_the_loss_ignores():
     torch.testing.assert_close(mask[:n, :n], block_causal_mask(row.document_ids))
     assert not mask[n:, :n].any() and not mask[:n, n:].any()
     assert pad_row(padded, 128, 7) is padded and pad_row(row, 0, 7) is row
+
+
+def test_passes_are_merged_on_cuda_and_padded_only_for_compiled_layers(tiny_qwen2_path):
+    from refractor.trainer.step import StepSettings
+
+    cfg = make_cfg(tiny_qwen2_path, trainer_max_tokens_per_forward=8192, trainer_pass_pad_multiple=2048)
+    compiled = StepSettings.from_config(cfg, pad_token_id=0, on_cuda=True, compiled=True)
+    assert (compiled.max_tokens_per_forward, compiled.pass_pad_multiple) == (8192, 2048)
+    eager = StepSettings.from_config(cfg, pad_token_id=0, on_cuda=True, compiled=False)
+    assert (eager.max_tokens_per_forward, eager.pass_pad_multiple) == (8192, 0)
+    cpu = StepSettings.from_config(cfg, pad_token_id=0, on_cuda=False)
+    assert (cpu.max_tokens_per_forward, cpu.pass_pad_multiple) == (0, 0)
