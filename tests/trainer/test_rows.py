@@ -95,3 +95,41 @@ def test_passes_are_merged_on_cuda_and_padded_only_for_compiled_layers(tiny_qwen
     assert (eager.max_tokens_per_forward, eager.pass_pad_multiple) == (8192, 0)
     cpu = StepSettings.from_config(cfg, pad_token_id=0, on_cuda=False)
     assert (cpu.max_tokens_per_forward, cpu.pass_pad_multiple) == (0, 0)
+
+
+def compiled_lengths(tiny_qwen2_path, monkeypatch, pad_multiple: int) -> list[tuple[int, ...]]:
+    """Token lengths of the graphs Dynamo compiles for the decoder layers over steps whose passes differ
+    in length (CPU: Dynamo + AOTAutograd with the ``aot_eager`` backend, as Inductor would be fed on a GPU)."""
+    import functools
+
+    import torch._dynamo
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs: list[tuple[int, ...]] = []
+
+    def recording_backend(gm, example_inputs, **kwargs):
+        sizes = [x.shape for x in example_inputs if isinstance(x, torch.Tensor)]
+        assert all(isinstance(d, int) for shape in sizes for d in shape), "a dynamic-shape graph was compiled"
+        graphs.append(sizes[0][0] if sizes and sizes[0] else None)  # the hidden states [T, H] come first
+        return aot_eager(gm, example_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=recording_backend))
+    trainer = Trainer(make_cfg(tiny_qwen2_path, trainer_pass_pad_multiple=pad_multiple), compile=True)
+    assert trainer.step_settings.pass_pad_multiple == pad_multiple
+    trainer.step_settings = replace(trainer.step_settings, max_tokens_per_forward=256)
+    for seed in (21, 22, 23, 21, 22):  # five steps, three batches of different pass lengths
+        trainer.train_step(pack(make_samples(n=7, seed=seed)))
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_compiled_layers_see_only_the_padded_static_lengths(tiny_qwen2_path, monkeypatch):
+    """Why passes are padded (``trainer_pass_pad_multiple``): every distinct pass length is one more
+    compile of the decoder layer (static graphs; a dynamic-shape compile did not finish in 8 minutes on
+    an H100). Padded to multiples of 128, these steps compile fewer lengths, all multiples of 128, and
+    batches seen before compile nothing new."""
+    padded = compiled_lengths(tiny_qwen2_path, monkeypatch, 128)
+    raw = compiled_lengths(tiny_qwen2_path, monkeypatch, 0)
+    assert padded and all(t % 128 == 0 for t in padded)
+    assert len(padded) == len(set(padded)) < len(raw) == len(set(raw))

@@ -90,8 +90,9 @@ class Trainer:
         lm = load_lm(source, self.impl, master, self.device, random_init=random_init or init_checkpoint is not None,
                      seed=cfg.seed)
         self.model = PolicyModel(lm, self.impl)
-        # Compiled layers only on CUDA (Inductor on CPU needs a C++ toolchain and gains little there).
-        self.compiled = self.info.is_cuda and (getattr(cfg, "trainer_compile", True) if compile is None else compile)
+        # ``trainer_compile`` applies on CUDA only (Inductor on CPU needs a C++ toolchain and gains little
+        # there); an explicit ``compile=`` argument is obeyed on any device (tests trace on CPU).
+        self.compiled = (self.info.is_cuda and getattr(cfg, "trainer_compile", True)) if compile is None else compile
         prepare_layers(self.model.layers, checkpoint_activations=cfg.activation_checkpointing, compile=self.compiled)
         shard_model(self.model, param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
                     keep_unsharded=self.world_size == 1)
