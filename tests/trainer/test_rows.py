@@ -133,3 +133,28 @@ def test_compiled_layers_see_only_the_padded_static_lengths(tiny_qwen2_path, mon
     raw = compiled_lengths(tiny_qwen2_path, monkeypatch, 0)
     assert padded and all(t % 128 == 0 for t in padded)
     assert len(padded) == len(set(padded)) < len(raw) == len(set(raw))
+
+
+def test_a_compiled_step_with_padded_passes_equals_the_eager_step(tiny_qwen2_path, monkeypatch):
+    """The CUDA default's structure on CPU: layers compiled with their checkpoint inside (Dynamo +
+    AOTAutograd, ``aot_eager``), merged and padded passes, and a no-grad pass for the ratio reference
+    (``ppo_clip_ref_logprobs: batch``): the same metrics as eager layers on unmerged rows."""
+    import functools
+
+    import torch._dynamo
+
+    cfg = make_cfg(tiny_qwen2_path, use_ppo_clip=True, ppo_clip_ref_logprobs="batch", trainer_pass_pad_multiple=128)
+    batches = [pack(make_samples(n=7, seed=seed)) for seed in (31, 32)]
+    eager = Trainer(cfg)
+    expected = [eager.train_step(b).metrics for b in batches]
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    compiled = Trainer(cfg, compile=True)
+    compiled.step_settings = replace(compiled.step_settings, max_tokens_per_forward=256)
+    assert compiled.step_settings.batch_ref_logprobs
+    got = [compiled.train_step(b).metrics for b in batches]
+    torch._dynamo.reset()
+    for before, after in zip(expected, got, strict=True):
+        assert after["trainer/batch/tokens"] > before["trainer/batch/tokens"]  # the padding ran
+        for key in ("loss", "grad_norm", "entropy", "kl_divergence_inference"):
+            assert after[key] == pytest.approx(before[key], rel=1e-5), key
