@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements still pending (bench/RESULTS.md says which), batched for the lent device:
+# GPU measurements as named parts, batched for the lent device (session 4 ran all but serving at c=384
+# and rl; bench/RESULTS.md has the numbers):
 #   bash bench/device_pending.sh trainer_1p5b trainer_sac     # 1 GPU, one call (cold compile: minutes)
 #   bash bench/device_pending.sh trainer_vary serving         # 1 GPU, one call
 #   bash bench/device_pending.sh serving                      # 1 GPU
@@ -35,10 +36,10 @@ run_part() {
                     --warmup 2 --steps 3 ;;
     trainer_sac) part trainer_sac 280 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
                     --warmup 2 --steps 3 ;;
-    trainer_vary) part trainer_vary 200 python bench/bench_trainer.py --sizes 0.5b --variants default --vary \
-                    --warmup 3 --steps 3 ;;
-    serving) part serving 240 python bench/bench_serving.py --model 0.5b --concurrency 64,384 --prompt-len 128 \
-                    --gen-len 512 --requests 1024 ;;
+    trainer_vary) part trainer_vary 420 python bench/bench_trainer.py --sizes 0.5b --variants default,sac --vary \
+                    --warmup 4 --steps 3 ;;
+    serving) part serving 300 python bench/bench_serving.py --model 0.5b --concurrency 384 --prompt-len 128 \
+                    --gen-len 512 --requests 768 ;;  # c=64 measured in session 4 (bench/RESULTS.md)
     fsdp_test)  # 2 GPUs
       mkdir -p "$OUT/fsdp_test"
       echo "=== fsdp_test"
