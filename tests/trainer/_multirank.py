@@ -33,6 +33,30 @@ def run_reference(trainer: Trainer, world_size: int) -> dict:
     return {"metrics": metrics, "params_step1": params_step1, "params": full_params(trainer)}
 
 
+def known_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Full gradients every rank can rebuild (seeded), large enough that grad_clip=1 scales them."""
+    g = torch.Generator().manual_seed(5)
+    return {name: torch.randn(p.shape, generator=g) for name, p in trainer.model.named_parameters()}
+
+
+def clip_known_gradients(trainer: Trainer, max_norm: float = 1.0) -> dict:
+    """Sets the gradients to ``known_gradients`` (sharded like the parameters), clips, returns the
+    reported norm and the full clipped gradients."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from refractor.trainer.step import clip_gradients
+
+    full = known_gradients(trainer)
+    params = dict(trainer.model.named_parameters())
+    for name, p in params.items():
+        p.grad = (distribute_tensor(full[name], p.device_mesh, p.placements) if isinstance(p, DTensor)
+                  else full[name].clone())
+    norm = clip_gradients(list(params.values()), max_norm)
+    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in params.items()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return {"norm": norm, "grads": grads, "reference": full}
+
+
 def worker(rank: int, world_size: int, port: int, model_path: str, checkpoint_dir: str, out: str) -> None:
     quiet_env()
     cfg = schedule_cfg(model_path, checkpoint_dir)
@@ -41,6 +65,8 @@ def worker(rank: int, world_size: int, port: int, model_path: str, checkpoint_di
     buckets = list(iter_weight_buckets(trainer.model, BUCKET_BYTES, torch.float32))
     result["bucket_names"] = [[name for name, _ in b] for b in buckets]
     result["buckets"] = {name: t.cpu() for b in buckets for name, t in b}
+
+    result["clip"] = clip_known_gradients(trainer)
 
     resumed = Trainer(cfg, rank, world_size)  # same process group
     assert resumed.load_checkpoint("latest") == 2

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from refractor.trainer import Trainer
 
 from ._helpers import free_port, quiet_env
-from ._multirank import run_reference, schedule_cfg, worker
+from ._multirank import clip_known_gradients, run_reference, schedule_cfg, worker
 
 quiet_env()
 
@@ -57,3 +57,22 @@ def test_sharded_weight_export_gathers_to_rank_zero_only(two_ranks):
     assert list(rank0["buckets"]) == list(rank0["params"])
     for name, t in rank0["buckets"].items():
         assert torch.equal(t, rank0["params"][name]), name
+
+
+def check_clip(clip: dict) -> None:
+    """The norm is the float64 norm of the full gradients; clipping scales them by 1 / (norm + 1e-6)."""
+    full = torch.cat([g.double().flatten() for g in clip["reference"].values()])
+    assert clip["norm"] == pytest.approx(float(full.norm()), rel=1e-5)
+    assert clip["norm"] > 10  # grad_clip 1 really scales
+    scale = 1.0 / (float(full.norm()) + 1e-6)
+    for name, g in clip["grads"].items():
+        torch.testing.assert_close(g.double(), clip["reference"][name].double() * scale, rtol=1e-5, atol=1e-9,
+                                   msg=name)
+
+
+def test_gradient_norm_and_clipping_on_sharded_gradients(two_ranks, tiny_qwen2_path, tmp_path):
+    """clip_gradients works on the local shards with one all-reduce: the same norm and clipped
+    gradients on 2 ranks and on 1 (FSDP2 DTensors either way) as the float64 reference."""
+    for rank in two_ranks:
+        check_clip(rank["clip"])
+    check_clip(clip_known_gradients(Trainer(schedule_cfg(tiny_qwen2_path, str(tmp_path)))))

