@@ -152,7 +152,9 @@ def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool | str,
     rotary and SiLU-gate glue into a few kernels.
     """
     if compile:  # one static graph per pass length and grad mode: room beyond Dynamo's default of 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        setattr(config, name, max(getattr(config, name), 64))
     for layer in layers:
         if getattr(layer, "_refractor_prepared", False):
             continue
