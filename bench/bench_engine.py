@@ -41,23 +41,40 @@ def gpu_checks(log) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
         for dtype in ("float32", "bfloat16"):
             for eager in (False,):
-                engine = LLMEngine.from_pretrained(path, EngineConfig(
-                    max_model_len=512, kv_cache_memory_gb=0.05, dtype=dtype, enforce_eager=eager, max_num_seqs=16))
+                engine = LLMEngine.from_pretrained(
+                    path,
+                    EngineConfig(
+                        max_model_len=512,
+                        kv_cache_memory_gb=0.05,
+                        dtype=dtype,
+                        enforce_eager=eager,
+                        max_num_seqs=16,
+                    ),
+                )
                 outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
                 same, worst = 0, 0.0
                 for prompt, o in zip(prompts, outs, strict=True):
-                    ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=48, min_new_tokens=48,
-                                      do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+                    ref = hf.generate(
+                        torch.tensor([prompt], device="cuda"),
+                        max_new_tokens=48,
+                        min_new_tokens=48,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )[0, len(prompt) :].tolist()
                     same += ref == o.outputs[0].token_ids
                     full = torch.tensor([prompt + o.outputs[0].token_ids], device="cuda")
                     with torch.no_grad():
-                        lp = hf(full).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
-                    ref_lp = lp.gather(1, full[0, len(prompt):, None])[:, 0].cpu()
+                        lp = hf(full).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+                    ref_lp = lp.gather(1, full[0, len(prompt) :, None])[:, 0].cpu()
                     worst = max(worst, (ref_lp - torch.tensor(o.outputs[0].logprobs)).abs().max().item())
                 key = f"{name}/{dtype}/{'eager' if eager else 'graphs'}"
-                out[key] = {"greedy_equal_hf_fp32": f"{same}/{len(prompts)}", "max_abs_logprob_diff_vs_hf_fp32": worst,
-                            "triton_decode": engine.runner.use_triton, "graphs": len(engine.runner.graphs),
-                            "compiled_ops": engine.runner.compiled_ops}
+                out[key] = {
+                    "greedy_equal_hf_fp32": f"{same}/{len(prompts)}",
+                    "max_abs_logprob_diff_vs_hf_fp32": worst,
+                    "triton_decode": engine.runner.use_triton,
+                    "graphs": len(engine.runner.graphs),
+                    "compiled_ops": engine.runner.compiled_ops,
+                }
                 log(f"check {key}: {out[key]}")
                 del engine
         if name == "qwen2":  # training path: packed FlexAttention vs SDPA, forward + backward
@@ -71,11 +88,15 @@ def gpu_checks(log) -> dict:
                 model.zero_grad()
                 hidden = model(ids, pos, PackedAttention(docs, backend=backend))
                 hidden[:360].float().pow(2).mean().backward()
-                results[backend] = (hidden.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+                results[backend] = (
+                    hidden.detach(),
+                    model.model.layers[0].self_attn.q_proj.weight.grad.clone(),
+                )
             out["packed_flex_vs_sdpa"] = {
                 "hidden_max_diff": (results["flex"][0] - results["sdpa"][0])[:360].abs().max().item(),
                 "padding_rows_max_diff": (results["flex"][0] - results["sdpa"][0])[360:].abs().max().item(),
-                "grad_max_diff": (results["flex"][1] - results["sdpa"][1]).abs().max().item()}
+                "grad_max_diff": (results["flex"][1] - results["sdpa"][1]).abs().max().item(),
+            }
             log(f"check packed attention: {out['packed_flex_vs_sdpa']}")
     return out
 
@@ -96,7 +117,9 @@ def bench_hf(path, concurrency: int, prompt_len: int, gen_len: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(path), dtype=torch.bfloat16
+        ).eval()
     ids = torch.randint(0, 150000, (concurrency, prompt_len), device="cuda")
     kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_new_tokens=gen_len, pad_token_id=0)
     model.generate(ids[:, :16], max_new_tokens=4, **kwargs)  # warm-up
@@ -131,8 +154,11 @@ def bench_engine(engine, concurrency: int, prompt_len: int, gen_len: int) -> dic
     return {
         "tok_s": tokens / (end - start),
         "decode_tok_s": (engine.generation_tokens_total - decode_tokens_before) / (end - decode_start),
-        "seconds": end - start, "steps": steps, "output_tokens": tokens,
-        "ttft_mean_s": statistics.mean(ttft), "ttft_max_s": max(ttft),
+        "seconds": end - start,
+        "steps": steps,
+        "output_tokens": tokens,
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_max_s": max(ttft),
         "preemptions": engine.scheduler.num_preemptions,
     }
 
@@ -156,13 +182,22 @@ def step_breakdown(engine, concurrency: int, prompt_len: int, steps: int = 40) -
         t2 = time.perf_counter()
         from refractor.inference.engine.sampler import SamplingBatch
 
-        out = engine.sampler(logits, SamplingBatch([1.0] * len(seqs), [1.0] * len(seqs), [0] * len(seqs),
-                                                   [None] * len(seqs), [None] * len(seqs)))
+        out = engine.sampler(
+            logits,
+            SamplingBatch(
+                [1.0] * len(seqs), [1.0] * len(seqs), [0] * len(seqs), [None] * len(seqs), [None] * len(seqs)
+            ),
+        )
         t3 = time.perf_counter()
         for row, seq in enumerate(seqs):
             seq.append(out.token_ids[row], out.logprobs[row], 0)
         t4 = time.perf_counter()
-        for key, value in (("schedule", t1 - t0), ("model", t2 - t1), ("sample", t3 - t2), ("total", t4 - t0)):
+        for key, value in (
+            ("schedule", t1 - t0),
+            ("model", t2 - t1),
+            ("sample", t3 - t2),
+            ("total", t4 - t0),
+        ):
             timings[key] += value * 1000 / steps
     engine.abort()
     return timings
@@ -217,15 +252,20 @@ def main() -> None:
     from refractor.models.ops import disable_compiled_ops
 
     model, _ = random_qwen_05b()
-    engine_config = EngineConfig(max_model_len=args.prompt_len + args.gen_len + 16, max_num_seqs=max(concurrencies),
-                                 gpu_memory_utilization=0.85)
+    engine_config = EngineConfig(
+        max_model_len=args.prompt_len + args.gen_len + 16,
+        max_num_seqs=max(concurrencies),
+        gpu_memory_utilization=0.85,
+    )
     start = time.perf_counter()
     engine = LLMEngine(model, engine_config)
     results["engine_startup_s"] = time.perf_counter() - start
     results["kv_capacity_tokens"] = engine.runner.kv_capacity_tokens
     results["triton_decode"] = engine.runner.use_triton
-    log(f"engine ready in {results['engine_startup_s']:.1f}s, KV capacity {engine.runner.kv_capacity_tokens} tokens, "
-        f"triton={engine.runner.use_triton}, graphs={list(engine.runner.graphs)}")
+    log(
+        f"engine ready in {results['engine_startup_s']:.1f}s, KV capacity {engine.runner.kv_capacity_tokens} tokens, "
+        f"triton={engine.runner.use_triton}, graphs={list(engine.runner.graphs)}"
+    )
     bench_engine(engine, 8, args.prompt_len, 16)  # warm-up
     for c in concurrencies:
         r = bench_engine(engine, c, args.prompt_len, args.gen_len)
@@ -245,7 +285,9 @@ def main() -> None:
         engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__, "compile_ops": False}))
         r = bench_engine(engine, c, args.prompt_len, args.gen_len)
         results[f"engine_unfused_{c}"] = r
-        log(f"engine without compiled ops c={c}: tok/s {r['tok_s']:.0f}, decode tok/s {r['decode_tok_s']:.0f}")
+        log(
+            f"engine without compiled ops c={c}: tok/s {r['tok_s']:.0f}, decode tok/s {r['decode_tok_s']:.0f}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

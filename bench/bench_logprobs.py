@@ -36,12 +36,15 @@ def naive(hidden, weight, targets, temperature, entropy_grad: bool):
 
 
 def chunked(hidden, weight, targets, temperature, entropy_grad: bool, chunk_size: int):
-    lp, ent = chunked_logprobs_entropy(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size)
+    lp, ent = chunked_logprobs_entropy(
+        hidden, weight, targets, temperature=temperature, chunk_size=chunk_size
+    )
     return lp, ent if entropy_grad else ent.detach()
 
 
 def run(fn, h0, w0, targets, g_lp, g_ent, device, iters, warmup):
     """Returns (seconds per iteration, peak bytes above the inputs, outputs and grads of the last run)."""
+
     def once():
         h = h0.detach().requires_grad_()
         w = w0.detach().requires_grad_()
@@ -91,29 +94,51 @@ def main() -> None:
     g_lp = torch.randn(args.tokens, device=dev)
     g_ent = torch.randn(args.tokens, device=dev) * 0.01
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    print(f"device={name} tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} dtype={args.dtype} "
-          f"T={args.temperature} torch={torch.__version__}")
+    print(
+        f"device={name} tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} dtype={args.dtype} "
+        f"T={args.temperature} torch={torch.__version__}"
+    )
     for entropy_grad in (True, False):
         label = "logprob+entropy grads" if entropy_grad else "logprob grad, entropy metric"
         try:
-            t_n, m_n, ref = run(lambda h, w, y, eg=entropy_grad: naive(h, w, y, args.temperature, eg),
-                                h0, w0, targets, g_lp, g_ent, dev, args.iters, args.warmup)
+            t_n, m_n, ref = run(
+                lambda h, w, y, eg=entropy_grad: naive(h, w, y, args.temperature, eg),
+                h0,
+                w0,
+                targets,
+                g_lp,
+                g_ent,
+                dev,
+                args.iters,
+                args.warmup,
+            )
         except torch.OutOfMemoryError:
             print(f"[{label}] naive           : out of memory")
             torch.cuda.empty_cache()
             continue
         print(f"[{label}] naive           : {t_n * 1e3:8.1f} ms  peak {m_n / 2**30:6.2f} GiB")
         for cs in (int(c) for c in args.chunk_sizes.split(",")):
-            t_c, m_c, out = run(lambda h, w, y, eg=entropy_grad, cs=cs: chunked(h, w, y, args.temperature, eg, cs),
-                                h0, w0, targets, g_lp, g_ent, dev, args.iters, args.warmup)
+            t_c, m_c, out = run(
+                lambda h, w, y, eg=entropy_grad, cs=cs: chunked(h, w, y, args.temperature, eg, cs),
+                h0,
+                w0,
+                targets,
+                g_lp,
+                g_ent,
+                dev,
+                args.iters,
+                args.warmup,
+            )
             dev_lp = (out[0] - ref[0]).abs().max().item()
             dev_ent = (out[1] - ref[1]).abs().max().item()
             dev_gh = ((out[2].float() - ref[2].float()).abs().max() / ref[2].float().abs().max()).item()
             dev_gw = ((out[3].float() - ref[3].float()).abs().max() / ref[3].float().abs().max()).item()
             mem_ratio = m_n / m_c if m_c else float("nan")
-            print(f"[{label}] chunked cs={cs:<5}: {t_c * 1e3:8.1f} ms  peak {m_c / 2**30:6.2f} GiB  "
-                  f"memory {mem_ratio:5.1f}x less, speed {t_n / t_c:4.2f}x  "
-                  f"| max|dlp| {dev_lp:.1e} max|dH| {dev_ent:.1e} rel dgrad_h {dev_gh:.1e} rel dgrad_w {dev_gw:.1e}")
+            print(
+                f"[{label}] chunked cs={cs:<5}: {t_c * 1e3:8.1f} ms  peak {m_c / 2**30:6.2f} GiB  "
+                f"memory {mem_ratio:5.1f}x less, speed {t_n / t_c:4.2f}x  "
+                f"| max|dlp| {dev_lp:.1e} max|dH| {dev_ent:.1e} rel dgrad_h {dev_gh:.1e} rel dgrad_w {dev_gw:.1e}"
+            )
             del out
         del ref
         if dev == "cuda":

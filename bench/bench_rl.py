@@ -101,27 +101,53 @@ def parse_mode(token: str) -> tuple[str, int, dict]:
     return name, max_async, overrides
 
 
-def run_mode(name: str, max_async: int, args, model: Path, workdir: Path, overrides: dict | None = None) -> dict:
+def run_mode(
+    name: str, max_async: int, args, model: Path, workdir: Path, overrides: dict | None = None
+) -> dict:
     gpus = torch.cuda.device_count()
     config = {
-        "model": str(model), "inference_engine": "native", "inference_num_workers": 1, "trainer_num_workers": 1,
-        "ray_inference_cpus_per_worker": args.cpus, "ray_trainer_cpus_per_worker": args.cpus,
+        "model": str(model),
+        "inference_engine": "native",
+        "inference_num_workers": 1,
+        "trainer_num_workers": 1,
+        "ray_inference_cpus_per_worker": args.cpus,
+        "ray_trainer_cpus_per_worker": args.cpus,
         "gpu_memory_utilization": 0.45 if gpus < 2 else 0.85,
-        "number_of_steps": args.steps, "prompts_batch_size_for_trainer": args.groups, "group_size": args.group_size,
-        "max_concurrent_prompts_per_server": args.concurrency or args.groups * (max_async + 1), "max_async_rollout": max_async,
-        "max_off_policy_steps": max(max_async, 1), "discard_group_zero_advantage": False,
-        "max_tokens": args.max_tokens, "max_model_len": args.max_tokens + 512, "seq_len": args.seq_len,
-        "temperature": 1.0, "learning_rate": 1e-6, "trainer_compile": args.compile, "checkpoint_every": False,
+        "number_of_steps": args.steps,
+        "prompts_batch_size_for_trainer": args.groups,
+        "group_size": args.group_size,
+        "max_concurrent_prompts_per_server": args.concurrency or args.groups * (max_async + 1),
+        "max_async_rollout": max_async,
+        "max_off_policy_steps": max(max_async, 1),
+        "discard_group_zero_advantage": False,
+        "max_tokens": args.max_tokens,
+        "max_model_len": args.max_tokens + 512,
+        "seq_len": args.seq_len,
+        "temperature": 1.0,
+        "learning_rate": 1e-6,
+        "trainer_compile": args.compile,
+        "checkpoint_every": False,
         "metrics_logger_interval_seconds": 0.5,
-        "eval_before_training": False, "eval_after_training": False, "use_wandb": False,
-        "run_dir": str(workdir), "run_name": name,
+        "eval_before_training": False,
+        "eval_after_training": False,
+        "use_wandb": False,
+        "run_dir": str(workdir),
+        "run_name": name,
         "environments": [{"name": "countdown", "kwargs": {"dataset_name": "procedural"}}],
         **(overrides or {}),
     }
     cfg_path = workdir / f"{name}.json"
     cfg_path.write_text(json.dumps(config))
-    cmd = [sys.executable, "-c", "from refractor.cli import app; app()", "train", "--config", str(cfg_path),
-           "--quiet", "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from refractor.cli import app; app()",
+        "train",
+        "--config",
+        str(cfg_path),
+        "--quiet",
+        "--overwrite",
+    ]
     sampler = GpuSampler()
     start = time.time()
     out_path = workdir / f"{name}.out"  # streamed, so a run killed from outside leaves its log
@@ -135,14 +161,18 @@ def run_mode(name: str, max_async: int, args, model: Path, workdir: Path, overri
     return summarize(name, max_async, workdir / name, sampler, args.warmup, wall)
 
 
-def summarize(name: str, max_async: int, run_dir: Path, sampler: GpuSampler, warmup: int, wall: float) -> dict:
+def summarize(
+    name: str, max_async: int, run_dir: Path, sampler: GpuSampler, warmup: int, wall: float
+) -> dict:
     """Rates over the measured steps: from the end of the last warm-up step to the end of the last step."""
     from refractor.telemetry.query import RunReader
 
     with RunReader(run_dir) as reader:
         steps = reader.step_metrics()
         if len(steps) <= warmup or warmup < 1:
-            raise SystemExit(f"{name}: {len(steps)} steps stored; need --warmup >= 1 and more steps than that")
+            raise SystemExit(
+                f"{name}: {len(steps)} steps stored; need --warmup >= 1 and more steps than that"
+            )
         measured = steps[warmup:]
         kept = [r for s in measured for r in reader.rollouts(step=s["step"], status="kept")]
         ends = reader.step_times()  # each step's metrics are logged when its weight update finished
@@ -153,26 +183,48 @@ def summarize(name: str, max_async: int, run_dir: Path, sampler: GpuSampler, war
                 scraped.setdefault(row["name"], []).append(row["value"])
     mean = lambda key: statistics.fmean(s.get(key, float("nan")) for s in measured)  # noqa: E731
     return {
-        "mode": name, "max_async_rollout": max_async, "steps_measured": len(measured), "wall_s": wall,
-        "step_s": (t1 - t0) / len(measured), "samples_per_s": len(kept) / (t1 - t0),
+        "mode": name,
+        "max_async_rollout": max_async,
+        "steps_measured": len(measured),
+        "wall_s": wall,
+        "step_s": (t1 - t0) / len(measured),
+        "samples_per_s": len(kept) / (t1 - t0),
         "tokens_per_s": sum(r["completion_tokens"] for r in kept) / (t1 - t0),
-        "train_step_s": mean("timing_train_step"), "weight_sync_s": mean("timing_weight_sync_total"),
+        "train_step_s": mean("timing_train_step"),
+        "weight_sync_s": mean("timing_weight_sync_total"),
         "waiting_for_data_s": mean("timing_waiting_for_data"),
         "gpu_idle_fraction": sampler.idle_fraction(t0, t1),
-        "server": {name: statistics.fmean(scraped[name]) for name in (
-            "requests_running", "requests_waiting", "engine_busy_fraction", "engine_step_ms",
-            "generation_tokens_per_s") if scraped.get(name)},
+        "server": {
+            name: statistics.fmean(scraped[name])
+            for name in (
+                "requests_running",
+                "requests_waiting",
+                "engine_busy_fraction",
+                "engine_step_ms",
+                "generation_tokens_per_s",
+            )
+            if scraped.get(name)
+        },
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="0.5b")
-    p.add_argument("--model", default=None, help="an existing model dir instead of a random --size one (CPU dry runs)")
-    p.add_argument("--compile", action="store_true",
-                   help="trainer_compile (off by default here: its first-step compile would dominate a short run)")
-    p.add_argument("--concurrency", type=int, default=0,
-                   help="max_concurrent_prompts_per_server (0: groups x (max_async_rollout + 1), what each mode can use)")
+    p.add_argument(
+        "--model", default=None, help="an existing model dir instead of a random --size one (CPU dry runs)"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="trainer_compile (off by default here: its first-step compile would dominate a short run)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="max_concurrent_prompts_per_server (0: groups x (max_async_rollout + 1), what each mode can use)",
+    )
     p.add_argument("--cpus", type=int, default=4, help="CPUs per server and per trainer rank")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
@@ -180,37 +232,53 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--modes", default="0,2", help="max_async_rollout values to run, in order; each may carry "
-                   "config overrides: 2+weight_sync_inflight_kv=keep+dispatch_only_needed_groups=true")
+    p.add_argument(
+        "--modes",
+        default="0,2",
+        help="max_async_rollout values to run, in order; each may carry "
+        "config overrides: 2+weight_sync_inflight_kv=keep+dispatch_only_needed_groups=true",
+    )
     p.add_argument("--workdir", default="/tmp/refractor_bench_rl")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else build_model(workdir / f"qwen25-{args.size}-random", args.size)
-    device = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    print(f"device: {device}; model {args.model or args.size}; "
-          f"{args.groups} groups x {args.group_size} samples x {args.max_tokens} tokens per step", flush=True)
+    device = (
+        f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    )
+    print(
+        f"device: {device}; model {args.model or args.size}; "
+        f"{args.groups} groups x {args.group_size} samples x {args.max_tokens} tokens per step",
+        flush=True,
+    )
     results = []
     for name, value, overrides in (parse_mode(t) for t in args.modes.split(",")):
         r = run_mode(name, value, args, model, workdir, overrides)
         results.append(r)
         idle = ", ".join(f"gpu{i} {f:.0%}" for i, f in enumerate(r["gpu_idle_fraction"]))
-        print(f"{r['mode']:>7}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | "
-              f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | train {r['train_step_s']:.2f} s | sync {r['weight_sync_s']:.3f} s "
-              f"| waiting for data {r['waiting_for_data_s']:.2f} s | idle {idle}", flush=True)
+        print(
+            f"{r['mode']:>7}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | "
+            f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | train {r['train_step_s']:.2f} s | sync {r['weight_sync_s']:.3f} s "
+            f"| waiting for data {r['waiting_for_data_s']:.2f} s | idle {idle}",
+            flush=True,
+        )
         server = r["server"]
         if server:  # how fed the engine was: sequences running, its thread's busy share, its own rate
-            print(f"{'':>7}  server: {server.get('requests_running', 0):.0f} running, "
-                  f"{server.get('requests_waiting', 0):.0f} waiting, engine busy {server.get('engine_busy_fraction', 0):.0%}, "
-                  f"step {server.get('engine_step_ms', 0):.1f} ms, {server.get('generation_tokens_per_s', 0) / 1e3:.1f}k tok/s",
-                  flush=True)
+            print(
+                f"{'':>7}  server: {server.get('requests_running', 0):.0f} running, "
+                f"{server.get('requests_waiting', 0):.0f} waiting, engine busy {server.get('engine_busy_fraction', 0):.0%}, "
+                f"step {server.get('engine_step_ms', 0):.1f} ms, {server.get('generation_tokens_per_s', 0) / 1e3:.1f}k tok/s",
+                flush=True,
+            )
     Path(args.out, "bench_rl.json").write_text(json.dumps(results, indent=2))
     if len(results) >= 2:
         base = results[0]
         for r in results[1:]:
-            print(f"{r['mode']} / {base['mode']}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
-                  f"step time {base['step_s'] / r['step_s']:.2f}x faster")
+            print(
+                f"{r['mode']} / {base['mode']}: {r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
+                f"step time {base['step_s'] / r['step_s']:.2f}x faster"
+            )
 
 
 if __name__ == "__main__":

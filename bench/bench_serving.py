@@ -47,7 +47,9 @@ def model_path(name: str, workdir: Path) -> Path:
 def workload(n: int, prompt_len: int, gen_len: int, jitter: float, vocab: int, seed: int = 0):
     rng = random.Random(seed)
     low = max(1, int(round(gen_len * (1 - jitter))))
-    return [([rng.randrange(3, vocab) for _ in range(prompt_len)], rng.randint(low, gen_len)) for _ in range(n)]
+    return [
+        ([rng.randrange(3, vocab) for _ in range(prompt_len)], rng.randint(low, gen_len)) for _ in range(n)
+    ]
 
 
 def summarize(mode: str, finished: list[tuple[float, float, int]], warmup: int) -> dict:
@@ -59,8 +61,13 @@ def summarize(mode: str, finished: list[tuple[float, float, int]], warmup: int) 
     tokens = sum(t for _, _, t in measured)
     tokens += sum(t * (e - window_start) / (e - s) for s, e, t in finished if s < window_start < e and e > s)
     seconds = end - window_start
-    return {"mode": mode, "tok_s": tokens / seconds, "req_s": len(measured) / seconds, "seconds": seconds,
-            "requests": len(measured)}
+    return {
+        "mode": mode,
+        "tok_s": tokens / seconds,
+        "req_s": len(measured) / seconds,
+        "seconds": seconds,
+        "requests": len(measured),
+    }
 
 
 def release_memory() -> None:
@@ -78,7 +85,9 @@ def run_engine(path: Path, jobs, concurrency: int, warmup: int, engine_args: dic
 
     def submit() -> None:
         i, (ids, max_tokens) = pending.pop(0)
-        engine.add_request(f"r{i}", ids, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", ids, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+        )
         started[f"r{i}"] = time.perf_counter()
 
     for _ in range(min(concurrency, len(pending))):
@@ -132,6 +141,7 @@ def run_http(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict,
 
     async def main():
         async with InferenceClient(server.url) as client:
+
             async def generate(i, ids, max_tokens):
                 result = await client.generate(ids, Sampling(max_tokens=max_tokens, ignore_eos=True))
                 return len(result.token_ids)
@@ -150,7 +160,9 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="tiny | 0.5b | 1.5b | a local HF model path")
     parser.add_argument("--concurrency", default="32")
     parser.add_argument("--requests", type=int, default=256, help="requests per concurrency level and mode")
-    parser.add_argument("--warmup", type=int, default=None, help="finished requests before the window (default c)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="finished requests before the window (default c)"
+    )
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--jitter", type=float, default=0.5)
@@ -170,8 +182,11 @@ def main() -> None:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     max_model_len = args.max_model_len or args.prompt_len + args.gen_len + 64
     results = {"device": device, "torch": torch.__version__, "args": vars(args), "runs": []}
-    print(f"device {device}, model {args.model}, prompt {args.prompt_len}, gen {args.gen_len} "
-          f"(jitter {args.jitter}), {args.requests} requests per run", flush=True)
+    print(
+        f"device {device}, model {args.model}, prompt {args.prompt_len}, gen {args.gen_len} "
+        f"(jitter {args.jitter}), {args.requests} requests per run",
+        flush=True,
+    )
     for c in (int(x) for x in args.concurrency.split(",")):
         engine_args = {"max_model_len": max_model_len, "max_num_seqs": max(c, 1)}
         if args.kv_cache_gb:
@@ -196,9 +211,12 @@ def main() -> None:
             row["concurrency"] = c
             rows.append(row)
             base = rows[0]["tok_s"]
-            print(f"c={c:4d} {mode:7s} {row['tok_s']:9.0f} tok/s {row['req_s']:7.1f} req/s "
-                  f"({row['requests']} requests in {row['seconds']:.2f} s)  x{row['tok_s'] / base:.2f} vs "
-                  f"{rows[0]['mode']}", flush=True)
+            print(
+                f"c={c:4d} {mode:7s} {row['tok_s']:9.0f} tok/s {row['req_s']:7.1f} req/s "
+                f"({row['requests']} requests in {row['seconds']:.2f} s)  x{row['tok_s'] / base:.2f} vs "
+                f"{rows[0]['mode']}",
+                flush=True,
+            )
         results["runs"] += rows
     if args.out:
         out = Path(args.out)

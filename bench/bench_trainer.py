@@ -51,7 +51,11 @@ def make_samples(num_rows: int, seq_len: int, vocab_size: int, seed: int = 0, fi
         lengths = []
         for _ in range(num_rows):
             budget = int(fill * seq_len)
-            cuts = sorted(torch.randint(32, budget - 32, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist())
+            cuts = sorted(
+                torch.randint(
+                    32, budget - 32, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g
+                ).tolist()
+            )
             points = [0, *cuts, budget]
             lengths += [b - a for a, b in zip(points, points[1:], strict=False) if b - a >= 32]
         if len(first_fit_decreasing(lengths, seq_len)) == num_rows:
@@ -60,8 +64,15 @@ def make_samples(num_rows: int, seq_len: int, vocab_size: int, seed: int = 0, fi
     for i, n in enumerate(lengths):
         p = max(1, n // 4)
         ids = torch.randint(10, vocab_size, (n,), generator=g).tolist()
-        samples.append(TrainSample(ids, [0] * p + [1] * (n - p), float(torch.randn((), generator=g)),
-                                   [0.0] * p + [-2.0] * (n - p), sample_id=i))
+        samples.append(
+            TrainSample(
+                ids,
+                [0] * p + [1] * (n - p),
+                float(torch.randn((), generator=g)),
+                [0.0] * p + [-2.0] * (n - p),
+                sample_id=i,
+            )
+        )
     return samples
 
 
@@ -86,27 +97,60 @@ def trainer_config(model_dir, **overrides):
         from refractor.algorithms.loss import LossSettings
 
         defaults = dict(
-            model_dtype="float32", mixed_precision_dtype="bfloat16", seed=0, activation_checkpointing=True,
-            weight_decay=0.0, grad_clip=1.0, lr_scheduler="constant", warmup_steps=0, number_of_steps=300,
-            min_lr_ratio=0.0, checkpoint_dir=None, run_name=None, run_dir="runs", number_of_minibatches=1,
-            ppo_clip_ref_logprobs="rollout", weight_broadcast_bucket_mb=256, checkpoint_save_training_state=True,
-            checkpoint_keep_last=None, checkpoint_keep_every=None, resume_from_checkpoint=False,
-            seq_len=4096, pad_to_multiple_of=64, temperature=1.0, entropy_chunk_size=1024, trainer_compile=True,
-            trainer_max_tokens_per_forward=16384, trainer_pass_pad_multiple=4096)
+            model_dtype="float32",
+            mixed_precision_dtype="bfloat16",
+            seed=0,
+            activation_checkpointing=True,
+            weight_decay=0.0,
+            grad_clip=1.0,
+            lr_scheduler="constant",
+            warmup_steps=0,
+            number_of_steps=300,
+            min_lr_ratio=0.0,
+            checkpoint_dir=None,
+            run_name=None,
+            run_dir="runs",
+            number_of_minibatches=1,
+            ppo_clip_ref_logprobs="rollout",
+            weight_broadcast_bucket_mb=256,
+            checkpoint_save_training_state=True,
+            checkpoint_keep_last=None,
+            checkpoint_keep_every=None,
+            resume_from_checkpoint=False,
+            seq_len=4096,
+            pad_to_multiple_of=64,
+            temperature=1.0,
+            entropy_chunk_size=1024,
+            trainer_compile=True,
+            trainer_max_tokens_per_forward=16384,
+            trainer_pass_pad_multiple=4096,
+        )
         return SimpleNamespace(**{**asdict(LossSettings()), **defaults, **values})
     return RefractorConfig(**values)
 
 
-def bench_refractor(model_dir, batches, activation_checkpointing: bool | str, warmup: int, steps: int,
-                    export: bool, compile: bool | str = False, tokens_per_forward: int = 16384,
-                    profile: str | None = None) -> dict:
+def bench_refractor(
+    model_dir,
+    batches,
+    activation_checkpointing: bool | str,
+    warmup: int,
+    steps: int,
+    export: bool,
+    compile: bool | str = False,
+    tokens_per_forward: int = 16384,
+    profile: str | None = None,
+) -> dict:
     """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
     from refractor.trainer import Trainer, policy_model
 
     batches = batches if isinstance(batches, list) else [batches]
     policy_model.COMPILE_DYNAMIC = compile == "dynamic"
-    cfg = trainer_config(model_dir, activation_checkpointing=activation_checkpointing, trainer_compile=bool(compile),
-                         trainer_max_tokens_per_forward=tokens_per_forward)
+    cfg = trainer_config(
+        model_dir,
+        activation_checkpointing=activation_checkpointing,
+        trainer_compile=bool(compile),
+        trainer_max_tokens_per_forward=tokens_per_forward,
+    )
     trainer = Trainer(cfg, random_init=True)
     out: dict = {"n_params": sum(p.numel() for p in trainer.model.parameters())}
     if export:
@@ -124,9 +168,11 @@ def bench_refractor(model_dir, batches, activation_checkpointing: bool | str, wa
             t -= time.perf_counter() - t_copy  # the copy to CPU is the benchmark's, not the export's
             del bucket
         torch.cuda.synchronize()
-        out["export"] = {"time_s": time.perf_counter() - t,
-                         "bytes": sum(x.numel() * x.element_size() for x in weights.values()),
-                         "peak_extra_gb": (torch.cuda.max_memory_allocated() - base) / 2**30}
+        out["export"] = {
+            "time_s": time.perf_counter() - t,
+            "bytes": sum(x.numel() * x.element_size() for x in weights.values()),
+            "peak_extra_gb": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        }
         out["weights"] = weights
         out["export"]["warm_s"] = time_export(trainer)
     t = time.perf_counter()
@@ -149,8 +195,11 @@ def bench_refractor(model_dir, batches, activation_checkpointing: bool | str, wa
         from profile_step import profile_steps
 
         out["profile"] = profile_steps(step, os.path.dirname(profile), os.path.basename(profile))
-    out.update(loss=last["loss"], grad_norm=last["grad_norm"],
-               timings={k: v for k, v in last.items() if k.startswith("timing_") and k.endswith("_total")})
+    out.update(
+        loss=last["loss"],
+        grad_norm=last["grad_norm"],
+        timings={k: v for k, v in last.items() if k.startswith("timing_") and k.endswith("_total")},
+    )
     return out
 
 
@@ -181,8 +230,12 @@ def bench_export_only(model_dir) -> dict:
         del bucket
     torch.cuda.synchronize()
     first = time.perf_counter() - t
-    return {"time_s": first, "warm_s": time_export(trainer), "bytes": nbytes,
-            "peak_extra_gb": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    return {
+        "time_s": first,
+        "warm_s": time_export(trainer),
+        "bytes": nbytes,
+        "peak_extra_gb": (torch.cuda.max_memory_allocated() - base) / 2**30,
+    }
 
 
 def bench_naive_hf(model_dir, batch, weights, warmup: int, steps: int) -> dict:
@@ -200,8 +253,15 @@ def bench_naive_hf(model_dir, batch, weights, warmup: int, steps: int) -> dict:
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         model.tie_weights()
     model.train()
-    rows = [(mb.input_ids.to(DEVICE), mb.position_ids.to(DEVICE), mb.loss_mask.to(DEVICE), mb.advantages.to(DEVICE))
-            for mb in batch.micro_batches[0]]
+    rows = [
+        (
+            mb.input_ids.to(DEVICE),
+            mb.position_ids.to(DEVICE),
+            mb.loss_mask.to(DEVICE),
+            mb.advantages.to(DEVICE),
+        )
+        for mb in batch.micro_batches[0]
+    ]
     n_tokens = float(sum(float(m.sum()) for _, _, m, _ in rows))
     losses = []
 
@@ -220,7 +280,11 @@ def bench_naive_hf(model_dir, batch, weights, warmup: int, steps: int) -> dict:
         step()
     torch.cuda.reset_peak_memory_stats()
     dt = timed(step, steps)
-    return {"time_s": dt, "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "first_loss": float(losses[0])}
+    return {
+        "time_s": dt,
+        "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "first_loss": float(losses[0]),
+    }
 
 
 def release() -> None:
@@ -231,8 +295,18 @@ def release() -> None:
 VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, trainer_max_tokens_per_forward)
     "default": ("refractor default (compiled layers + ckpt, 16k-token passes)", True, True, 16384),
     "noac": ("compiled layers, ckpt off, 16k-token passes", False, True, 16384),
-    "dyn": ("compiled layers (dynamic shapes from the start) + ckpt, 16k-token passes", True, "dynamic", 16384),
-    "sac": ("compiled layers + selective ckpt (matmul outputs kept), 16k-token passes", "selective", True, 16384),
+    "dyn": (
+        "compiled layers (dynamic shapes from the start) + ckpt, 16k-token passes",
+        True,
+        "dynamic",
+        16384,
+    ),
+    "sac": (
+        "compiled layers + selective ckpt (matmul outputs kept), 16k-token passes",
+        "selective",
+        True,
+        16384,
+    ),
     "rows": ("compiled layers + ckpt, one pass per 4k row", True, True, 0),
     "rows_noac": ("compiled layers, ckpt off, one pass per 4k row", False, True, 0),
     "eager": ("eager layers + ckpt, 16k-token passes", True, False, 16384),
@@ -249,14 +323,25 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--variants", default="default,noac,session1", help=f"comma list of {', '.join(VARIANTS)}")
-    ap.add_argument("--export-only", action="store_true", help="only time the weight export (256 MiB buckets)")
-    ap.add_argument("--vary", action="store_true",
-                    help="cycle 3 batches of 4, 3 and 2 rows whose lengths differ (no baseline)")
+    ap.add_argument(
+        "--variants", default="default,noac,session1", help=f"comma list of {', '.join(VARIANTS)}"
+    )
+    ap.add_argument(
+        "--export-only", action="store_true", help="only time the weight export (256 MiB buckets)"
+    )
+    ap.add_argument(
+        "--vary",
+        action="store_true",
+        help="cycle 3 batches of 4, 3 and 2 rows whose lengths differ (no baseline)",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip the naive HF baseline")
-    ap.add_argument("--model-dir", default=None, help="a config dir to use instead of the Qwen2.5 shapes (dry runs)")
+    ap.add_argument(
+        "--model-dir", default=None, help="a config dir to use instead of the Qwen2.5 shapes (dry runs)"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--profile", default="", help="comma list of variants to profile (torch.profiler + cProfile, 2 steps)")
+    ap.add_argument(
+        "--profile", default="", help="comma list of variants to profile (torch.profiler + cProfile, 2 steps)"
+    )
     args = ap.parse_args()
 
     from refractor.algorithms.packing import pack_train_batch
@@ -267,32 +352,58 @@ def main() -> None:
     global print
     print = builtins.print if rank0 else (lambda *a, **k: None)  # noqa: A001
     peak = peak_flops() * world
-    print(f"device {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"peak bf16 {peak / 1e12:.0f} TFLOP/s")
+    print(
+        f"device {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"peak bf16 {peak / 1e12:.0f} TFLOP/s"
+    )
     results = []
     for size in args.sizes.split(","):
         model_dir = Path(args.model_dir) if args.model_dir else qwen25_shaped(size, with_weights=False)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         samples = make_samples(args.tokens // args.seq_len, args.seq_len, vocab)
         # Rows padded to seq_len: one shape, so compiled kernels (FlexAttention) are reused every row.
-        batch = pack_train_batch(samples, step=0, seq_len=args.seq_len, pad_to_multiple_of=args.seq_len,
-                                 pad_token_id=0, num_dp_ranks=world)
+        batch = pack_train_batch(
+            samples,
+            step=0,
+            seq_len=args.seq_len,
+            pad_to_multiple_of=args.seq_len,
+            pad_token_id=0,
+            num_dp_ranks=world,
+        )
         real = sum(len(s.input_ids) for s in samples)
         rows = [[mb.num_tokens for mb in rank_rows] for rank_rows in batch.micro_batches]
         if args.vary:  # realistic rows: lengths differ between steps (padding to 64 only)
             # 4, 3 and 2 rows: with trainer_pass_pad_multiple 4096 the passes are 16k, 12k and 8k tokens
-            batches = [pack_train_batch(make_samples(max(1, args.tokens // args.seq_len + 1 - k), args.seq_len, vocab,
-                                                     seed=100 * k),
-                                        step=k, seq_len=args.seq_len, pad_to_multiple_of=64, pad_token_id=0,
-                                        num_dp_ranks=world) for k in range(1, 4)]
-            print("   --vary: 3 batches with rows", [[mb.num_tokens for mb in b.micro_batches[0]] for b in batches])
-            real = sum(int(mb.loss_mask.numel() - (mb.document_ids < 0).sum()) for b in batches
-                       for r in b.micro_batches for mb in r) / len(batches)
+            batches = [
+                pack_train_batch(
+                    make_samples(
+                        max(1, args.tokens // args.seq_len + 1 - k), args.seq_len, vocab, seed=100 * k
+                    ),
+                    step=k,
+                    seq_len=args.seq_len,
+                    pad_to_multiple_of=64,
+                    pad_token_id=0,
+                    num_dp_ranks=world,
+                )
+                for k in range(1, 4)
+            ]
+            print(
+                "   --vary: 3 batches with rows",
+                [[mb.num_tokens for mb in b.micro_batches[0]] for b in batches],
+            )
+            real = sum(
+                int(mb.loss_mask.numel() - (mb.document_ids < 0).sum())
+                for b in batches
+                for r in b.micro_batches
+                for mb in r
+            ) / len(batches)
         if args.export_only:
             e = bench_export_only(model_dir)
             release()
-            print(f"== Qwen2.5-{size} weight export: {e['bytes'] / 2**20:.0f} MiB bf16, first call "
-                  f"{e['time_s'] * 1e3:.1f} ms, warm {e['warm_s'] * 1e3:.1f} ms, peak +{e['peak_extra_gb']:.2f} GiB")
+            print(
+                f"== Qwen2.5-{size} weight export: {e['bytes'] / 2**20:.0f} MiB bf16, first call "
+                f"{e['time_s'] * 1e3:.1f} ms, warm {e['warm_s'] * 1e3:.1f} ms, peak +{e['peak_extra_gb']:.2f} GiB"
+            )
             results.append({"size": size, "export": e})
             continue
         print(f"\n== Qwen2.5-{size} shape: {len(samples)} samples, {real} tokens in rows {rows}")
@@ -306,8 +417,17 @@ def main() -> None:
             try:
                 profiled = name in args.profile.split(",")
                 prof = os.path.join(args.out, f"profile_{size}_{name}") if profiled else None
-                r = bench_refractor(model_dir, batches, ac, args.warmup, args.steps, export=weights is None and not args.vary,
-                                    compile=compiled, tokens_per_forward=per_forward, profile=prof)
+                r = bench_refractor(
+                    model_dir,
+                    batches,
+                    ac,
+                    args.warmup,
+                    args.steps,
+                    export=weights is None and not args.vary,
+                    compile=compiled,
+                    tokens_per_forward=per_forward,
+                    profile=prof,
+                )
             except Exception as err:  # report and keep the other variants
                 print(f"{label}: failed: {type(err).__name__}: {str(err)[:800]}")
                 continue
@@ -318,18 +438,25 @@ def main() -> None:
             r["mfu"] = 6 * r["n_params"] * real / r["time_s"] / peak
             entry[label] = r
             labels.append(label)
-            print(f"{label}: {r['time_s'] * 1e3:.1f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%, "
-                  f"peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M ({time.perf_counter() - t:.0f} s incl. warmup)")
-            print("   spans (s):", {k[7:-6]: round(v, 4) for k, v in r["timings"].items()},
-                  f"first-step loss {r['first_loss']:.6f}")
+            print(
+                f"{label}: {r['time_s'] * 1e3:.1f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%, "
+                f"peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M ({time.perf_counter() - t:.0f} s incl. warmup)"
+            )
+            print(
+                "   spans (s):",
+                {k[7:-6]: round(v, 4) for k, v in r["timings"].items()},
+                f"first-step loss {r['first_loss']:.6f}",
+            )
             print("   warm-up steps (s, compiles included):", [round(x, 1) for x in r["first_steps_s"]])
             if "profile" in r:
                 print("   profile:", json.dumps(r["profile"]))
             if "export" in r:
                 e = r["export"]
-                print(f"   weight export: {e['bytes'] / 2**20:.0f} MiB bf16 in {e['time_s'] * 1e3:.0f} ms "
-                      f"(warm {e['warm_s'] * 1e3:.1f} ms), "
-                      f"peak +{e['peak_extra_gb']:.2f} GiB above the resident state (256 MiB buckets)")
+                print(
+                    f"   weight export: {e['bytes'] / 2**20:.0f} MiB bf16 in {e['time_s'] * 1e3:.0f} ms "
+                    f"(warm {e['warm_s'] * 1e3:.1f} ms), "
+                    f"peak +{e['peak_extra_gb']:.2f} GiB above the resident state (256 MiB buckets)"
+                )
         if not args.no_baseline and not args.vary and world == 1:
             base = bench_naive_hf(model_dir, batch, weights, max(1, args.warmup - 1), args.steps)
             release()
@@ -337,16 +464,22 @@ def main() -> None:
             n_params = entry[labels[0]]["n_params"] if labels else 0
             base["mfu"] = 6 * n_params * real / base["time_s"] / peak
             entry[BASELINE] = base
-            print(f"naive HF fwd+bwd: {base['time_s'] * 1e3:.1f} ms/step, {base['tok_s'] / 1e3:.1f}k tok/s, "
-                  f"MFU {100 * base['mfu']:.1f}%, peak {base['peak_gb']:.1f} GiB")
+            print(
+                f"naive HF fwd+bwd: {base['time_s'] * 1e3:.1f} ms/step, {base['tok_s'] / 1e3:.1f}k tok/s, "
+                f"MFU {100 * base['mfu']:.1f}%, peak {base['peak_gb']:.1f} GiB"
+            )
             if labels:
                 first, ref = entry[labels[0]]["first_loss"], base["first_loss"]
-                print(f"loss parity on identical weights (step 1, before the update): refractor {first:.6f} vs "
-                      f"HF {ref:.6f} (rel diff {abs(first - ref) / max(abs(ref), 1e-9):.1e})")
+                print(
+                    f"loss parity on identical weights (step 1, before the update): refractor {first:.6f} vs "
+                    f"HF {ref:.6f} (rel diff {abs(first - ref) / max(abs(ref), 1e-9):.1e})"
+                )
             for label in labels:
                 r = entry[label]
-                print(f"ratio {label} / naive: {r['tok_s'] / base['tok_s']:.2f}x throughput, "
-                      f"{base['peak_gb'] / r['peak_gb']:.2f}x less peak memory")
+                print(
+                    f"ratio {label} / naive: {r['tok_s'] / base['tok_s']:.2f}x throughput, "
+                    f"{base['peak_gb'] / r['peak_gb']:.2f}x less peak memory"
+                )
         results.append(entry)
         if rank0:
             save(results, args.out)

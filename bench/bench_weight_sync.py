@@ -36,8 +36,15 @@ from refractor.testing import QWEN25_05B_SHAPE, TinyModelSpec, build_tiny_model
 SIZES = {
     "tiny": TinyModelSpec(),
     # ~100M parameters (24.6M embedding + 12 x 6.3M layers), bf16: ~200 MB on the wire
-    "100m": TinyModelSpec(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                          num_key_value_heads=4, vocab_size=32000, torch_dtype="bfloat16"),
+    "100m": TinyModelSpec(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        torch_dtype="bfloat16",
+    ),
 }
 
 
@@ -51,10 +58,18 @@ def serve_native(model_dir: str, port: int, device: str, random_weights: bool) -
     from refractor.inference.server import create_app  # mounts weight_transfer_router
     from refractor.models import build_model, read_hf_config
 
-    config = EngineConfig(max_model_len=1024, max_num_seqs=8, kv_cache_memory_gb=0.5 if device == "cuda" else 0.05,
-                          dtype="bfloat16" if device == "cuda" else "float32", device=device, enforce_eager=True)
+    config = EngineConfig(
+        max_model_len=1024,
+        max_num_seqs=8,
+        kv_cache_memory_gb=0.5 if device == "cuda" else 0.05,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        device=device,
+        enforce_eager=True,
+    )
     if random_weights:  # Qwen2.5 shapes: initialize on the device instead of writing ~1 GB of safetensors
-        engine = LLMEngine(build_model(read_hf_config(model_dir), dtype=torch.bfloat16, device=device).eval(), config)
+        engine = LLMEngine(
+            build_model(read_hf_config(model_dir), dtype=torch.bfloat16, device=device).eval(), config
+        )
     else:
         engine = LLMEngine.from_pretrained(model_dir, config)
     app = create_app(AsyncLLMEngine(engine), AutoTokenizer.from_pretrained(model_dir), "bench")
@@ -63,9 +78,19 @@ def serve_native(model_dir: str, port: int, device: str, random_weights: bool) -
 
 def start_native(model_dir: Path, device: str, random_weights: bool = False, env: dict | None = None):
     port = free_port()
-    process = subprocess.Popen([sys.executable, __file__, "serve-native", str(model_dir), str(port), device,
-                                "1" if random_weights else "0"], env={**os.environ, **(env or {})},
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "serve-native",
+            str(model_dir),
+            str(port),
+            device,
+            "1" if random_weights else "0",
+        ],
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -110,9 +135,14 @@ def time_pushes(sender: WeightSender, named, bucket_bytes: int, repeats: int, ve
             results.append(result)
     best = min(results, key=lambda r: r.seconds)
     (report,) = next(iter(best.reports.values()))
-    return {"push_s": best.seconds, "median_push_s": statistics.median(r.seconds for r in results),
-            "transfer_s": best.transfer_seconds, "load_s": report.load_us / 1e6, "buckets": best.stats.buckets,
-            "mbytes": best.stats.bytes / 2**20}
+    return {
+        "push_s": best.seconds,
+        "median_push_s": statistics.median(r.seconds for r in results),
+        "transfer_s": best.transfer_seconds,
+        "load_s": report.load_us / 1e6,
+        "buckets": best.stats.buckets,
+        "mbytes": best.stats.bytes / 2**20,
+    }
 
 
 def row(cells) -> str:
@@ -127,8 +157,23 @@ def ms(seconds: float) -> str:
 def run_cpu(args) -> None:
     from refractor.models import iter_safetensors
 
-    print(row(["engine", "model", "MiB", "bucket", "buckets", "push (best)", "push (median)", "transfer",
-               "load", "disk baseline", "ratio"]))
+    print(
+        row(
+            [
+                "engine",
+                "model",
+                "MiB",
+                "bucket",
+                "buckets",
+                "push (best)",
+                "push (median)",
+                "transfer",
+                "load",
+                "disk baseline",
+                "ratio",
+            ]
+        )
+    )
     print(row(["---"] * 11))
     version = 1
     for size in args.sizes.split(","):
@@ -142,18 +187,39 @@ def run_cpu(args) -> None:
             else:
                 from refractor.inference.vllm.launcher import VllmServerSettings, start_vllm_server
 
-                server = start_vllm_server(model_dir, settings=VllmServerSettings(
-                    max_model_len=1024, kv_cache_memory_gb=0.25, max_num_seqs=8,
-                    extra_env={"VLLM_CPU_CI_ENV": "1"}))
+                server = start_vllm_server(
+                    model_dir,
+                    settings=VllmServerSettings(
+                        max_model_len=1024,
+                        kv_cache_memory_gb=0.25,
+                        max_num_seqs=8,
+                        extra_env={"VLLM_CPU_CI_ENV": "1"},
+                    ),
+                )
                 url, stop = server.url, server.stop
             sender = WeightSender([ServerRef(f"{engine}-0", url)], init_timeout_s=120, timeout_s=300)
             try:
                 for bucket_mb in (int(b) for b in args.bucket_mb.split(",")):
                     r = time_pushes(sender, named, bucket_mb << 20, args.repeats, version)
                     version += args.repeats + 1
-                    print(row([engine, size, f"{r['mbytes']:.1f}", f"{bucket_mb} MiB", r["buckets"], ms(r["push_s"]),
-                               ms(r["median_push_s"]), ms(r["transfer_s"]), ms(r["load_s"]), ms(baseline),
-                               f"{baseline / r['push_s']:.2f}x"]), flush=True)
+                    print(
+                        row(
+                            [
+                                engine,
+                                size,
+                                f"{r['mbytes']:.1f}",
+                                f"{bucket_mb} MiB",
+                                r["buckets"],
+                                ms(r["push_s"]),
+                                ms(r["median_push_s"]),
+                                ms(r["transfer_s"]),
+                                ms(r["load_s"]),
+                                ms(baseline),
+                                f"{baseline / r['push_s']:.2f}x",
+                            ]
+                        ),
+                        flush=True,
+                    )
             finally:
                 sender.close()
                 stop()
@@ -171,16 +237,37 @@ def run_gpu(args) -> None:
     process, url = start_native(model_dir, "cuda", random_weights=True, env={"CUDA_VISIBLE_DEVICES": "1"})
     device = torch.device("cuda:0")
     try:
-        master = build_model(read_hf_config(model_dir), dtype=torch.float32, device=device)  # trainer fp32 weights
+        master = build_model(
+            read_hf_config(model_dir), dtype=torch.float32, device=device
+        )  # trainer fp32 weights
         params = list(master.named_parameters())
-        print(f"model: Qwen2.5-0.5B shape, {sum(p.numel() for _, p in params) / 1e6:.0f}M params, "
-              f"{sum(p.numel() for _, p in params) * 2 / 2**20:.0f} MiB in bf16")
-        sender = WeightSender([ServerRef("native-gpu1", url)], device=device, init_timeout_s=120, timeout_s=120)
+        print(
+            f"model: Qwen2.5-0.5B shape, {sum(p.numel() for _, p in params) / 1e6:.0f}M params, "
+            f"{sum(p.numel() for _, p in params) * 2 / 2**20:.0f} MiB in bf16"
+        )
+        sender = WeightSender(
+            [ServerRef("native-gpu1", url)], device=device, init_timeout_s=120, timeout_s=120
+        )
         start = time.perf_counter()
         sender.init()
         print(f"group init (NCCL rendezvous): {ms(time.perf_counter() - start)}")
-        print(row(["bucket", "buckets", "gather", "transfer", "load", "push (best)", "push (median)",
-                   "push streamed (gather overlapped)", "disk baseline", "ratio", "goal 30 ms"]))
+        print(
+            row(
+                [
+                    "bucket",
+                    "buckets",
+                    "gather",
+                    "transfer",
+                    "load",
+                    "push (best)",
+                    "push (median)",
+                    "push streamed (gather overlapped)",
+                    "disk baseline",
+                    "ratio",
+                    "goal 30 ms",
+                ]
+            )
+        )
         print(row(["---"] * 11))
         version = 1
         baseline = None
@@ -189,24 +276,44 @@ def run_gpu(args) -> None:
             for _ in range(3):
                 sync(device)
                 start = time.perf_counter()
-                buckets = list(iter_buckets(((n, p.detach().to(torch.bfloat16)) for n, p in params), bucket_mb << 20))
+                buckets = list(
+                    iter_buckets(((n, p.detach().to(torch.bfloat16)) for n, p in params), bucket_mb << 20)
+                )
                 sync(device)
                 gathers.append(time.perf_counter() - start)
             if baseline is None:
                 baseline = disk_baseline([pair for b in buckets for pair in b], device, 2)
-            r = time_pushes(sender, [pair for b in buckets for pair in b], bucket_mb << 20, args.repeats, version)
+            r = time_pushes(
+                sender, [pair for b in buckets for pair in b], bucket_mb << 20, args.repeats, version
+            )
             version += args.repeats + 1
             streamed = []
             for _ in range(args.repeats):
-                result = sender.push(iter_buckets(((n, p.detach().to(torch.bfloat16)) for n, p in params),
-                                                  bucket_mb << 20), version=version)
+                result = sender.push(
+                    iter_buckets(((n, p.detach().to(torch.bfloat16)) for n, p in params), bucket_mb << 20),
+                    version=version,
+                )
                 version += 1
                 streamed.append(result.seconds)
             best_streamed = min(streamed)
-            print(row([f"{bucket_mb} MiB", r["buckets"], ms(min(gathers)), ms(r["transfer_s"]), ms(r["load_s"]),
-                       ms(r["push_s"]), ms(r["median_push_s"]), ms(best_streamed), ms(baseline),
-                       f"{baseline / best_streamed:.1f}x", "met" if best_streamed <= 0.030 else "missed"]),
-                  flush=True)
+            print(
+                row(
+                    [
+                        f"{bucket_mb} MiB",
+                        r["buckets"],
+                        ms(min(gathers)),
+                        ms(r["transfer_s"]),
+                        ms(r["load_s"]),
+                        ms(r["push_s"]),
+                        ms(r["median_push_s"]),
+                        ms(best_streamed),
+                        ms(baseline),
+                        f"{baseline / best_streamed:.1f}x",
+                        "met" if best_streamed <= 0.030 else "missed",
+                    ]
+                ),
+                flush=True,
+            )
         sender.close()
     finally:
         process.kill()
@@ -218,7 +325,9 @@ def main() -> None:
         model_dir, port, device, random_weights = sys.argv[2:6]
         serve_native(model_dir, int(port), device, random_weights == "1")
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="where", required=True)
     cpu = sub.add_parser("cpu")
     cpu.add_argument("--engines", default="native,vllm")

@@ -44,8 +44,11 @@ def profile_steps(step: Callable[[], object], out_dir: str, prefix: str, steps: 
         "wall_ms_per_step": wall * 1e3,
         "gpu_kernel_ms_per_step": kernel_us / 1e3 / steps,
         "gpu_busy_fraction": kernel_us / 1e6 / steps / wall,
-        "kernel_launches_per_step": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                              "cudaLaunchKernelExC") for n in names) / steps,
+        "kernel_launches_per_step": sum(
+            n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+            for n in names
+        )
+        / steps,
         "syncs_per_step": {op: names.count(op) / steps for op in SYNC_OPS},
         "memcpy_per_step": {op: names.count(op) / steps for op in ("cudaMemcpyAsync", "cudaMemcpy")},
     }

@@ -17,8 +17,11 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     tests_section = readme.split("## Tests", 1)[1]
     command = _fenced_commands(tests_section)[0]
-    ci_lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()
-                if ln.strip() and not ln.strip().startswith("#")]
+    ci_lines = [
+        ln.strip()
+        for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+        if ln.strip() and not ln.strip().startswith("#")
+    ]
     assert ci_lines[-1] == command
 
 
@@ -36,6 +39,5 @@ def test_lint_is_clean():
     ruff = shutil.which("ruff")
     assert ruff, "ruff is part of the dev extra"
     paths = [p for p in ("src", "tests", "bench", "train.py", "eval.py") if (ROOT / p).exists()]
-    proc = subprocess.run([ruff, "check", *paths], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run([ruff, "check", *paths], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

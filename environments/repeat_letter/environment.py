@@ -26,8 +26,12 @@ class RepeatLetterEnvironment(SingleTurnEnvironment):
 
     def load_dataset(self, num_samples: int = -1, **kwargs) -> list[Sample]:
         n = num_samples if num_samples > 0 else self.num_prompts
-        self._samples = [Sample(prompt=f"Write the letter {self.letter} as many times as you can. (#{i})",
-                                answer=self.letter) for i in range(n)]
+        self._samples = [
+            Sample(
+                prompt=f"Write the letter {self.letter} as many times as you can. (#{i})", answer=self.letter
+            )
+            for i in range(n)
+        ]
         return self._samples
 
     async def compute_reward(self, completion: str, sample: Sample, eos_token: str = "") -> RewardResult:
@@ -35,5 +39,8 @@ class RepeatLetterEnvironment(SingleTurnEnvironment):
         words = text.split()
         visible = sum(len(word) for word in words)
         fraction = sum(len(word) for word in words if set(word) == {sample.answer}) / max(visible, 1)
-        return RewardResult(total_reward=fraction, sample_metrics={"letter_fraction": fraction},
-                            golden_answers={"letter": sample.answer})
+        return RewardResult(
+            total_reward=fraction,
+            sample_metrics={"letter_fraction": fraction},
+            golden_answers={"letter": sample.answer},
+        )

@@ -46,7 +46,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
 ) -> None:
     """refractor: asynchronous RL post-training for LLMs."""
 
@@ -54,7 +56,9 @@ def _root(
 @config_app.command("show", context_settings=EXTRA_ARGS)
 def config_show(
     ctx: typer.Context,
-    config: str = typer.Option(None, "--config", "-c", help="Run config YAML (Telescope YAMLs load unchanged)."),
+    config: str = typer.Option(
+        None, "--config", "-c", help="Run config YAML (Telescope YAMLs load unchanged)."
+    ),
 ) -> None:
     """Print the resolved config (defaults <- --config <- --key value overrides) as YAML."""
     cfg = load_or_exit(config, list(ctx.args))
@@ -62,7 +66,9 @@ def config_show(
 
 
 @config_app.command("check", context_settings=EXTRA_ARGS)
-def config_check(ctx: typer.Context, path: str = typer.Argument(..., help="Config YAML to validate.")) -> None:
+def config_check(
+    ctx: typer.Context, path: str = typer.Argument(..., help="Config YAML to validate.")
+) -> None:
     """Validate a config file (plus overrides); exit non-zero listing every error."""
     load_or_exit(path, list(ctx.args))
     err_console.print(f"[green]ok[/]: {path} is valid")
@@ -79,9 +85,13 @@ def config_defaults() -> None:
 @app.command("train", context_settings=EXTRA_ARGS)
 def train(
     ctx: typer.Context,
-    config: str = typer.Option(None, "--config", "-c", help="Run config YAML (Telescope YAMLs load unchanged)."),
+    config: str = typer.Option(
+        None, "--config", "-c", help="Run config YAML (Telescope YAMLs load unchanged)."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="Plain log lines instead of the progress display."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory of the same name."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing run directory of the same name."
+    ),
 ) -> None:
     """Train: servers + trainer on Ray, async rollouts, a weight update after every step.
 

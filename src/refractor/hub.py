@@ -20,10 +20,16 @@ def resolve_model_path(model: str) -> Path:
     if model.startswith(TESTING_PREFIX):
         from refractor import testing
 
-        builders = {"tiny-qwen2": testing.tiny_qwen2, "tiny-llama": testing.tiny_llama, "tiny-qwen3": testing.tiny_qwen3}
-        name = model[len(TESTING_PREFIX):]
+        builders = {
+            "tiny-qwen2": testing.tiny_qwen2,
+            "tiny-llama": testing.tiny_llama,
+            "tiny-qwen3": testing.tiny_qwen3,
+        }
+        name = model[len(TESTING_PREFIX) :]
         if name not in builders:
-            raise ModelNotFoundError(f"unknown test model `{model}`; available: {', '.join(TESTING_PREFIX + n for n in builders)}")
+            raise ModelNotFoundError(
+                f"unknown test model `{model}`; available: {', '.join(TESTING_PREFIX + n for n in builders)}"
+            )
         return builders[name]()
     local = Path(model).expanduser()
     if local.exists():

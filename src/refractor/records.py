@@ -30,7 +30,8 @@ class TrainSample:
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
             raise ValueError(
                 f"sample {self.sample_id}: input_ids ({n}), loss_mask ({len(self.loss_mask)}) and "
-                f"rollout_logprobs ({len(self.rollout_logprobs)}) must have the same length")
+                f"rollout_logprobs ({len(self.rollout_logprobs)}) must have the same length"
+            )
 
     @property
     def num_trainable_tokens(self) -> int:
@@ -41,17 +42,17 @@ class TrainSample:
 class MicroBatch:
     """Samples packed into one row of ``seq_len`` tokens (plus padding). All tensors are 1-D [T]."""
 
-    input_ids: torch.Tensor        # int64
-    position_ids: torch.Tensor     # int64, restart at 0 for every sample
-    document_ids: torch.Tensor     # int64, sample index within the row; -1 on padding
-    cu_seqlens: torch.Tensor       # int32 [num_docs + 1] (padding is one extra trailing doc when present)
-    loss_mask: torch.Tensor        # float32, 1.0 on trainable tokens
-    advantages: torch.Tensor       # float32, the sample's advantage on each of its tokens
+    input_ids: torch.Tensor  # int64
+    position_ids: torch.Tensor  # int64, restart at 0 for every sample
+    document_ids: torch.Tensor  # int64, sample index within the row; -1 on padding
+    cu_seqlens: torch.Tensor  # int32 [num_docs + 1] (padding is one extra trailing doc when present)
+    loss_mask: torch.Tensor  # float32, 1.0 on trainable tokens
+    advantages: torch.Tensor  # float32, the sample's advantage on each of its tokens
     rollout_logprobs: torch.Tensor  # float32
     sample_ids: list[int] = field(default_factory=list)
     max_seqlen: int = 0
-    minibatch: int = 0             # optimizer step within the training step (number_of_minibatches)
-    loss_normalizer: float = 1.0   # global divisor of this minibatch's loss (all micro-batches, all ranks)
+    minibatch: int = 0  # optimizer step within the training step (number_of_minibatches)
+    loss_normalizer: float = 1.0  # global divisor of this minibatch's loss (all micro-batches, all ranks)
 
     @property
     def num_tokens(self) -> int:

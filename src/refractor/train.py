@@ -57,12 +57,15 @@ def prepare_run(cfg: RefractorConfig, overwrite: bool = False) -> tuple[Refracto
         if not overwrite:
             raise RunSetupError(
                 f"{paths.root} already holds a run. Resume it with `--resume_from_checkpoint true`, pick another "
-                f"`--run_name`, or pass `--overwrite` to replace it.")
+                f"`--run_name`, or pass `--overwrite` to replace it."
+            )
         import shutil
 
         shutil.rmtree(paths.root)
     if resuming and not paths.root.exists():
-        raise RunSetupError(f"`resume_from_checkpoint` is set but {paths.root} does not exist (check `run_name`/`run_dir`)")
+        raise RunSetupError(
+            f"`resume_from_checkpoint` is set but {paths.root} does not exist (check `run_name`/`run_dir`)"
+        )
     try:
         model_path = resolve_model_path(cfg.model)
     except ModelNotFoundError as err:
@@ -80,7 +83,9 @@ def load_environments(cfg: RefractorConfig):
         try:
             envs.append(get_environment(entry.name, **entry.kwargs))
         except Exception as err:  # noqa: BLE001 - user environments raise anything; report it with the entry
-            raise RunSetupError(f"environment `{entry.name}` could not be created: {type(err).__name__}: {err}") from None
+            raise RunSetupError(
+                f"environment `{entry.name}` could not be created: {type(err).__name__}: {err}"
+            ) from None
     return envs
 
 
@@ -138,12 +143,26 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
         has_gpu = cluster_has_gpus()
         engine = choose_engine(cfg.inference_engine, has_gpu)
         gpus_per_server = cfg.inference_tensor_parallel_size if has_gpu else 0
-        server_pg = reserve("inference servers", cfg.num_inference_servers, cfg.ray_inference_cpus_per_worker,
-                            gpus_per_server, cfg.ray_inference_placement_strategy, cfg.ray_placement_timeout_s,
-                            "ray_inference_cpus_per_worker", "inference_num_workers")
-        trainer_pg = reserve("trainer ranks", cfg.trainer_num_workers, cfg.ray_trainer_cpus_per_worker,
-                             1 if has_gpu else 0, cfg.ray_trainer_placement_strategy, cfg.ray_placement_timeout_s,
-                             "ray_trainer_cpus_per_worker", "trainer_num_workers")
+        server_pg = reserve(
+            "inference servers",
+            cfg.num_inference_servers,
+            cfg.ray_inference_cpus_per_worker,
+            gpus_per_server,
+            cfg.ray_inference_placement_strategy,
+            cfg.ray_placement_timeout_s,
+            "ray_inference_cpus_per_worker",
+            "inference_num_workers",
+        )
+        trainer_pg = reserve(
+            "trainer ranks",
+            cfg.trainer_num_workers,
+            cfg.ray_trainer_cpus_per_worker,
+            1 if has_gpu else 0,
+            cfg.ray_trainer_placement_strategy,
+            cfg.ray_placement_timeout_s,
+            "ray_trainer_cpus_per_worker",
+            "trainer_num_workers",
+        )
         servers = RayServerGroup(cfg, server_pg, engine, str(paths.logs))
         trainers = RayTrainerGroup(cfg, trainer_pg, str(paths.root), pad_token_id=tokenizer.pad_token_id)
         with ThreadPoolExecutor(2) as pool:  # servers and trainer ranks boot side by side
@@ -155,19 +174,32 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
         eval_servers = eval_server_names(cfg, [i.name for i in infos])
         trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
 
-        orchestrator = Orchestrator(cfg, envs, servers=_http_servers(infos, cfg), trainer=trainers, store=store,
-                                    tokenizer=tokenizer, sinks=sinks)
+        orchestrator = Orchestrator(
+            cfg,
+            envs,
+            servers=_http_servers(infos, cfg),
+            trainer=trainers,
+            store=store,
+            tokenizer=tokenizer,
+            sinks=sinks,
+        )
         attach_evals(orchestrator, evals, eval_servers)  # before load_state_dict: the state holds eval ids
         if cfg.resume_from_checkpoint is not False:
-            step = trainers.load_checkpoint(cfg.resume_from_checkpoint if cfg.resume_from_checkpoint is not True
-                                            else "latest")
+            step = trainers.load_checkpoint(
+                cfg.resume_from_checkpoint if cfg.resume_from_checkpoint is not True else "latest"
+            )
             state = trainers.read_checkpoint_file(step, "orchestrator.json")
             if state is None:
-                raise RunSetupError(f"checkpoint step_{step} has no orchestrator.json; it cannot resume a run")
+                raise RunSetupError(
+                    f"checkpoint step_{step} has no orchestrator.json; it cannot resume a run"
+                )
             orchestrator.load_state_dict(json.loads(state))
             asyncio.run(trainers.update_weights(orchestrator.counters.loaded_version))
-        watchdog = ServerWatchdog(orchestrator.servers.values(), HeartbeatSettings.from_config(cfg),
-                                  actor_process_check(dict(zip(servers.names, servers.actors, strict=True))))
+        watchdog = ServerWatchdog(
+            orchestrator.servers.values(),
+            HeartbeatSettings.from_config(cfg),
+            actor_process_check(dict(zip(servers.names, servers.actors, strict=True))),
+        )
         asyncio.run(run_watched(orchestrator.run(), watchdog))
         status = "finished"
     except KeyboardInterrupt:
@@ -219,4 +251,7 @@ def write_config_file(cfg: RefractorConfig, paths: RunPaths) -> None:
 def _http_servers(infos, cfg):
     from refractor.inference.client import InferenceClient
 
-    return [InferenceClient(info.url, name=info.name, timeout_s=float(cfg.ray_placement_timeout_s)) for info in infos]
+    return [
+        InferenceClient(info.url, name=info.name, timeout_s=float(cfg.ray_placement_timeout_s))
+        for info in infos
+    ]

@@ -77,7 +77,9 @@ def reference_loss(samples: list[RefSample], st: dict, normalizer: float) -> tup
             d = torch.clamp(big_delta.detach(), -st["tis_logprob_clamp"], st["tis_logprob_clamp"])
             raw = torch.exp(d)
             if st.get("tis_mode") == "icepop":
-                tis = torch.where((raw >= st["tis_floor"]) & (raw <= st["tis_cap"]), raw, torch.zeros_like(raw))
+                tis = torch.where(
+                    (raw >= st["tis_floor"]) & (raw <= st["tis_cap"]), raw, torch.zeros_like(raw)
+                )
             else:
                 tis = torch.clamp(raw, max=st["tis_cap"])
             P = P * tis
@@ -87,7 +89,7 @@ def reference_loss(samples: list[RefSample], st: dict, normalizer: float) -> tup
                 dd = torch.clamp(big_delta, -20, 20)
                 kl = torch.clamp(torch.exp(-dd) - 1 + dd, max=10)
             else:
-                kl = big_delta ** 2
+                kl = big_delta**2
             P = P + st["kl_penalty_tau"] * kl
         if st.get("entropy_coef", 0) > 0:
             P = P - st["entropy_coef"] * s.entropy
@@ -96,6 +98,13 @@ def reference_loss(samples: list[RefSample], st: dict, normalizer: float) -> tup
         m_tis += float((tis * mask).sum())
         m_dual += float((dual * mask).sum())
         m_kl += float((kl.detach() * mask).sum())
-    metrics = {"num_tokens": m_n, "policy_tokens": m_kept, "tis_sum": m_tis, "dual_clip_count": m_dual,
-               "kl_penalty_sum": m_kl, "entropy_sum": m_ent, "kl_inference_sum": m_kli}
+    metrics = {
+        "num_tokens": m_n,
+        "policy_tokens": m_kept,
+        "tis_sum": m_tis,
+        "dual_clip_count": m_dual,
+        "kl_penalty_sum": m_kl,
+        "entropy_sum": m_ent,
+        "kl_inference_sum": m_kli,
+    }
     return total / normalizer, metrics

@@ -18,8 +18,16 @@ from refractor.records import TrainSample
 
 
 def _row(lengths, seq_len=64, pad_to=16):
-    samples = [TrainSample(input_ids=[1] * n, loss_mask=[0] + [1] * (n - 1), advantage=0.0,
-                           rollout_logprobs=[0.0] * n, sample_id=i) for i, n in enumerate(lengths)]
+    samples = [
+        TrainSample(
+            input_ids=[1] * n,
+            loss_mask=[0] + [1] * (n - 1),
+            advantage=0.0,
+            rollout_logprobs=[0.0] * n,
+            sample_id=i,
+        )
+        for i, n in enumerate(lengths)
+    ]
     batch = pack_train_batch(samples, step=0, seq_len=seq_len, pad_to_multiple_of=pad_to, pad_token_id=0)
     (mb,) = batch.micro_batches[0]
     return mb
@@ -33,15 +41,18 @@ def naive_attention(q, k, v, doc):
     out = torch.zeros_like(q)
     for i in range(t):
         keys = [j for j in range(i + 1) if doc[j] == doc[i] and doc[i] >= 0] or [i]
-        s = (q[:, i:i + 1] @ k[:, keys].transpose(1, 2)) / math.sqrt(d)
+        s = (q[:, i : i + 1] @ k[:, keys].transpose(1, 2)) / math.sqrt(d)
         out[:, i] = (torch.softmax(s, -1) @ v[:, keys])[:, 0]
     return out
 
 
 def qkv(t, heads=4, kv_heads=2, dim=16, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(heads, t, dim, generator=g, dtype=dtype), torch.randn(kv_heads, t, dim, generator=g, dtype=dtype),
-            torch.randn(kv_heads, t, dim, generator=g, dtype=dtype))
+    return (
+        torch.randn(heads, t, dim, generator=g, dtype=dtype),
+        torch.randn(kv_heads, t, dim, generator=g, dtype=dtype),
+        torch.randn(kv_heads, t, dim, generator=g, dtype=dtype),
+    )
 
 
 def test_mask_rule():
@@ -56,8 +67,9 @@ def test_mask_rule():
 def test_oracle_matches_per_document_loop():
     mb = _row([7, 12, 3, 20])
     q, k, v = qkv(mb.num_tokens, dtype=torch.float64)
-    torch.testing.assert_close(block_causal_attention(q, k, v, mb.document_ids),
-                               naive_attention(q, k, v, mb.document_ids.tolist()))
+    torch.testing.assert_close(
+        block_causal_attention(q, k, v, mb.document_ids), naive_attention(q, k, v, mb.document_ids.tolist())
+    )
 
 
 def test_flex_matches_oracle_on_cpu():

@@ -50,10 +50,18 @@ def test_disabled_filters_never_flag():
 
 def test_single_and_multi_turn_take_the_same_path():
     """A multi-turn sample (env tokens with mask 0 and logprob 0) is judged on its sampled tokens only."""
-    single = TrainSample(input_ids=[1, 2, 3, 120000, 5], loss_mask=[0, 0, 1, 1, 1], advantage=1.0,
-                         rollout_logprobs=[0.0, 0.0, -0.1, -14.0, -0.2])
-    multi = TrainSample(input_ids=[1, 2, 3, 120000, 5, 130000, 7, 8], loss_mask=[0, 0, 1, 1, 1, 0, 0, 1],
-                        advantage=1.0, rollout_logprobs=[0.0, 0.0, -0.1, -14.0, -0.2, 0.0, 0.0, -0.3])
+    single = TrainSample(
+        input_ids=[1, 2, 3, 120000, 5],
+        loss_mask=[0, 0, 1, 1, 1],
+        advantage=1.0,
+        rollout_logprobs=[0.0, 0.0, -0.1, -14.0, -0.2],
+    )
+    multi = TrainSample(
+        input_ids=[1, 2, 3, 120000, 5, 130000, 7, 8],
+        loss_mask=[0, 0, 1, 1, 1, 0, 0, 1],
+        advantage=1.0,
+        rollout_logprobs=[0.0, 0.0, -0.1, -14.0, -0.2, 0.0, 0.0, -0.3],
+    )
     text = "answer " * 3
     for s in (single, multi):
         flags = sample_filter_flags(s, text, is_truncated=True, settings=ALL_ON)
@@ -64,15 +72,29 @@ def test_single_and_multi_turn_take_the_same_path():
 
 
 def test_filter_metrics_fractions():
-    flags = [FilterFlags(overlong=True), FilterFlags(gibberish=True, repetition=True), FilterFlags(), FilterFlags()]
-    assert filter_metrics(flags, ALL_ON) == {"filter/overlong_frac": 0.25, "filter/gibberish_frac": 0.25,
-                                             "filter/repetition_frac": 0.25}
+    flags = [
+        FilterFlags(overlong=True),
+        FilterFlags(gibberish=True, repetition=True),
+        FilterFlags(),
+        FilterFlags(),
+    ]
+    assert filter_metrics(flags, ALL_ON) == {
+        "filter/overlong_frac": 0.25,
+        "filter/gibberish_frac": 0.25,
+        "filter/repetition_frac": 0.25,
+    }
     assert filter_metrics(flags, FilterSettings(filter_gibberish=True)) == {"filter/gibberish_frac": 0.25}
 
 
 def test_settings_from_config():
-    cfg = load_config(None, {"environments": [{"name": "countdown"}], "filter_repetition": True,
-                             "repetition_compression_threshold": 4.0})
+    cfg = load_config(
+        None,
+        {
+            "environments": [{"name": "countdown"}],
+            "filter_repetition": True,
+            "repetition_compression_threshold": 4.0,
+        },
+    )
     s = FilterSettings.from_config(cfg)
     assert s.filter_repetition and s.repetition_compression_threshold == 4.0 and not s.filter_overlong
     assert s.gibberish_token_threshold == 100000

@@ -57,15 +57,37 @@ CASES = {
     "gspo_dual_clip": {"algorithm": "gspo", "clip_ratio_c": 1.05},
     "sapo": {"algorithm": "sapo", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05},
     "tis_truncate": {"use_tis": True, "tis_cap": 1.4, "tis_logprob_clamp": 20.0, "tis_mode": "truncate"},
-    "tis_icepop": {"use_tis": True, "tis_cap": 1.3, "tis_floor": 0.8, "tis_logprob_clamp": 20.0, "tis_mode": "icepop"},
+    "tis_icepop": {
+        "use_tis": True,
+        "tis_cap": 1.3,
+        "tis_floor": 0.8,
+        "tis_logprob_clamp": 20.0,
+        "tis_mode": "icepop",
+    },
     "kl_k2": {"kl_penalty_tau": 0.3, "kl_estimator": "k2"},
     "kl_k3": {"kl_penalty_tau": 0.3, "kl_estimator": "k3"},
     "entropy_bonus": {"entropy_coef": 0.01},
     "seq_is_masking": {"seq_is_masking": True, "seq_is_mask_low": 0.85, "seq_is_mask_high": 1.35},
-    "gspo_seq_is": {"algorithm": "gspo", "seq_is_masking": True, "seq_is_mask_low": 0.85, "seq_is_mask_high": 1.35},
-    "everything": {"use_ppo_clip": True, "clip_ratio_c": 1.3, "use_tis": True, "tis_cap": 1.5, "tis_logprob_clamp": 20.0,
-                   "tis_mode": "truncate", "kl_penalty_tau": 0.1, "kl_estimator": "k3", "entropy_coef": 0.02,
-                   "seq_is_masking": True, "seq_is_mask_low": 0.85, "seq_is_mask_high": 1.35},
+    "gspo_seq_is": {
+        "algorithm": "gspo",
+        "seq_is_masking": True,
+        "seq_is_mask_low": 0.85,
+        "seq_is_mask_high": 1.35,
+    },
+    "everything": {
+        "use_ppo_clip": True,
+        "clip_ratio_c": 1.3,
+        "use_tis": True,
+        "tis_cap": 1.5,
+        "tis_logprob_clamp": 20.0,
+        "tis_mode": "truncate",
+        "kl_penalty_tau": 0.1,
+        "kl_estimator": "k3",
+        "entropy_coef": 0.02,
+        "seq_is_masking": True,
+        "seq_is_mask_low": 0.85,
+        "seq_is_mask_high": 1.35,
+    },
 }
 
 
@@ -84,24 +106,38 @@ def test_loss_branch_matches_float64_reference(name, use_batch_ref):
 
     lp = row["logprobs"].clone().requires_grad_()
     ent = row["entropy"].clone().requires_grad_()
-    out = policy_loss(lp, row["rollout"], row["adv"], row["mask"], row["doc"], settings, norm,
-                      ref_logprobs=row["ref"] if use_batch_ref else None, entropy=ent)
+    out = policy_loss(
+        lp,
+        row["rollout"],
+        row["adv"],
+        row["mask"],
+        row["doc"],
+        settings,
+        norm,
+        ref_logprobs=row["ref"] if use_batch_ref else None,
+        entropy=ent,
+    )
     out.loss.backward()
 
     ref_lp = [p[0].clone().requires_grad_() for p in parts]
     ref_ent = [p[5].clone().requires_grad_() for p in parts]
-    samples = [RefSample(ref_lp[i], p[1], p[2] if use_batch_ref else p[1], p[3], p[4], ref_ent[i])
-               for i, p in enumerate(parts)]
+    samples = [
+        RefSample(ref_lp[i], p[1], p[2] if use_batch_ref else p[1], p[3], p[4], ref_ent[i])
+        for i, p in enumerate(parts)
+    ]
     expected, m = reference_loss(samples, st, norm)
     expected.backward()
 
     torch.testing.assert_close(out.loss.detach(), expected.detach(), rtol=1e-12, atol=1e-12)
     grad_ref = torch.cat([t.grad for t in ref_lp] + [torch.zeros(PAD, dtype=torch.float64)])
     torch.testing.assert_close(lp.grad, grad_ref, rtol=1e-12, atol=1e-12)
-    ent_grad = torch.cat([t.grad if t.grad is not None else torch.zeros_like(t) for t in ref_ent]
-                         + [torch.zeros(PAD, dtype=torch.float64)])
-    torch.testing.assert_close(ent.grad if ent.grad is not None else torch.zeros_like(ent), ent_grad,
-                               rtol=1e-12, atol=1e-12)
+    ent_grad = torch.cat(
+        [t.grad if t.grad is not None else torch.zeros_like(t) for t in ref_ent]
+        + [torch.zeros(PAD, dtype=torch.float64)]
+    )
+    torch.testing.assert_close(
+        ent.grad if ent.grad is not None else torch.zeros_like(ent), ent_grad, rtol=1e-12, atol=1e-12
+    )
     assert lp.grad.abs().sum() > 0  # the case is not degenerate
 
     stats = out.stats.as_dict()
@@ -116,8 +152,16 @@ def test_branches_are_exercised():
     """The fixed rows hit both sides of every clip, mask and bound the cases are about."""
     row, parts = make_row()
     settings = LossSettings(**CASES["everything"])
-    out = policy_loss(row["logprobs"], row["rollout"], row["adv"], row["mask"], row["doc"], settings,
-                      float(row["mask"].sum()), entropy=row["entropy"])
+    out = policy_loss(
+        row["logprobs"],
+        row["rollout"],
+        row["adv"],
+        row["mask"],
+        row["doc"],
+        settings,
+        float(row["mask"].sum()),
+        entropy=row["entropy"],
+    )
     metrics = loss_metrics(out.stats, settings)
     assert 0 < metrics["seq_is_masked_frac"] < 1
     assert 0 < metrics["dual_clip_frac"] < 1
@@ -154,7 +198,7 @@ def test_gspo_gradient_is_that_of_the_sequence_objective(clip_ratio_c):
         for p in parts:
             n = len(p[3])
             m = torch.tensor(p[3], dtype=torch.float64)
-            S = float(((lp[start:start + n] - p[1]) * m).sum() / m.sum())
+            S = float(((lp[start : start + n] - p[1]) * m).sum() / m.sum())
             R, A = math.exp(S), p[4]
             f = max(-R * A, -min(max(R, lo), hi) * A)
             if clip_ratio_c is not None:
@@ -170,12 +214,16 @@ def test_gspo_gradient_is_that_of_the_sequence_objective(clip_ratio_c):
     for i in range(lp.numel()):
         e = torch.zeros_like(lp)
         e[i] = eps
-        numeric[i] = (sequence_objective(row["logprobs"] + e) - sequence_objective(row["logprobs"] - e)) / (2 * eps)
+        numeric[i] = (sequence_objective(row["logprobs"] + e) - sequence_objective(row["logprobs"] - e)) / (
+            2 * eps
+        )
     torch.testing.assert_close(lp.grad, numeric, rtol=1e-6, atol=1e-9)
     assert lp.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo_clip", "cispo", "gspo", "sapo", "everything", "tis_icepop", "kl_k2"])
+@pytest.mark.parametrize(
+    "name", ["grpo", "ppo_clip", "cispo", "gspo", "sapo", "everything", "tis_icepop", "kl_k2"]
+)
 def test_on_policy_first_step(name):
     """Rollout log-probs equal to the trainer's: ratios are 1, TIS weights 1, KL 0, gradient -A/N."""
     st = dict(CASES[name])
@@ -194,8 +242,13 @@ def test_on_policy_first_step(name):
     assert stats["dual_clip_count"] == 0.0
     expected_grad = -row["adv"].float() * row["mask"].float() / norm
     if name == "gspo":  # sequence-level: each token carries 1/n_s of its sequence's gradient
-        n_s = torch.tensor([sum(m for m, d2 in zip(row["mask"].tolist(), row["doc"].tolist(), strict=True) if d2 == d)
-                            for d in row["doc"].tolist()], dtype=torch.float32)
+        n_s = torch.tensor(
+            [
+                sum(m for m, d2 in zip(row["mask"].tolist(), row["doc"].tolist(), strict=True) if d2 == d)
+                for d in row["doc"].tolist()
+            ],
+            dtype=torch.float32,
+        )
         expected_grad = expected_grad / n_s.clamp(min=1)
     torch.testing.assert_close(lp.grad, expected_grad, rtol=1e-6, atol=1e-7)
     if name in ("ppo_clip", "gspo", "everything"):
@@ -204,29 +257,76 @@ def test_on_policy_first_step(name):
 
 
 def test_stats_add_and_metric_names():
-    settings = LossSettings(use_tis=True, tis_mode="icepop", tis_floor=0.5, clip_ratio_c=2.0, use_ppo_clip=True,
-                            kl_penalty_tau=0.1, entropy_coef=0.1, seq_is_masking=True)
+    settings = LossSettings(
+        use_tis=True,
+        tis_mode="icepop",
+        tis_floor=0.5,
+        clip_ratio_c=2.0,
+        use_ppo_clip=True,
+        kl_penalty_tau=0.1,
+        entropy_coef=0.1,
+        seq_is_masking=True,
+    )
     row, _ = make_row()
-    out = policy_loss(row["logprobs"], row["rollout"], row["adv"], row["mask"], row["doc"], settings, 10.0,
-                      entropy=row["entropy"])
+    out = policy_loss(
+        row["logprobs"],
+        row["rollout"],
+        row["adv"],
+        row["mask"],
+        row["doc"],
+        settings,
+        10.0,
+        entropy=row["entropy"],
+    )
     total = LossStats.zeros() + out.stats + out.stats
     metrics = loss_metrics(total, settings)
-    assert set(metrics) == {"loss", "entropy", "kl_divergence_inference", "num_tokens", "seq_is_masked_frac", "tis_mean",
-                            "tis_zero_frac", "dual_clip_frac", "kl_penalty", "entropy_bonus"}
+    assert set(metrics) == {
+        "loss",
+        "entropy",
+        "kl_divergence_inference",
+        "num_tokens",
+        "seq_is_masked_frac",
+        "tis_mean",
+        "tis_zero_frac",
+        "dual_clip_frac",
+        "kl_penalty",
+        "entropy_bonus",
+    }
     assert metrics["num_tokens"] == 2 * float(row["mask"].sum())
     assert metrics["entropy_bonus"] == pytest.approx(0.1 * metrics["entropy"])
-    assert set(loss_metrics(total, LossSettings())) == {"loss", "entropy", "kl_divergence_inference", "num_tokens"}
+    assert set(loss_metrics(total, LossSettings())) == {
+        "loss",
+        "entropy",
+        "kl_divergence_inference",
+        "num_tokens",
+    }
 
 
 def test_entropy_required_for_bonus():
     row, _ = make_row()
     with pytest.raises(ValueError, match="entropy_coef"):
-        policy_loss(row["logprobs"], row["rollout"], row["adv"], row["mask"], row["doc"], LossSettings(entropy_coef=0.1), 1.0)
+        policy_loss(
+            row["logprobs"],
+            row["rollout"],
+            row["adv"],
+            row["mask"],
+            row["doc"],
+            LossSettings(entropy_coef=0.1),
+            1.0,
+        )
 
 
 def test_settings_from_config():
-    cfg = load_config(None, {"environments": [{"name": "countdown"}], "algorithm": "dr_grpo",
-                             "dr_grpo_loss_agg_mode": "token_sum_norm", "max_tokens": 100, "max_model_len": 200})
+    cfg = load_config(
+        None,
+        {
+            "environments": [{"name": "countdown"}],
+            "algorithm": "dr_grpo",
+            "dr_grpo_loss_agg_mode": "token_sum_norm",
+            "max_tokens": 100,
+            "max_model_len": 200,
+        },
+    )
     s = LossSettings.from_config(cfg)
     assert s.algorithm == "dr_grpo" and s.aggregation == "token_sum_norm" and s.max_tokens == 100
     assert loss_normalizer(1234, 8, s.aggregation, s.max_tokens) == 800.0

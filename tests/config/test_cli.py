@@ -35,7 +35,14 @@ def test_version():
 
 def test_examples_exist():
     names = {p.stem for p in EXAMPLES}
-    assert {"countdown", "hendrycks_math", "hendrycks_math_with_eval", "wordle", "code", "quickstart"} <= names
+    assert {
+        "countdown",
+        "hendrycks_math",
+        "hendrycks_math_with_eval",
+        "wordle",
+        "code",
+        "quickstart",
+    } <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -51,8 +58,16 @@ def test_every_example_shows_and_checks(path):
 
 
 def test_show_applies_overrides(tmp_path):
-    res = run("config", "show", "--config", str(ROOT / "configs/examples/countdown.yaml"),
-              "--learning_rate", "5e-7", "--group-size=4", "--debug")
+    res = run(
+        "config",
+        "show",
+        "--config",
+        str(ROOT / "configs/examples/countdown.yaml"),
+        "--learning_rate",
+        "5e-7",
+        "--group-size=4",
+        "--debug",
+    )
     assert res.exit_code == 0, res.output
     shown = yaml.safe_load(res.stdout)
     assert shown["learning_rate"] == 5e-7 and shown["group_size"] == 4 and shown["debug"] is True
@@ -70,8 +85,12 @@ def test_check_reports_errors_and_exits_nonzero(tmp_path):
 def test_cross_field_error_from_console_script(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("environments: [{name: countdown}]\nalgorithm: reinforce_pp\n")
-    proc = subprocess.run([sys.executable, "-m", "refractor.cli", "config", "check", str(bad)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "refractor.cli", "config", "check", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "requires `advantage_norm: batch`" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout

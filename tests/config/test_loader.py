@@ -37,7 +37,10 @@ def write(tmp_path, text, name="run.yaml"):
         (["--wandb_tags", "[a, b]"], {"wandb_tags": ["a", "b"]}),
         (["--ray_runtime_env", "{env_vars: {X: '1'}}"], {"ray_runtime_env": {"env_vars": {"X": "1"}}}),
         (["--model", "Qwen/Qwen2.5-0.5B"], {"model": "Qwen/Qwen2.5-0.5B"}),
-        (["--checkpoint_every", "10", "--debug", "--seed=3"], {"checkpoint_every": 10, "debug": True, "seed": 3}),
+        (
+            ["--checkpoint_every", "10", "--debug", "--seed=3"],
+            {"checkpoint_every": 10, "debug": True, "seed": 3},
+        ),
     ],
 )
 def test_parse_overrides_types(args, expected):
@@ -45,8 +48,23 @@ def test_parse_overrides_types(args, expected):
 
 
 def test_overrides_are_typed_by_the_schema():
-    cfg = load_config(None, ["--environments", "[{name: countdown}]", "--learning_rate", "1e-5", "--group_size", "4",
-                             "--top_p", "0.9", "--max_num_seqs", "null", "--wandb_tags", "[x]"])
+    cfg = load_config(
+        None,
+        [
+            "--environments",
+            "[{name: countdown}]",
+            "--learning_rate",
+            "1e-5",
+            "--group_size",
+            "4",
+            "--top_p",
+            "0.9",
+            "--max_num_seqs",
+            "null",
+            "--wandb_tags",
+            "[x]",
+        ],
+    )
     assert cfg.learning_rate == 1e-5 and isinstance(cfg.group_size, int) and cfg.group_size == 4
     assert cfg.top_p == 0.9 and cfg.max_num_seqs is None and cfg.wandb_tags == ["x"]
     assert cfg.environments[0].name == "countdown" and cfg.environments[0].weight == 1.0
@@ -59,7 +77,9 @@ def test_bad_override_token():
 
 # ---------------------------------------------------------------- layers
 def test_layers_file_then_cli_lists_replaced_dicts_merged(tmp_path):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         environments:
           - name: countdown
             kwargs: {a: 1}
@@ -67,9 +87,19 @@ def test_layers_file_then_cli_lists_replaced_dicts_merged(tmp_path):
         ray_runtime_env: {env_vars: {A: "1"}, working_dir: "."}
         group_size: 4
         learning_rate: 1e-6
-    """)
-    cfg = load_config(p, ["--group_size", "2", "--ray_runtime_env", "{env_vars: {B: '2'}}",
-                          "--environments", "[{name: hendrycks_math}]"])
+    """,
+    )
+    cfg = load_config(
+        p,
+        [
+            "--group_size",
+            "2",
+            "--ray_runtime_env",
+            "{env_vars: {B: '2'}}",
+            "--environments",
+            "[{name: hendrycks_math}]",
+        ],
+    )
     assert cfg.group_size == 2
     assert cfg.learning_rate == 1e-6
     assert cfg.ray_runtime_env == {"env_vars": {"A": "1", "B": "2"}, "working_dir": "."}
@@ -78,7 +108,10 @@ def test_layers_file_then_cli_lists_replaced_dicts_merged(tmp_path):
 
 
 def test_merge_semantics():
-    assert merge({"a": {"x": 1, "y": [1]}, "b": [1, 2]}, {"a": {"y": [2]}, "b": [3]}) == {"a": {"x": 1, "y": [2]}, "b": [3]}
+    assert merge({"a": {"x": 1, "y": [1]}, "b": [1, 2]}, {"a": {"y": [2]}, "b": [3]}) == {
+        "a": {"x": 1, "y": [2]},
+        "b": [3],
+    }
 
 
 def test_missing_file(tmp_path):
@@ -106,13 +139,17 @@ def test_unknown_key_suggests_closest_and_names_file(tmp_path):
 
 
 def test_unknown_cli_key_names_command_line():
-    with pytest.raises(ConfigError, match=r"command line: unknown key `grup_size` \(did you mean `group_size`\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"command line: unknown key `grup_size` \(did you mean `group_size`\?\)"
+    ):
         load_config(None, {**ENV, "grup_size": 3})
 
 
 def test_unknown_nested_key_in_environment_entry(tmp_path):
     p = write(tmp_path, "environments: [{name: countdown, wieght: 2}]\n")
-    with pytest.raises(ConfigError, match=r"`environments\[0\]\.wieght`: unknown key \(did you mean `weight`\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"`environments\[0\]\.wieght`: unknown key \(did you mean `weight`\?\)"
+    ):
         load_config(p)
 
 
@@ -147,14 +184,20 @@ REJECT = [
     ({"advantage_norm": "batch", "algorithm": "rloo"}, "not valid with `algorithm: rloo`"),
     ({"advantage_norm": "batch", "algorithm": "dr_grpo"}, "not valid with `algorithm: dr_grpo`"),
     ({"algorithm": "reinforce_pp"}, "requires `advantage_norm: batch`"),
-    ({"inference_num_workers": 3, "inference_tensor_parallel_size": 2}, "multiple of `inference_tensor_parallel_size`"),
+    (
+        {"inference_num_workers": 3, "inference_tensor_parallel_size": 2},
+        "multiple of `inference_tensor_parallel_size`",
+    ),
     ({"fsdp_context_parallel_size": 2, "seq_len": 4098}, "divisible by 2 x"),
     ({"fsdp_context_parallel_size": 2, "trainer_num_workers": 3}, "multiple of `fsdp_context_parallel_size`"),
     ({"environments": []}, "at least one environment"),
     ({"train_backend": "megatron"}, "not implemented yet"),
     ({"evals": [{"name": "math500"}], "inference_num_workers": 1}, "at least one of the 1 inference server"),
     ({"evals": [{"name": "math500"}], "eval_num_servers": 2}, "eval_num_servers"),
-    ({"enable_individual_sample_lanes": False, "free_lane_after_generation": True}, "needs `enable_individual_sample_lanes"),
+    (
+        {"enable_individual_sample_lanes": False, "free_lane_after_generation": True},
+        "needs `enable_individual_sample_lanes",
+    ),
     ({"max_tokens": 4096}, "below `max_model_len`"),
     ({"pad_to_multiple_of": 128, "seq_len": 64, "max_model_len": 4096}, "cannot exceed `seq_len`"),
     ({"use_tis": True, "tis_mode": "icepop", "tis_floor": 3.0}, "below `tis_cap`"),
@@ -220,9 +263,15 @@ def test_frozen():
 
 
 def test_round_trip_dict_and_yaml(tmp_path):
-    cfg = cfg_with(evals=[{"name": "math500", "pass_k": {"at_k": {"k": [1, 4]}}}], top_p=0.95, learning_rate=3e-7,
-                   ray_runtime_env={"env_vars": {"A": "1"}}, checkpoint_every=7, resume_from_checkpoint=True,
-                   inference_num_workers=2)
+    cfg = cfg_with(
+        evals=[{"name": "math500", "pass_k": {"at_k": {"k": [1, 4]}}}],
+        top_p=0.95,
+        learning_rate=3e-7,
+        ray_runtime_env={"env_vars": {"A": "1"}},
+        checkpoint_every=7,
+        resume_from_checkpoint=True,
+        inference_num_workers=2,
+    )
     import json
 
     dumped = cfg.model_dump()
@@ -242,7 +291,9 @@ def test_pickle_round_trip_keeps_user_keys():
 
 
 def test_telescope_yaml_loads_unchanged_with_notices(tmp_path, capsys):
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
         model: Qwen/Qwen2.5-3B
         inference_num_workers: 2
         trainer_num_workers: 2
@@ -265,7 +316,8 @@ def test_telescope_yaml_loads_unchanged_with_notices(tmp_path, capsys):
             reward_max: 2
             kwargs:
               add_thinking_prefix: true
-    """)
+    """,
+    )
     cfg = load_config(p)
     assert cfg.tis_cap == 10.0 and cfg.environments[0].kwargs == {"add_thinking_prefix": True}
     err = capsys.readouterr().err

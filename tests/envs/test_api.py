@@ -63,14 +63,19 @@ def test_rubric_failing_function_scores_zero_and_is_recorded():
     rubric = Rubric().add_reward(boom).add_reward(lambda completion: 1.0, name="ok")
     result = asyncio.run(rubric.score(completion="x"))
     assert result.total_reward == 1.0 and result.sample_metrics["boom"] == 0.0
-    assert result.info_turns[0]["info_key"] == "boom_error" and "ValueError: bad" in result.info_turns[0]["info_value"]
+    assert (
+        result.info_turns[0]["info_key"] == "boom_error"
+        and "ValueError: bad" in result.info_turns[0]["info_value"]
+    )
     with pytest.raises(ValueError, match="already has"):
         rubric.add_reward(boom)
 
 
 def _outcome(env, completion="hi", timeout_s=5.0):
     env.load_dataset()
-    return asyncio.run(score_rollout(env, finished_state(env, env.get_sample(0), completion), timeout_s=timeout_s))
+    return asyncio.run(
+        score_rollout(env, finished_state(env, env.get_sample(0), completion), timeout_s=timeout_s)
+    )
 
 
 def test_score_rollout_success_and_prompt_shape():
@@ -78,8 +83,10 @@ def test_score_rollout_success_and_prompt_shape():
         return RewardResult(total_reward=float(completion == sample.answer), sample_metrics={"m": True})
 
     env = EchoEnv(reward, system_prompt="S", instruction_prompt="I")
-    assert env.get_initial_prompt(Sample("q")) == [{"role": "system", "content": "S"},
-                                                   {"role": "user", "content": "I\n\nq"}]
+    assert env.get_initial_prompt(Sample("q")) == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "I\n\nq"},
+    ]
     outcome = _outcome(env)
     assert outcome.ok and outcome.result.total_reward == 1.0 and outcome.result.sample_metrics == {"m": 1.0}
     state = finished_state(env, env.get_sample(0), "hi")
@@ -158,6 +165,7 @@ class CounterEnv(MultiTurnEnvironment):
 
 def drive(env, sample, replies):
     """The orchestrator loop from the refractor.envs docstring, with scripted model replies."""
+
     async def main():
         state = env.create_initial_state(sample)
         messages = env.get_initial_prompt(sample)
@@ -171,6 +179,7 @@ def drive(env, sample, replies):
                 break
             messages = env.get_next_prompt_messages(state, env_msgs)
         return state, messages, await score_rollout(env, state, timeout_s=5)
+
     return asyncio.run(main())
 
 
@@ -205,7 +214,9 @@ def test_render_prompt_with_a_real_chat_template(tiny_qwen2_path):
     from refractor.envs import get_environment
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_path)
-    env = get_environment("countdown", dataset_name="procedural", procedural_num_samples=2, add_thinking_prefix=True)
+    env = get_environment(
+        "countdown", dataset_name="procedural", procedural_num_samples=2, add_thinking_prefix=True
+    )
     text = env.format_prompt("Q?", tokenizer)
     assert text.endswith("<|im_start|>assistant\n<think>")  # continued, no end-of-turn after the prefix
     assert "<|im_start|>system\n" in text and "Q?" in text

@@ -24,11 +24,22 @@ CASES = {  # sample index -> completion -> expected (passed, pass_rate, extra me
     "sum_wrong": (0, fenced("a, b = map(int, input().split())\nprint(a - b)"), 0.0, 1 / 3),
     "sum_crash": (0, fenced("raise SystemExit(3)"), 0.0, 0.0),
     "reverse_ok_trailing_space": (1, fenced("print(input()[::-1] + '   ')"), 1.0, 1.0),
-    "two_sum_class": (2, fenced(
-        "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
-        "        seen = {}\n        for i, n in enumerate(nums):\n"
-        "            if target - n in seen: return [seen[target - n], i]\n            seen[n] = i"), 1.0, 1.0),
-    "add_function_prints_noise": (3, fenced("def add(a, b):\n    print('debug noise')\n    return a + b"), 1.0, 1.0),
+    "two_sum_class": (
+        2,
+        fenced(
+            "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+            "        seen = {}\n        for i, n in enumerate(nums):\n"
+            "            if target - n in seen: return [seen[target - n], i]\n            seen[n] = i"
+        ),
+        1.0,
+        1.0,
+    ),
+    "add_function_prints_noise": (
+        3,
+        fenced("def add(a, b):\n    print('debug noise')\n    return a + b"),
+        1.0,
+        1.0,
+    ),
     "no_code": (0, "The answer is to add them.", 0.0, 0.0),
     "unfinished_think": (0, "<think>let me write\n" + SUM_OK, 0.0, 0.0),
     "infinite_loop": (0, fenced("while True: pass"), 0.0, 0.0),
@@ -38,8 +49,9 @@ CASES = {  # sample index -> completion -> expected (passed, pass_rate, extra me
 
 @pytest.fixture(scope="module")
 def env():
-    return get_environment("code", dataset_name=str(fixture_path("code")), min_difficulty=0.1,
-                           timeout_per_test=1.0, pool_size=4)
+    return get_environment(
+        "code", dataset_name=str(fixture_path("code")), min_difficulty=0.1, timeout_per_test=1.0, pool_size=4
+    )
 
 
 def test_dataset_rows_tests_and_difficulty_filter(env):
@@ -47,16 +59,23 @@ def test_dataset_rows_tests_and_difficulty_filter(env):
     assert env.get_sample(0).metadata["tests"][0] == ['"1 2\\n"', '"3\\n"']
     assert env.get_sample(2).metadata["fn_name"] == "twoSum"
     prompt = env.get_initial_prompt(env.get_sample(0))
-    assert prompt == [{"role": "user", "content": "Solve the programming task below in a Python markdown code block."
-                       "\n\nRead two integers a and b from standard input and print their sum."}]
+    assert prompt == [
+        {
+            "role": "user",
+            "content": "Solve the programming task below in a Python markdown code block."
+            "\n\nRead two integers a and b from standard input and print their sum.",
+        }
+    ]
 
 
 def test_rewards_on_hand_written_programs(env):
     async def main():
         await env.prepare_resources()
         try:
-            jobs = {name: score_rollout(env, finished_state(env, env.get_sample(idx), text), timeout_s=60)
-                    for name, (idx, text, _, _) in CASES.items()}
+            jobs = {
+                name: score_rollout(env, finished_state(env, env.get_sample(idx), text), timeout_s=60)
+                for name, (idx, text, _, _) in CASES.items()
+            }
             return dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
         finally:
             await env.close()
@@ -66,7 +85,10 @@ def test_rewards_on_hand_written_programs(env):
         outcome = outcomes[name]
         assert outcome.ok, (name, outcome.failure_reason)
         metrics = outcome.result.sample_metrics
-        assert (metrics["passed"], round(metrics["pass_rate"], 4)) == (passed, round(pass_rate, 4)), (name, metrics)
+        assert (metrics["passed"], round(metrics["pass_rate"], 4)) == (passed, round(pass_rate, 4)), (
+            name,
+            metrics,
+        )
         assert outcome.result.total_reward == passed
     assert outcomes["infinite_loop"].result.sample_metrics["num_timeouts"] == 3
     assert outcomes["sum_crash"].result.sample_metrics["num_errors"] == 3

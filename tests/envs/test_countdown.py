@@ -35,14 +35,17 @@ def test_fixture_loads_and_prompt_mentions_numbers(env):
     assert messages[1]["content"].startswith("Show your work in <think>")
 
 
-@pytest.mark.parametrize(("completion", "why"), [
-    ("<think>x</think><answer>(8 - 4) * 3 * 2</answer>", "uses a number that is not given"),
-    ("<think>x</think><answer>8 * (4 - 3) * 3</answer>", "uses 3 twice"),
-    ("<think>x</think><answer>8 * 3</answer>", "leaves 4 unused"),
-    ("<think>x</think><answer>8 * 4 - 3</answer>", "wrong value"),
-    ("<think>x</think><answer></answer>", "empty answer"),
-    ("<think>x</think>8 / (4 - 3) * 3", "no answer tags"),
-])
+@pytest.mark.parametrize(
+    ("completion", "why"),
+    [
+        ("<think>x</think><answer>(8 - 4) * 3 * 2</answer>", "uses a number that is not given"),
+        ("<think>x</think><answer>8 * (4 - 3) * 3</answer>", "uses 3 twice"),
+        ("<think>x</think><answer>8 * 3</answer>", "leaves 4 unused"),
+        ("<think>x</think><answer>8 * 4 - 3</answer>", "wrong value"),
+        ("<think>x</think><answer></answer>", "empty answer"),
+        ("<think>x</think>8 / (4 - 3) * 3", "no answer tags"),
+    ],
+)
 def test_wrong_equations_score_zero(env, completion, why):
     result = score(env, env.get_sample(0), completion)  # 3, 4, 8 -> 20
     assert result.sample_metrics["_equation_reward"] == 0.0, why
@@ -64,20 +67,30 @@ def test_right_equation_full_reward_and_golden_answer(env):
 def test_format_reward_levels(env):
     sample = env.get_sample(0)
     assert score(env, sample, "<answer>8</answer>").sample_metrics["_format_reward"] == 0.0
-    assert score(env, sample, "<think>a</think><answer>eight</answer>").sample_metrics["_format_reward"] == 0.5
-    assert score(env, sample, "a</think><answer>1+2</answer>").sample_metrics["_format_reward"] == 1.0  # <think> prepended
-    assert score(env, sample, "<think>a</think><answer>1</answer> trailing").sample_metrics["_format_reward"] == 0.0
+    assert (
+        score(env, sample, "<think>a</think><answer>eight</answer>").sample_metrics["_format_reward"] == 0.5
+    )
+    assert (
+        score(env, sample, "a</think><answer>1+2</answer>").sample_metrics["_format_reward"] == 1.0
+    )  # <think> prepended
+    assert (
+        score(env, sample, "<think>a</think><answer>1</answer> trailing").sample_metrics["_format_reward"]
+        == 0.0
+    )
 
 
-@pytest.mark.parametrize("answer", [
-    "8**4**3**9",                  # exponentiation: not an operator, and would hang eval
-    "__import__('os').system('x')",
-    "(3).__class__",
-    "8 // 4 * 3",                  # floor division is not a countdown operator
-    "8 / (4 - 4) * 3",             # division by zero (numbers also wrong)
-    "(" * 150 + "3*8" + ")" * 150,  # over 200 chars
-    "3 * 8 * 4e0",
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "8**4**3**9",  # exponentiation: not an operator, and would hang eval
+        "__import__('os').system('x')",
+        "(3).__class__",
+        "8 // 4 * 3",  # floor division is not a countdown operator
+        "8 / (4 - 4) * 3",  # division by zero (numbers also wrong)
+        "(" * 150 + "3*8" + ")" * 150,  # over 200 chars
+        "3 * 8 * 4e0",
+    ],
+)
 def test_adversarial_answers_score_zero_quickly(env, answer):
     sample = env.get_sample(0)
     result = score(env, sample, f"<think>x</think><answer>{answer}</answer>")
@@ -85,7 +98,9 @@ def test_adversarial_answers_score_zero_quickly(env, answer):
 
 
 def test_huge_completion_is_scored_without_error(env):
-    result = score(env, env.get_sample(0), "<think>" + "x" * 2_000_000 + "</think><answer>(3 * 4) + 8</answer>")
+    result = score(
+        env, env.get_sample(0), "<think>" + "x" * 2_000_000 + "</think><answer>(3 * 4) + 8</answer>"
+    )
     assert result.total_reward == 2.0
 
 
@@ -109,8 +124,13 @@ def test_procedural_problems_are_seeded_and_solvable():
 
 
 def test_prompts_are_settable(env):
-    custom = get_environment("countdown", dataset_name="procedural", system_prompt="SYS",
-                             instruction_prompt="INSTR", add_thinking_prefix=True)
+    custom = get_environment(
+        "countdown",
+        dataset_name="procedural",
+        system_prompt="SYS",
+        instruction_prompt="INSTR",
+        add_thinking_prefix=True,
+    )
     messages = custom.get_initial_prompt(custom.get_sample(0))
     assert messages[0] == {"role": "system", "content": "SYS"}
     assert messages[1]["content"].startswith("INSTR\n\n")

@@ -28,11 +28,11 @@ def test_math_rewards_correct_wrong_malformed_adversarial():
     frac = env.get_sample(2)  # 3/4
     cases = {
         "<think>6/8 = 0.75</think> The answer is \\boxed{\\frac{3}{4}}": 1.0,
-        "<think>hmm \\boxed{1}</think> so \\boxed{0.75}": 1.0,       # equivalent form, after think
-        "\\boxed{\\frac{3}{4}} wait no \\boxed{\\frac{2}{3}}": 0.0,    # the last box counts
-        "<think>\\boxed{\\frac{3}{4}}</think> I am not sure": 0.0,     # boxed only inside think
-        "\\boxed{\\frac{3}{4}": 0.0,                                    # unbalanced
-        "\\boxed{" + "9" * 600 + "}": 0.0,                             # over-long answer
+        "<think>hmm \\boxed{1}</think> so \\boxed{0.75}": 1.0,  # equivalent form, after think
+        "\\boxed{\\frac{3}{4}} wait no \\boxed{\\frac{2}{3}}": 0.0,  # the last box counts
+        "<think>\\boxed{\\frac{3}{4}}</think> I am not sure": 0.0,  # boxed only inside think
+        "\\boxed{\\frac{3}{4}": 0.0,  # unbalanced
+        "\\boxed{" + "9" * 600 + "}": 0.0,  # over-long answer
         "\\boxed{" + "(" * 300 + "1" + ")" * 300 + "}": 0.0,
     }
     for completion, expected in cases.items():
@@ -66,6 +66,8 @@ def test_target_copy_reward_is_dense_and_bounded():
     result = score(env, sample, "aaaaaaab<|endoftext|>")
     assert result.total_reward == pytest.approx(7 / 8)
     assert result.sample_metrics == {"match_fraction": 7 / 8, "exact_match": 0.0}
-    rand = get_environment("target_copy", random_targets=True, alphabet="xyz", target_length=5, num_prompts=10)
+    rand = get_environment(
+        "target_copy", random_targets=True, alphabet="xyz", target_length=5, num_prompts=10
+    )
     targets = {s.answer for s in rand.samples}
     assert len(targets) > 1 and all(len(t) == 5 and set(t) <= set("xyz") for t in targets)

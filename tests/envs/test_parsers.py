@@ -44,13 +44,16 @@ def test_exact_match_normalizes_whitespace():
     assert not verify_exact_match(None, "a")
 
 
-@pytest.mark.parametrize(("pred", "gt", "ok"), [
-    (r"\frac{1}{2}", "0.5", True),
-    ("2", "3", False),
-    ("", "1", False),
-    ("1" * 600, "1", False),  # over-long answers are wrong without parsing
-    (r"\sqrt{4}", "2", True),
-])
+@pytest.mark.parametrize(
+    ("pred", "gt", "ok"),
+    [
+        (r"\frac{1}{2}", "0.5", True),
+        ("2", "3", False),
+        ("", "1", False),
+        ("1" * 600, "1", False),  # over-long answers are wrong without parsing
+        (r"\sqrt{4}", "2", True),
+    ],
+)
 def test_verify_math_answer(pred, gt, ok):
     assert verify_math_answer(pred, gt) is ok
 

@@ -16,19 +16,22 @@ def env():
     return cls(letter="a")
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("aaaa", 1.0),
-    (" a a a a", 1.0),  # the tokenizer's " a" token
-    ("a\naa", 1.0),
-    ("an an an", 0.0),  # a two-character token with the letter in it earns nothing (no 0.5 plateau)
-    ("al la", 0.0),
-    ("a an", 1 / 3),
-    ("aa bcd", 0.4),
-    ("xyz", 0.0),
-    ("", 0.0),
-    ("   ", 0.0),
-    ("aa<|im_end|>", 1.0),  # the end-of-sequence token is not part of the answer
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("aaaa", 1.0),
+        (" a a a a", 1.0),  # the tokenizer's " a" token
+        ("a\naa", 1.0),
+        ("an an an", 0.0),  # a two-character token with the letter in it earns nothing (no 0.5 plateau)
+        ("al la", 0.0),
+        ("a an", 1 / 3),
+        ("aa bcd", 0.4),
+        ("xyz", 0.0),
+        ("", 0.0),
+        ("   ", 0.0),
+        ("aa<|im_end|>", 1.0),  # the end-of-sequence token is not part of the answer
+    ],
+)
 def test_reward_is_the_share_of_characters_in_words_of_only_the_letter(env, completion, expected):
     sample = env.load_dataset(num_samples=1)[0]
     result = asyncio.run(env.compute_reward(completion, sample, eos_token="<|im_end|>"))

@@ -18,7 +18,9 @@ from refractor.envs.sandbox import (
     get_provider,
 )
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+)
 LIMITS = SandboxConfig(memory_mb=512, disk_mb=32, max_processes=32, cpu_time_s=20, max_output_bytes=100_000)
 
 
@@ -31,6 +33,7 @@ def provider():
 
 def run_in_sandbox(provider, script, config=LIMITS, timeout_s=20.0, keep=None):
     """Run a Python script in a fresh sandbox; returns (result, sandbox)."""
+
     async def main():
         sandbox = await provider.create(config)
         try:
@@ -41,6 +44,7 @@ def run_in_sandbox(provider, script, config=LIMITS, timeout_s=20.0, keep=None):
             return result, sandbox
         finally:
             await sandbox.close()
+
     return asyncio.run(main())
 
 
@@ -61,39 +65,54 @@ def test_roundtrip_stdin_files_and_identity(provider):
         try:
             await sandbox.write_file("pkg/data.txt", "42")
             result = await sandbox.exec(
-                ["python", "-c", "import os,sys; print(open('pkg/data.txt').read(), sys.stdin.read(), os.getcwd());"
-                 "open('out.txt','w').write('written')"], stdin="from-stdin")
+                [
+                    "python",
+                    "-c",
+                    "import os,sys; print(open('pkg/data.txt').read(), sys.stdin.read(), os.getcwd());"
+                    "open('out.txt','w').write('written')",
+                ],
+                stdin="from-stdin",
+            )
             return result, await sandbox.read_file("out.txt")
         finally:
             await sandbox.close()
+
     result, out = asyncio.run(main())
     assert result.ok and result.stdout.split() == ["42", "from-stdin", "/sandbox"]
     assert out == b"written"
 
 
 def test_no_network(provider):
-    result, _ = run_in_sandbox(provider, (
-        "import socket\n"
-        "for target in [('1.1.1.1', 53), ('127.0.0.1', 22)]:\n"
-        "    try:\n"
-        "        socket.create_connection(target, timeout=2); print('CONNECTED', target)\n"
-        "    except OSError as err: print('blocked', err.errno)\n"
-        "try:\n    socket.getaddrinfo('example.com', 80); print('RESOLVED')\n"
-        "except OSError: print('no dns')\n"))
+    result, _ = run_in_sandbox(
+        provider,
+        (
+            "import socket\n"
+            "for target in [('1.1.1.1', 53), ('127.0.0.1', 22)]:\n"
+            "    try:\n"
+            "        socket.create_connection(target, timeout=2); print('CONNECTED', target)\n"
+            "    except OSError as err: print('blocked', err.errno)\n"
+            "try:\n    socket.getaddrinfo('example.com', 80); print('RESOLVED')\n"
+            "except OSError: print('no dns')\n"
+        ),
+    )
     assert "CONNECTED" not in result.stdout and "RESOLVED" not in result.stdout
     assert result.stdout.count("blocked") == 2 and "no dns" in result.stdout
 
 
 def test_cannot_write_outside_workdir(provider, tmp_path):
     marker = f"escape-{uuid.uuid4().hex}"
-    result, _ = run_in_sandbox(provider, (
-        "import os\n"
-        f"targets = ['/usr/{marker}', '/etc/{marker}', '/{marker}', '/root/{marker}', '{tmp_path}/{marker}',"
-        f"           '/proc/{marker}', '/dev/{marker}']\n"
-        "for t in targets:\n"
-        "    try:\n        open(t, 'w').write('x'); print('WROTE', t)\n"
-        "    except OSError as err: print('denied', type(err).__name__)\n"
-        f"open('/tmp/{marker}', 'w').write('private tmp is fine')\n"))
+    result, _ = run_in_sandbox(
+        provider,
+        (
+            "import os\n"
+            f"targets = ['/usr/{marker}', '/etc/{marker}', '/{marker}', '/root/{marker}', '{tmp_path}/{marker}',"
+            f"           '/proc/{marker}', '/dev/{marker}']\n"
+            "for t in targets:\n"
+            "    try:\n        open(t, 'w').write('x'); print('WROTE', t)\n"
+            "    except OSError as err: print('denied', type(err).__name__)\n"
+            f"open('/tmp/{marker}', 'w').write('private tmp is fine')\n"
+        ),
+    )
     assert "WROTE" not in result.stdout and result.stdout.count("denied") == 7, result
     for root in ("/usr", "/etc", "/", "/root", str(tmp_path), "/tmp"):
         assert not (Path(root) / marker).exists()  # sandbox /tmp is private, host /tmp untouched
@@ -102,12 +121,16 @@ def test_cannot_write_outside_workdir(provider, tmp_path):
 def test_cannot_read_other_users_files(provider, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOP-SECRET-VALUE")
-    result, _ = run_in_sandbox(provider, (
-        "import glob\n"
-        f"for path in ['/etc/shadow', '/root/.bashrc', '{secret}', '/proc/1/environ']:\n"
-        "    try:\n        print('READ', path, open(path).read()[:40])\n"
-        "    except OSError as err: print('denied', path, type(err).__name__)\n"
-        "print(sorted(glob.glob('/root/*')), sorted(glob.glob('/home/*')))\n"))
+    result, _ = run_in_sandbox(
+        provider,
+        (
+            "import glob\n"
+            f"for path in ['/etc/shadow', '/root/.bashrc', '{secret}', '/proc/1/environ']:\n"
+            "    try:\n        print('READ', path, open(path).read()[:40])\n"
+            "    except OSError as err: print('denied', path, type(err).__name__)\n"
+            "print(sorted(glob.glob('/root/*')), sorted(glob.glob('/home/*')))\n"
+        ),
+    )
     assert "TOP-SECRET-VALUE" not in result.stdout and "READ /etc/shadow" not in result.stdout
     assert "READ /root/.bashrc" not in result.stdout and result.stdout.count("denied") >= 3
 
@@ -122,22 +145,29 @@ def test_links_out_of_the_workdir_are_refused(provider):
             await sandbox.read_file("../../../etc/passwd")
         with pytest.raises(SandboxError):
             await sandbox.write_file("/etc/passwd", "x")
+
     result, _ = run_in_sandbox(provider, "import os; os.symlink('/etc/hostname', 'link')", keep=keep)
     assert result.ok
 
 
 def test_fork_bomb_is_contained_and_cleaned_up(provider):
     marker = f"forkbomb-{uuid.uuid4().hex}"
-    result, _ = run_in_sandbox(provider, (
-        f"import os, sys, time\nsys.argv.append('{marker}')\n"
-        "while True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)\n"),
-        timeout_s=3)
+    result, _ = run_in_sandbox(
+        provider,
+        (
+            f"import os, sys, time\nsys.argv.append('{marker}')\n"
+            "while True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)\n"
+        ),
+        timeout_s=3,
+    )
     assert result.killed_reason == "timeout"
     assert processes_with(marker) == []
 
 
 def test_memory_bomb_fails_inside(provider):
-    result, _ = run_in_sandbox(provider, "blocks = []\nwhile True: blocks.append(bytearray(64 * 1024 * 1024))\n")
+    result, _ = run_in_sandbox(
+        provider, "blocks = []\nwhile True: blocks.append(bytearray(64 * 1024 * 1024))\n"
+    )
     assert result.exit_code != 0 and "MemoryError" in result.stderr
 
 
@@ -156,17 +186,23 @@ def test_huge_stdout_is_capped_and_killed(provider):
 
 
 def test_large_files_are_refused(provider):
-    result, _ = run_in_sandbox(provider, (
-        "try:\n    open('big', 'wb').write(b'0' * (40 * 1024 * 1024)); print('WROTE')\n"
-        "except OSError as err: print('refused', type(err).__name__)\n"))
+    result, _ = run_in_sandbox(
+        provider,
+        (
+            "try:\n    open('big', 'wb').write(b'0' * (40 * 1024 * 1024)); print('WROTE')\n"
+            "except OSError as err: print('refused', type(err).__name__)\n"
+        ),
+    )
     assert "WROTE" not in result.stdout and result.exit_code != 0 or "refused" in result.stdout
 
 
 def test_background_processes_die_with_the_command_and_on_close(provider):
     marker = f"leftover-{uuid.uuid4().hex}"
     sleeper = ["python", "-c", "import time; time.sleep(1000)", marker]
-    script = (f"import subprocess, time\nsubprocess.Popen({sleeper!r}, start_new_session=True)\n"
-              "time.sleep(0.3)\nprint('spawned')\n")
+    script = (
+        f"import subprocess, time\nsubprocess.Popen({sleeper!r}, start_new_session=True)\n"
+        "time.sleep(0.3)\nprint('spawned')\n"
+    )
 
     async def main():
         sandbox = await provider.create(LIMITS)
@@ -179,6 +215,7 @@ def test_background_processes_die_with_the_command_and_on_close(provider):
         await sandbox.close()
         await asyncio.gather(slow, return_exceptions=True)
         return result, after_exec, during, processes_with(marker), sandbox
+
     result, after_exec, during, after_close, sandbox = asyncio.run(main())
     assert result.stdout.strip() == "spawned" and after_exec == []
     assert during and after_close == []
@@ -197,6 +234,7 @@ def test_pool_prewarms_and_gives_fresh_sandboxes(provider):
         result = await second.exec(["ls"])
         await pool.close()
         return ready, first, second, result
+
     ready, first, second, result = asyncio.run(main())
     assert ready == 3 and first.id != second.id and "left.txt" not in result.stdout
 
@@ -214,6 +252,7 @@ def test_unisolated_provider_requires_explicit_opt_in(monkeypatch):
             return await sandbox.exec(["python", "-c", "print(6 * 7)"], timeout_s=10)
         finally:
             await sandbox.close()
+
     assert asyncio.run(main()).stdout.strip() == "42"
 
 
@@ -227,11 +266,15 @@ def test_user_namespace_mode_also_isolates(monkeypatch):
     provider = BwrapProvider()
     monkeypatch.setattr(provider, "modes_to_try", lambda: ["user"])
     assert provider.probe() == "user"
-    result, _ = run_in_sandbox(provider, (
-        "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2); print('CONNECTED')\n"
-        "except OSError: print('blocked')\n"
-        "for p in ['/etc/shadow', '/usr/x']:\n    try:\n        open(p, 'a'); print('OPENED', p)\n"
-        "    except OSError: print('denied')\n"))
+    result, _ = run_in_sandbox(
+        provider,
+        (
+            "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2); print('CONNECTED')\n"
+            "except OSError: print('blocked')\n"
+            "for p in ['/etc/shadow', '/usr/x']:\n    try:\n        open(p, 'a'); print('OPENED', p)\n"
+            "    except OSError: print('denied')\n"
+        ),
+    )
     assert result.stdout.split() == ["blocked", "denied", "denied"]
 
 
@@ -245,4 +288,5 @@ def test_sandbox_lifetime_limit(provider):
                 await sandbox.exec(["true"])
         finally:
             await sandbox.close()
+
     asyncio.run(main())

@@ -53,20 +53,25 @@ def test_schema_from_type_hints_and_docstring():
 
 
 def test_xml_parsing_skips_invalid_json():
-    text = ('<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call> and '
-            '<TOOL_CALL>{"name": "crash"}</TOOL_CALL> <tool_call>{not json}</tool_call>')
+    text = (
+        '<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call> and '
+        '<TOOL_CALL>{"name": "crash"}</TOOL_CALL> <tool_call>{not json}</tool_call>'
+    )
     calls = parse_xml_tool_calls(text)
     assert [(c.name, c.arguments) for c in calls] == [("search", {"query": "x"}), ("crash", {})]
 
 
 def test_function_parsing_handles_nesting_strings_and_rejects_code():
-    text = ('I will call search("a (tricky) \\"string\\"", limit=2) then search(query="""x)y""", tags=["a", "b"]) '
-            'and research(1) and search(__import__("os")) and slow_echo(-3)')
+    text = (
+        'I will call search("a (tricky) \\"string\\"", limit=2) then search(query="""x)y""", tags=["a", "b"]) '
+        'and research(1) and search(__import__("os")) and slow_echo(-3)'
+    )
     calls = parse_function_tool_calls(text, ["search", "slow_echo"])
     assert [(c.name, c.arguments) for c in calls] == [
         ("search", {"0": 'a (tricky) "string"', "limit": 2}),
         ("search", {"query": "x)y", "tags": ["a", "b"]}),
-        ("slow_echo", {"0": -3})]
+        ("slow_echo", {"0": -3}),
+    ]
 
 
 class NotesEnv(ToolEnvironment):
@@ -75,8 +80,10 @@ class NotesEnv(ToolEnvironment):
         return self._samples
 
     async def compute_reward(self, state, eos_token=""):
-        return RewardResult(total_reward=float(state.custom.get("tool_success_count", 0)),
-                            sample_metrics=self.get_tool_metrics(state))
+        return RewardResult(
+            total_reward=float(state.custom.get("tool_success_count", 0)),
+            sample_metrics=self.get_tool_metrics(state),
+        )
 
 
 def play(env, replies):
@@ -94,32 +101,50 @@ def play(env, replies):
                 break
             messages = env.get_next_prompt_messages(state, env_msgs)
         return state, messages, logged, await score_rollout(env, state, timeout_s=10)
+
     return asyncio.run(main())
 
 
 def test_tool_env_executes_errors_and_counts():
     env = NotesEnv(tools=[search, slow_echo, crash, sleeper], system_prompt="Be brief.", tool_timeout_s=0.2)
     system = env.get_initial_prompt(env.samples[0])[0]["content"]
-    assert system.startswith("Be brief.\n\n# Available Tools") and "## slow_echo" in system and "<tool_call>" in system
-    turn1 = ('<tool_call>{"name": "search", "arguments": {"query": "rl"}}</tool_call>'
-             '<tool_call>{"name": "slow_echo", "arguments": {"text": "hi"}}</tool_call>')
-    turn2 = ('<tool_call>{"name": "crash", "arguments": {}}</tool_call>'
-             '<tool_call>{"name": "search", "arguments": {"wrong": 1}}</tool_call>'
-             '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
-             '<tool_call>{"name": "sleeper", "arguments": {"seconds": 5}}</tool_call>')
+    assert (
+        system.startswith("Be brief.\n\n# Available Tools")
+        and "## slow_echo" in system
+        and "<tool_call>" in system
+    )
+    turn1 = (
+        '<tool_call>{"name": "search", "arguments": {"query": "rl"}}</tool_call>'
+        '<tool_call>{"name": "slow_echo", "arguments": {"text": "hi"}}</tool_call>'
+    )
+    turn2 = (
+        '<tool_call>{"name": "crash", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "search", "arguments": {"wrong": 1}}</tool_call>'
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "sleeper", "arguments": {"seconds": 5}}</tool_call>'
+    )
     state, messages, logged, outcome = play(env, [turn1, turn2, "All done."])
     assert state.stop_reason == "final_answer" and state.num_turns == 3
-    assert messages[3] == {"role": "user", "content": "Tool 1: [search] 3 hits for rl\nTool 2: [slow_echo] hi",
-                           "turn_type": "tool_result"}
+    assert messages[3] == {
+        "role": "user",
+        "content": "Tool 1: [search] 3 hits for rl\nTool 2: [slow_echo] hi",
+        "turn_type": "tool_result",
+    }
     errors = messages[5]["content"].splitlines()
     assert errors[0] == "Tool 1: [crash] Error: RuntimeError: disk on fire"
     assert errors[1].startswith("Tool 2: [search] Error: TypeError:")
-    assert errors[2] == "Tool 3: [nope] Error: Unknown tool 'nope'. Available tools: search, slow_echo, crash, sleeper"
+    assert (
+        errors[2]
+        == "Tool 3: [nope] Error: Unknown tool 'nope'. Available tools: search, slow_echo, crash, sleeper"
+    )
     assert errors[3].startswith("Tool 4: [sleeper] Error: TimeoutError")
     assert [len(x) for x in logged] == [2, 4, 0]
     assert [(r.tool_name, r.success, r.error) for r in logged[1]] == [
-        ("crash", False, "RuntimeError"), ("search", False, "argument_error"), ("nope", False, "unknown_tool"),
-        ("sleeper", False, "timeout")]
+        ("crash", False, "RuntimeError"),
+        ("search", False, "argument_error"),
+        ("nope", False, "unknown_tool"),
+        ("sleeper", False, "timeout"),
+    ]
     assert logged[0][0].arguments == '{"query": "rl"}'
     metrics = outcome.result.sample_metrics
     assert metrics["total_tool_calls"] == 6 and metrics["tool_success_count"] == 2

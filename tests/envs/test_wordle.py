@@ -22,6 +22,7 @@ def play(env, sample, guesses):
                 break
             messages = env.get_next_prompt_messages(state, env_msgs)
         return state, replies, await score_rollout(env, state, timeout_s=10)
+
     return asyncio.run(main())
 
 
@@ -43,7 +44,9 @@ def test_feedback_duplicates():
 def test_initial_prompt_and_seeded_secrets(env):
     messages = env.get_initial_prompt(env.get_sample(0))
     assert messages[0]["role"] == "system" and "<guess>" in messages[0]["content"]
-    assert messages[1]["content"].startswith("You are Playing Wordle.\nA secret 5-letter word has been chosen.")
+    assert messages[1]["content"].startswith(
+        "You are Playing Wordle.\nA secret 5-letter word has been chosen."
+    )
     again = get_environment("wordle", num_samples=20)
     assert [s.answer for s in env.samples] == [s.answer for s in again.samples]
 
@@ -70,19 +73,25 @@ def test_scripted_loss_after_six_guesses(env):
     metrics = outcome.result.sample_metrics
     last_feedback = score_guess("bread", "zebra")
     assert metrics["_reward_correct"] == 0.0 and metrics["_reward_length"] == 0.0
-    assert metrics["_reward_partial"] == pytest.approx(0.2 * last_feedback.count("G") + 0.1 * last_feedback.count("Y"))
+    assert metrics["_reward_partial"] == pytest.approx(
+        0.2 * last_feedback.count("G") + 0.1 * last_feedback.count("Y")
+    )
 
 
 def test_invalid_moves_one_allowance_then_game_over(env):
     sample = env.get_sample(0).__class__(env.get_sample(0).prompt, answer="apple")
     state, replies, outcome = play(env, sample, ["I guess apple", g("house"), g("abc"), g("house")])
-    assert replies[0].startswith("You attempted an invalid move. Reason: You tried submitting a word in the wrong format.")
+    assert replies[0].startswith(
+        "You attempted an invalid move. Reason: You tried submitting a word in the wrong format."
+    )
     assert replies[1].startswith("H O U S E")  # a valid move resets the error count
     assert "exactly 5 letters" in replies[2]
     assert "too many invalid moves" in replies[3] and "already guessed 'house'" in replies[3]
     assert state.stop_reason == "game_over"
     state, replies, _ = play(env, sample, [g("qwert")])
-    assert replies[0].endswith("Please resubmit a valid move and remember to follow the game rules to avoid penalties.")
+    assert replies[0].endswith(
+        "Please resubmit a valid move and remember to follow the game rules to avoid penalties."
+    )
     assert "'qwert' is not an English word." in replies[0]
     metrics = outcome.result.sample_metrics
     assert metrics["format_reward"] == pytest.approx((0.0 + 1 + 1 + 1) / 4)

@@ -13,7 +13,7 @@ from refractor.envs.records import RolloutState, Sample, TrajectoryStep
 from refractor.envs.registry import EnvironmentNotFoundError
 from refractor.evals import EVAL_PATH_VAR, Eval, discover_evals, list_evals, resolve_eval
 
-STANDALONE = '''
+STANDALONE = """
 from refractor.envs.records import EvalMetricsResult, Sample
 from refractor.evals import Eval
 from .words import WORDS
@@ -26,7 +26,7 @@ class EchoEval(Eval):
 
     async def compute_eval_metrics(self, completion, sample, eos_token=""):
         return EvalMetricsResult(metrics={"correct": float(sample.answer in completion)})
-'''
+"""
 
 
 def write(folder, name, source, extra=None):
@@ -46,7 +46,9 @@ def score(env: Environment, completion: str):
 
 def test_builtins_are_listed_and_user_folders_come_first(tmp_path, monkeypatch):
     assert {"math500", "aime_2024", "aime_2025", "gpqa_diamond"} <= set(list_evals())
-    write(tmp_path, "echo", STANDALONE, {"words.py": "WORDS = ['red', 'blue']\n"})  # relative import of a sibling
+    write(
+        tmp_path, "echo", STANDALONE, {"words.py": "WORDS = ['red', 'blue']\n"}
+    )  # relative import of a sibling
     write(tmp_path, "math500", STANDALONE.replace("EchoEval", "MyMath"), {"words.py": "WORDS = ['x']\n"})
     monkeypatch.setenv(EVAL_PATH_VAR, str(tmp_path))
     specs = discover_evals()
@@ -62,12 +64,17 @@ def test_builtins_are_listed_and_user_folders_come_first(tmp_path, monkeypatch):
 
 
 def test_class_selection_is_unambiguous(tmp_path, monkeypatch):
-    two = STANDALONE.replace("from .words import WORDS", "WORDS = ['a']") + "\n\nclass Other(EchoEval):\n    pass\n"
+    two = (
+        STANDALONE.replace("from .words import WORDS", "WORDS = ['a']")
+        + "\n\nclass Other(EchoEval):\n    pass\n"
+    )
     write(tmp_path, "two", two)
     write(tmp_path, "marked", two + "\nEVAL_CLASS = 'Other'\n")
     write(tmp_path, "needs", "REQUIRED_PACKAGES = ['surely-not-installed-pkg']\n" + two)
     monkeypatch.setenv(EVAL_PATH_VAR, str(tmp_path))
-    with pytest.raises(TypeError, match=r"defines several Eval subclasses \['EchoEval', 'Other'\].*EVAL_CLASS"):
+    with pytest.raises(
+        TypeError, match=r"defines several Eval subclasses \['EchoEval', 'Other'\].*EVAL_CLASS"
+    ):
         resolve_eval("two")
     assert type(resolve_eval("marked")).__name__ == "Other"
     with pytest.raises(ImportError, match="pip install surely-not-installed-pkg"):
@@ -85,7 +92,10 @@ def test_environment_fallback_and_unknown_names(monkeypatch, tmp_path):
 
 
 def test_an_eval_can_wrap_an_environment(tmp_path, monkeypatch):
-    write(tmp_path, "copy_exact", '''
+    write(
+        tmp_path,
+        "copy_exact",
+        """
         from refractor.envs.records import EvalMetricsResult
         from refractor.evals import Eval
 
@@ -96,7 +106,8 @@ def test_an_eval_can_wrap_an_environment(tmp_path, monkeypatch):
 
             async def compute_eval_metrics(self, completion, sample, eos_token=""):
                 return EvalMetricsResult(metrics={"exact": float(completion.strip() == sample.answer)})
-        ''')
+        """,
+    )
     monkeypatch.setenv(EVAL_PATH_VAR, str(tmp_path))
     ev = resolve_eval("copy_exact", num_prompts=3)  # instance kwargs go to the environment, over the class's
     env = resolve_eval("target_copy", random_targets=True, num_prompts=3)
@@ -129,7 +140,9 @@ def test_the_example_config_with_evals_loads_and_its_evals_resolve():
 
     from refractor.config import load_config
 
-    cfg = load_config(Path(__file__).parents[2] / "configs" / "examples" / "hendrycks_math_with_eval.yaml", {})
+    cfg = load_config(
+        Path(__file__).parents[2] / "configs" / "examples" / "hendrycks_math_with_eval.yaml", {}
+    )
     assert [e.name for e in cfg.evals] == ["math500", "hendrycks_math"] and cfg.eval_num_servers == 1
     math500, hendrycks = (resolve_eval(e.name, **e.kwargs) for e in cfg.evals)
     assert isinstance(math500, Eval) and math500.dataset_name == "HuggingFaceH4/MATH-500"

@@ -73,8 +73,13 @@ class TargetTrainer(FakeTrainer):
 
 
 def setup(tok, gate=None, number_of_steps=5, **overrides):
-    cfg = make_config(number_of_steps=number_of_steps, inference_num_workers=2, eval_num_servers=1,
-                      evals=[{"name": "quiz", "eval_every": 2, "pass_k": {"at_k": {"k": [1, 2]}}}], **overrides)
+    cfg = make_config(
+        number_of_steps=number_of_steps,
+        inference_num_workers=2,
+        eval_num_servers=1,
+        evals=[{"name": "quiz", "eval_every": 2, "pass_k": {"at_k": {"k": [1, 2]}}}],
+        **overrides,
+    )
     servers = [GatedServer("s0", tok), GatedServer("s1", tok, gate)]
     trainer, store = TargetTrainer(), MergingStore()
     orch = Orchestrator(cfg, [ToyEnv()], servers, trainer, store, tok, clock=FakeClock())
@@ -116,18 +121,36 @@ def test_baseline_step_and_final_evals(tok):
         rows = eval_rows(store, step)
         assert len(rows) == 6 and all(r.reward is None and r.sample_metrics["correct"] == 1.0 for r in rows)
         assert {r.end_version for r in rows} == {version}
-        assert sorted((r.prompt_index, r.sample_idx) for r in rows) == [(i, c) for i in range(3) for c in range(2)]
+        assert sorted((r.prompt_index, r.sample_idx) for r in rows) == [
+            (i, c) for i in range(3) for c in range(2)
+        ]
         servers = {r.server for r in rows}
         assert servers == ({"s1"} if step in (2, 4) else {"s0", "s1"}), step
     assert set(store.steps) == {0, 1, 2, 3, 4, 5}
     names = [e.name for e in store.events if e.name.startswith("eval_")]
-    assert names == ["eval_baseline_start", "eval_baseline_done", "eval_step_start", "eval_step_done",
-                     "eval_step_start", "eval_step_done", "eval_final_start", "eval_final_done"]
+    assert names == [
+        "eval_baseline_start",
+        "eval_baseline_done",
+        "eval_step_start",
+        "eval_step_done",
+        "eval_step_start",
+        "eval_step_done",
+        "eval_final_start",
+        "eval_final_done",
+    ]
     # no training rollout ran on s1 with the weights of an eval step (it was drained from 2 on)
     training = [r for r, _, _ in store.rollouts if str(r.status) != "eval"]
-    assert all(r.first_start_version < 2 for r in training if r.server == "s1" and r.first_start_version is not None)
-    assert all(r.reason == EVAL_DRAIN for r in training if str(r.status) == "cancelled" and r.server == "s1"
-               and r.first_start_version is not None and r.first_start_version >= 1)
+    assert all(
+        r.first_start_version < 2 for r in training if r.server == "s1" and r.first_start_version is not None
+    )
+    assert all(
+        r.reason == EVAL_DRAIN
+        for r in training
+        if str(r.status) == "cancelled"
+        and r.server == "s1"
+        and r.first_start_version is not None
+        and r.first_start_version >= 1
+    )
     ids = [r.rollout_id for r in store.by_status("eval")]
     assert len(set(ids)) == len(ids) == 24 and min(ids) >= EVAL_ID_BASE
     assert all(r.rollout_id < EVAL_ID_BASE for r in training)
@@ -170,16 +193,27 @@ def test_load_evals_holds_out_eval_prompts_by_content(caplog):
 
     train = get_environment("target_copy", random_targets=True, num_prompts=10)
     other = get_environment("target_copy", random_targets=True, num_prompts=10, seed=1)
-    entries = [EvalEntry(name="target_copy", num_samples=3, separate_eval_samples=True,
-                         kwargs={"random_targets": True, "num_prompts": 10})]
+    entries = [
+        EvalEntry(
+            name="target_copy",
+            num_samples=3,
+            separate_eval_samples=True,
+            kwargs={"random_targets": True, "num_prompts": 10},
+        )
+    ]
     [loaded] = load_evals(entries, {"target_copy": train})
     held = {s.answer for s in loaded.env.samples[:3]}
     assert loaded.num_prompts == 3 and loaded.held_out == 3 and len(train) == 7
     assert not held & {s.answer for s in train.samples}
-    [loaded] = load_evals(entries, {"target_copy": other})  # other dataset: nothing in common, nothing removed
+    [loaded] = load_evals(
+        entries, {"target_copy": other}
+    )  # other dataset: nothing in common, nothing removed
     assert loaded.held_out == 0 and len(other) == 10 and "removed nothing" in caplog.text
-    everything = [EvalEntry(name="target_copy", separate_eval_samples=True, kwargs={"random_targets": True,
-                                                                                    "num_prompts": 10})]
+    everything = [
+        EvalEntry(
+            name="target_copy", separate_eval_samples=True, kwargs={"random_targets": True, "num_prompts": 10}
+        )
+    ]
     with pytest.raises(EvalSetupError, match="would remove every one of the 7 samples"):
         load_evals(everything, {"target_copy": train})
     with pytest.raises(EvalSetupError, match="eval `nope` could not be loaded"):

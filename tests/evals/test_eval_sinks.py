@@ -10,8 +10,14 @@ import pytest
 
 from refractor.telemetry.console import ConsoleSink
 
-METRICS = {"eval/math500/correct": 0.5, "eval/math500/pass@4/correct": 0.75, "eval/math500/num_prompts": 8.0,
-           "eval/math500/timing_total": 3.0, "eval/math500/policy_version": 2.0, "eval/gpqa/correct": 0.25}
+METRICS = {
+    "eval/math500/correct": 0.5,
+    "eval/math500/pass@4/correct": 0.75,
+    "eval/math500/num_prompts": 8.0,
+    "eval/math500/timing_total": 3.0,
+    "eval/math500/policy_version": 2.0,
+    "eval/gpqa/correct": 0.25,
+}
 
 
 def test_console_prints_one_line_per_eval():
@@ -19,7 +25,10 @@ def test_console_prints_one_line_per_eval():
     sink = ConsoleSink(10, quiet=True, stream=stream)
     sink.log_eval(2, METRICS)
     lines = stream.getvalue().splitlines()
-    assert lines == ["eval math500 @ step 2: correct=0.500 pass@4/correct=0.750", "eval gpqa @ step 2: correct=0.250"]
+    assert lines == [
+        "eval math500 @ step 2: correct=0.500 pass@4/correct=0.750",
+        "eval gpqa @ step 2: correct=0.250",
+    ]
 
 
 def test_wandb_logs_late_evals_on_their_own_axis(tmp_path, monkeypatch):

@@ -57,9 +57,13 @@ def test_parse_defaults_and_errors():
     assert spec.sections["pow_k"] == PassKSection((2, 4), ())
     assert spec.num_completions == 4
     assert parse_pass_k({"at_k": 3}).sections["at_k"].ks == (3,)
-    for bad, match in [({"at": [1]}, "unknown key 'at'"), ({"at_k": {"k": [0]}}, "k must be an integer >= 1"),
-                       ({"at_k": {"k": []}}, "non-empty"), ({"at_k": {"ks": [1]}}, r"unknown key\(s\) \['ks'\]"),
-                       ({"pow_k": {"metrics": "correct"}}, "list of metric names")]:
+    for bad, match in [
+        ({"at": [1]}, "unknown key 'at'"),
+        ({"at_k": {"k": [0]}}, "k must be an integer >= 1"),
+        ({"at_k": {"k": []}}, "non-empty"),
+        ({"at_k": {"ks": [1]}}, r"unknown key\(s\) \['ks'\]"),
+        ({"pow_k": {"metrics": "correct"}}, "list of metric names"),
+    ]:
         with pytest.raises(ValueError, match=match):
             parse_pass_k(bad)
 

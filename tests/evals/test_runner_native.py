@@ -57,8 +57,10 @@ class CountingServer:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_path):
-    handle = start_native_server(str(tiny_qwen2_path), engine_args={"max_model_len": MAX_MODEL_LEN,
-                                                                    "kv_cache_memory_gb": 0.05, "seed": 0})
+    handle = start_native_server(
+        str(tiny_qwen2_path),
+        engine_args={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_gb": 0.05, "seed": 0},
+    )
     yield handle
     handle.stop()
 
@@ -69,8 +71,9 @@ def chat(tiny_qwen2_path):
 
 
 def settings(chat):
-    return RolloutSettings(max_tokens=8, max_model_len=MAX_MODEL_LEN, temperature=1.0,
-                           eos_token=chat.tokenizer.eos_token)
+    return RolloutSettings(
+        max_tokens=8, max_model_len=MAX_MODEL_LEN, temperature=1.0, eos_token=chat.tokenizer.eos_token
+    )
 
 
 def run(runner, tasks, servers, step=3, version=7):
@@ -80,12 +83,17 @@ def run(runner, tasks, servers, step=3, version=7):
         finally:
             for s in servers:
                 await getattr(s, "client", s).close()
+
     return asyncio.run(main())
 
 
 def test_k_completions_lanes_clamp_and_failures(server, chat):
-    entry = EvalEntry(name="letters", max_tokens=500, temperature=0.8,
-                      pass_k={"at_k": {"metrics": ["has_a"], "k": [1, 4]}, "pow_k": {"metrics": ["has_a"], "k": [2]}})
+    entry = EvalEntry(
+        name="letters",
+        max_tokens=500,
+        temperature=0.8,
+        pass_k={"at_k": {"metrics": ["has_a"], "k": [1, 4]}, "pow_k": {"metrics": ["has_a"], "k": [2]}},
+    )
     ev = LetterEval()
     ev._name = "letters"
     task = build_task(LoadedEval(entry, ev, 3, parse_pass_k(entry.pass_k)), chat, settings(chat))
@@ -106,8 +114,14 @@ def test_k_completions_lanes_clamp_and_failures(server, chat):
         assert r.end_version == 7 and r.server in {"a", "b"} and 0 <= r.lane < 2
         assert r.sample_metrics["chars"] == len(r.completion_text)
     # the aggregates are exactly what the rows say
-    per_prompt = [[None if r.reason else {k: r.sample_metrics[k] for k in ("has_a", "chars")}
-                   for r in rows if r.prompt_index == i] for i in range(3)]
+    per_prompt = [
+        [
+            None if r.reason else {k: r.sample_metrics[k] for k in ("has_a", "chars")}
+            for r in rows
+            if r.prompt_index == i
+        ]
+        for i in range(3)
+    ]
     expected = aggregate(per_prompt, task.pass_k).metrics
     for name, value in expected.items():
         assert result.metrics[name] == pytest.approx(value), name
@@ -123,16 +137,19 @@ def test_raw_prompts_and_multi_turn_evals(server, chat):
     raw_eval = LetterEval(use_chat_template=False)
     raw_eval._name = "letters"
     chat_env = ToyChatEnv(n=2, max_turns=2)
-    tasks = [build_task(LoadedEval(entry, raw_eval, 2, parse_pass_k(entry.pass_k)), chat, settings(chat)),
-             build_task(LoadedEval(EvalEntry(name="chat"), chat_env, 2, parse_pass_k({})), chat, settings(chat))]
+    tasks = [
+        build_task(LoadedEval(entry, raw_eval, 2, parse_pass_k(entry.pass_k)), chat, settings(chat)),
+        build_task(LoadedEval(EvalEntry(name="chat"), chat_env, 2, parse_pass_k({})), chat, settings(chat)),
+    ]
     raw_prompt = tasks[0].prompts[0]
     assert raw_prompt.prompt_ids == chat.tokenizer.encode("Write some letters (0)")
     templated = tasks[1].prompts[0]
     assert templated.prompt_ids == chat.render(chat_env.get_initial_prompt(chat_env.get_sample(0)))
     assert "<|im_start|>" in chat.tokenizer.decode(templated.prompt_ids)
     raw, multi = run(EvalRunner(chat, lanes_per_server=4), tasks, [InferenceClientNamed(server.url)])
-    assert len(raw.rollouts) == 4 and all(r.prompt_ids == raw_prompt.prompt_ids for r in raw.rollouts
-                                          if r.prompt_index == 0)
+    assert len(raw.rollouts) == 4 and all(
+        r.prompt_ids == raw_prompt.prompt_ids for r in raw.rollouts if r.prompt_index == 0
+    )
     assert len(multi.rollouts) == 2 and all(r.num_turns == 2 for r in multi.rollouts)
     assert "yes_count" in multi.metrics  # an environment's eval metrics default to its reward metrics
 

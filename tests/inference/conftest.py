@@ -24,8 +24,13 @@ def vllm_server(tiny_qwen2_path):
 
     settings = VllmServerSettings(
         dtype="float32",  # exact parity with transformers (bf16 would differ by ~1e-2)
-        max_model_len=512, kv_cache_memory_gb=0.25, max_num_seqs=16, served_model_name=VLLM_SERVED_NAME,
-        startup_timeout_s=300, extra_env={"VLLM_CPU_CI_ENV": "1"})  # CI env: skip the warm-up pass
+        max_model_len=512,
+        kv_cache_memory_gb=0.25,
+        max_num_seqs=16,
+        served_model_name=VLLM_SERVED_NAME,
+        startup_timeout_s=300,
+        extra_env={"VLLM_CPU_CI_ENV": "1"},
+    )  # CI env: skip the warm-up pass
     server = start_vllm_server(tiny_qwen2_path, settings=settings)
     yield server
     server.stop()
@@ -48,9 +53,11 @@ def load_hf(path):
 
 
 @torch.no_grad()
-def _hf_token_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+def _hf_token_logprobs(
+    model, prompt: list[int], completion: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     """log p(completion[i] | prompt + completion[:i]) of the temperature-scaled distribution (float64)."""
-    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].double()
+    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
@@ -65,8 +72,12 @@ def _stale_kv_logprobs(old, new, prompt: list[int], completion: list[int], switc
     """log p(completion[i]), i >= switch, when ``old`` wrote the KV of prompt + completion[:switch - 1] and ``new``
     runs from there on: an in-flight request that kept its KV across a weight update (the token sampled at
     step i is fed, and cached, at step i + 1, so completion[switch - 1] is the first token ``new`` caches)."""
-    cache = old(torch.tensor([prompt + completion[:switch - 1]]), use_cache=True).past_key_values
-    logits = new(torch.tensor([completion[switch - 1:-1]]), past_key_values=cache, use_cache=True).logits[0].double()
+    cache = old(torch.tensor([prompt + completion[: switch - 1]]), use_cache=True).past_key_values
+    logits = (
+        new(torch.tensor([completion[switch - 1 : -1]]), past_key_values=cache, use_cache=True)
+        .logits[0]
+        .double()
+    )
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion[switch:])[:, None])[:, 0]
 
 

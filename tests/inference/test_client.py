@@ -15,7 +15,9 @@ from refractor.inference.server import start_native_server
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_path):
-    handle = start_native_server(str(tiny_qwen3_path), engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05})
+    handle = start_native_server(
+        str(tiny_qwen3_path), engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05}
+    )
     yield handle
     handle.stop()
 
@@ -28,18 +30,29 @@ def test_generate_tokens_logprobs_versions(server, tiny_qwen3_path):
 
     async def main():
         async with InferenceClient(server.url) as client:
-            one = await client.generate(prompt, Sampling(temperature=0.7, max_tokens=12, seed=5, ignore_eos=True))
-            many = await client.generate_choices(prompt, Sampling(temperature=1.0, max_tokens=6, n=3, seed=1,
-                                                                  ignore_eos=True))
-            stopped = await client.generate(prompt, Sampling(temperature=0.7, max_tokens=12, seed=5,
-                                                             stop_token_ids=(one.token_ids[3],), ignore_eos=True))
+            one = await client.generate(
+                prompt, Sampling(temperature=0.7, max_tokens=12, seed=5, ignore_eos=True)
+            )
+            many = await client.generate_choices(
+                prompt, Sampling(temperature=1.0, max_tokens=6, n=3, seed=1, ignore_eos=True)
+            )
+            stopped = await client.generate(
+                prompt,
+                Sampling(
+                    temperature=0.7,
+                    max_tokens=12,
+                    seed=5,
+                    stop_token_ids=(one.token_ids[3],),
+                    ignore_eos=True,
+                ),
+            )
             return one, many, stopped
 
     one, many, stopped = asyncio.run(main())
     assert len(one.token_ids) == 12 == len(one.logprobs) and one.finish_reason == "length"
     assert one.weight_versions == [WeightVersionSpan(0, 0, 12)]
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + one.token_ids])).logits[0, len(prompt) - 1:-1].double() / 0.7
+        logits = hf(torch.tensor([prompt + one.token_ids])).logits[0, len(prompt) - 1 : -1].double() / 0.7
     ref = logits.log_softmax(-1).gather(1, torch.tensor(one.token_ids)[:, None])[:, 0]
     assert (torch.tensor(one.logprobs, dtype=torch.float64) - ref).abs().max() <= 1e-4
     assert [r.index for r in many] == [0, 1, 2] and all(len(r.token_ids) == 6 for r in many)
@@ -75,8 +88,9 @@ def test_cancel_aborts_on_the_server_and_control_calls(server):
             assert len((await queued).token_ids) == 3
             assert not await client.is_paused()
 
-            running = asyncio.create_task(client.generate([6, 7], Sampling(max_tokens=480, ignore_eos=True),
-                                                          request_id="mine"))
+            running = asyncio.create_task(
+                client.generate([6, 7], Sampling(max_tokens=480, ignore_eos=True), request_id="mine")
+            )
             await asyncio.sleep(0.2)
             assert await client.abort(["mine"]) == 1
             aborted = await running

@@ -31,7 +31,7 @@ def _reference_logprobs(hf, prompt, completion, temperature=1.0, top_p=1.0):
     """float64 log-probs of ``completion`` under HF's logits / T with an independent nucleus mask."""
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = hf(ids).logits[0, len(prompt) - 1:-1].double() / (temperature or 1.0)
+        logits = hf(ids).logits[0, len(prompt) - 1 : -1].double() / (temperature or 1.0)
     if top_p < 1:
         probs = logits.softmax(-1)
         sorted_probs, order = probs.sort(-1, descending=True)
@@ -49,8 +49,9 @@ def test_greedy_matches_transformers_generate(fixture, request):
     prompts = _prompts(4, seed=1)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].finish_reason == "length"
 
@@ -58,8 +59,10 @@ def test_greedy_matches_transformers_generate(fixture, request):
 def test_sampled_logprobs_equal_a_fresh_forward(tiny_qwen2_path):
     hf, engine = _hf(tiny_qwen2_path), _engine(tiny_qwen2_path)
     prompts = _prompts(6, seed=2)
-    for params in (SamplingParams(temperature=1.0, max_tokens=20, n=2, seed=3),
-                   SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20, n=2, seed=4)):
+    for params in (
+        SamplingParams(temperature=1.0, max_tokens=20, n=2, seed=3),
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=20, n=2, seed=4),
+    ):
         for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
             for choice in out.outputs:
                 ref = _reference_logprobs(hf, prompt, choice.token_ids, params.temperature, params.top_p)
@@ -91,7 +94,7 @@ def test_sixty_four_concurrent_requests_with_preemption(tiny_llama_path):
         ref = _reference_logprobs(hf, prompt, choice.token_ids)
         assert (torch.tensor(choice.logprobs, dtype=torch.float64) - ref).abs().max().item() <= 1e-4
         with torch.no_grad():  # greedy: each token is the argmax of the full forward
-            logits = hf(torch.tensor([prompt + choice.token_ids])).logits[0, len(prompt) - 1:-1]
+            logits = hf(torch.tensor([prompt + choice.token_ids])).logits[0, len(prompt) - 1 : -1]
         assert logits.argmax(-1).tolist() == choice.token_ids
 
 
@@ -131,20 +134,28 @@ def test_priority_lower_value_first(tiny_qwen2_path):
 def test_stop_conditions_seeds_and_limits(tiny_qwen2_path):
     engine = _engine(tiny_qwen2_path)
     prompt = [5, 6, 7, 8]
-    free = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7, n=3))[0]
-    again = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7, n=3))[0]
+    free = engine.generate(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7, n=3)
+    )[0]
+    again = engine.generate(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7, n=3)
+    )[0]
     assert [c.token_ids for c in free.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in free.outputs}) == 3  # the n samples differ
     stop_at = free.outputs[0].token_ids[10]
     first = free.outputs[0].token_ids.index(stop_at)
-    stopped = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=40, seed=7,
-                                                       stop_token_ids=[stop_at], ignore_eos=True))[0].outputs[0]
+    stopped = engine.generate(
+        [prompt],
+        SamplingParams(temperature=1.0, max_tokens=40, seed=7, stop_token_ids=[stop_at], ignore_eos=True),
+    )[0].outputs[0]
     assert stopped.token_ids == free.outputs[0].token_ids[: first + 1]
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_at)
     eos_engine = LLMEngine(engine.model, engine.config, eos_token_ids=[stop_at])
     eos = eos_engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=40, seed=7))[0].outputs[0]
     assert (eos.token_ids[-1], eos.finish_reason, eos.stop_reason) == (stop_at, "stop", None)
-    capped = engine.generate([list(range(3, 253))], SamplingParams(temperature=0, max_tokens=100))[0].outputs[0]
+    capped = engine.generate([list(range(3, 253))], SamplingParams(temperature=0, max_tokens=100))[0].outputs[
+        0
+    ]
     assert len(capped.token_ids) <= 6 and (capped.finish_reason == "length" or capped.finish_reason == "stop")
     with pytest.raises(PromptTooLongError, match="256 tokens but max_model_len is 256"):
         engine.add_request("long", list(range(256)), SamplingParams())
@@ -157,14 +168,18 @@ def test_stop_conditions_seeds_and_limits(tiny_qwen2_path):
 def test_top_logprobs_and_ranks(tiny_qwen2_path):
     hf, engine = _hf(tiny_qwen2_path), _engine(tiny_qwen2_path)
     prompt = [9, 8, 7]
-    out = engine.generate([prompt], SamplingParams(temperature=0.8, max_tokens=5, logprobs=3, seed=1))[0].outputs[0]
+    out = engine.generate([prompt], SamplingParams(temperature=0.8, max_tokens=5, logprobs=3, seed=1))[
+        0
+    ].outputs[0]
     with torch.no_grad():
         logp = (hf(torch.tensor([prompt + out.token_ids])).logits[0, 2:-1].double() / 0.8).log_softmax(-1)
     for t, token in enumerate(out.token_ids):
         assert out.ranks[t] == int((logp[t] > logp[t, token]).sum()) + 1
         ids, values = zip(*out.top_logprobs[t], strict=True)
         assert list(ids) == logp[t].topk(3).indices.tolist()
-        torch.testing.assert_close(torch.tensor(values, dtype=torch.float64), logp[t].topk(3).values, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(values, dtype=torch.float64), logp[t].topk(3).values, atol=1e-5, rtol=0
+        )
 
 
 def test_weight_update_switches_to_another_checkpoint(tiny_qwen2_path):
@@ -187,14 +202,17 @@ def test_weight_update_switches_to_another_checkpoint(tiny_qwen2_path):
     assert [(s.version, s.start, s.end) for s in choice.weight_versions] == [(0, 0, 10), (1, 10, 30)]
     full = torch.tensor([prompt + choice.token_ids])
     with torch.no_grad():
-        old_argmax = hf_old(full).logits[0, len(prompt) - 1:-1].argmax(-1)
-        new_argmax = hf_new(full).logits[0, len(prompt) - 1:-1].argmax(-1)
+        old_argmax = hf_old(full).logits[0, len(prompt) - 1 : -1].argmax(-1)
+        new_argmax = hf_new(full).logits[0, len(prompt) - 1 : -1].argmax(-1)
     assert choice.token_ids[:10] == old_argmax[:10].tolist()
     assert choice.token_ids[10:] == new_argmax[10:].tolist()  # KV recomputed with the new weights
     fresh = engine.generate([prompt], params)[0].outputs[0]
-    ref = hf_new.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+    ref = hf_new.generate(
+        torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     assert fresh.token_ids == ref
-    assert (torch.tensor(fresh.logprobs, dtype=torch.float64) - _reference_logprobs(hf_new, prompt, ref)).abs().max() <= 1e-4
+    assert (
+        torch.tensor(fresh.logprobs, dtype=torch.float64) - _reference_logprobs(hf_new, prompt, ref)
+    ).abs().max() <= 1e-4
     with pytest.raises(KeyError, match="model.layers.9"):
         engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])

@@ -13,8 +13,11 @@ from refractor.inference.engine.async_engine import AsyncLLMEngine
 
 @pytest.fixture
 def engine(tiny_qwen2_path):
-    eng = AsyncLLMEngine(LLMEngine.from_pretrained(
-        tiny_qwen2_path, EngineConfig(max_model_len=512, kv_cache_memory_gb=0.02, block_size=16)))
+    eng = AsyncLLMEngine(
+        LLMEngine.from_pretrained(
+            tiny_qwen2_path, EngineConfig(max_model_len=512, kv_cache_memory_gb=0.02, block_size=16)
+        )
+    )
     yield eng
     eng.shutdown()
 
@@ -33,7 +36,9 @@ async def _until(predicate, timeout=10.0):
 def test_concurrent_generate_and_cancel(engine):
     async def main():
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        outs = await asyncio.gather(*(engine.generate([3 + i, 4, 5], params, request_id=f"q{i}") for i in range(20)))
+        outs = await asyncio.gather(
+            *(engine.generate([3 + i, 4, 5], params, request_id=f"q{i}") for i in range(20))
+        )
         assert [o.request_id for o in outs] == [f"q{i}" for i in range(20)]
         assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
         task = asyncio.create_task(engine.generate([1, 2, 3], LONG, request_id="cancel-me"))
@@ -55,7 +60,9 @@ def test_pause_keep_abort_wait(engine):
         await engine.pause("keep")
         assert engine.is_paused
         frozen = engine.engine.requests["kept"].seqs[0].num_output_tokens
-        queued = asyncio.create_task(engine.generate([4, 5], SamplingParams(max_tokens=2), request_id="queued"))
+        queued = asyncio.create_task(
+            engine.generate([4, 5], SamplingParams(max_tokens=2), request_id="queued")
+        )
         await asyncio.sleep(0.1)
         assert engine.engine.requests["kept"].seqs[0].num_output_tokens == frozen and not queued.done()
         await engine.resume()
@@ -70,7 +77,8 @@ def test_pause_keep_abort_wait(engine):
         await engine.resume()
 
         short = asyncio.create_task(
-            engine.generate([1, 2], SamplingParams(max_tokens=30, ignore_eos=True), request_id="short"))
+            engine.generate([1, 2], SamplingParams(max_tokens=30, ignore_eos=True), request_id="short")
+        )
         await _until(lambda: "short" in engine.engine.requests)
         await engine.pause("wait")
         assert not engine.engine.requests  # it ran to completion before the pause took effect
@@ -87,11 +95,15 @@ def test_pause_keep_abort_wait(engine):
 
 def test_update_weights_from_another_thread(engine, tiny_qwen2_path):
     async def main():
-        before = await engine.generate([7, 8, 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        before = await engine.generate(
+            [7, 8, 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        )
         zeros = [(name, torch.zeros_like(p)) for name, p in engine.named_parameters() if "mlp" in name]
         copied = await asyncio.to_thread(engine.update_weights, zeros, 3)
         assert copied == len(zeros) and engine.weight_version == 3
-        after = await engine.generate([7, 8, 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        after = await engine.generate(
+            [7, 8, 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        )
         assert after.outputs[0].weight_versions[0].version == 3
         assert after.outputs[0].token_ids != before.outputs[0].token_ids
 

@@ -17,8 +17,11 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_path):
-    handle = start_native_server(str(tiny_qwen2_path), served_model_name=MODEL,
-                                 engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05, "block_size": 16})
+    handle = start_native_server(
+        str(tiny_qwen2_path),
+        served_model_name=MODEL,
+        engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05, "block_size": 16},
+    )
     yield handle
     handle.stop()
     assert not handle.alive()
@@ -34,7 +37,7 @@ def hf(tiny_qwen2_path):
 def _teacher_forced(hf, prompt, completion, temperature=1.0):
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logp = (hf(ids).logits[0, len(prompt) - 1:-1].double() / temperature).log_softmax(-1)
+        logp = (hf(ids).logits[0, len(prompt) - 1 : -1].double() / temperature).log_softmax(-1)
     return logp.gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -54,8 +57,16 @@ def test_openai_client_completions_and_chat(server, hf, tiny_qwen2_path):
     client = OpenAI(base_url=server.url + "/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == [MODEL]
     prompt = [5, 17, 33, 90, 2]
-    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, n=2, temperature=0.8, seed=3,
-                                    logprobs=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        n=2,
+        temperature=0.8,
+        seed=3,
+        logprobs=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert out.object == "text_completion" and len(out.choices) == 2
     assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 12
     for choice in out.choices:
@@ -64,21 +75,33 @@ def test_openai_client_completions_and_chat(server, hf, tiny_qwen2_path):
         assert len(token_ids) == 6 == len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens)
         ref = _teacher_forced(hf, prompt, token_ids, 0.8)
         assert (torch.tensor(choice.logprobs.token_logprobs, dtype=torch.float64) - ref).abs().max() <= 1e-4
-    batch = client.completions.create(model=MODEL, prompt=["Hello there", "The answer is"], max_tokens=3,
-                                      temperature=0, extra_body={"ignore_eos": True})
+    batch = client.completions.create(
+        model=MODEL,
+        prompt=["Hello there", "The answer is"],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in batch.choices] == [0, 1] and all(isinstance(c.text, str) for c in batch.choices)
 
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2 + 2?"}],
-                                          max_tokens=5, logprobs=True, top_logprobs=2, temperature=1.0,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is 2 + 2?"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=1.0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
     content = chat.choices[0].logprobs.content
     assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen2_path)
-    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], tokenize=False,
-                                       add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat.model_extra["prompt_token_ids"] == tok(rendered, add_special_tokens=False).input_ids
     with pytest.raises(Exception, match="does not exist"):
         client.completions.create(model="other", prompt=[1, 2], max_tokens=1)
@@ -86,14 +109,33 @@ def test_openai_client_completions_and_chat(server, hf, tiny_qwen2_path):
 
 def test_generate_endpoint_matches_vllm_shape(server, hf):
     prompt = [9, 8, 7, 6]
-    body = {"model": MODEL, "token_ids": prompt, "request_id": "g1", "return_token_ids": True,
-            "sampling_params": {"n": 2, "temperature": 1.0, "max_tokens": 7, "logprobs": 0, "seed": 1,
-                                "ignore_eos": True}}
+    body = {
+        "model": MODEL,
+        "token_ids": prompt,
+        "request_id": "g1",
+        "return_token_ids": True,
+        "sampling_params": {
+            "n": 2,
+            "temperature": 1.0,
+            "max_tokens": 7,
+            "logprobs": 0,
+            "seed": 1,
+            "ignore_eos": True,
+        },
+    }
     data = httpx.post(server.url + "/inference/v1/generate", json=body).json()
     assert data["request_id"] == "g1" and data["prompt_token_ids"] == prompt
     for choice in data["choices"]:
-        assert sorted(choice) == ["finish_reason", "index", "logprobs", "routed_experts", "sampling_mask",
-                                  "stop_reason", "token_ids", "weight_versions"]
+        assert sorted(choice) == [
+            "finish_reason",
+            "index",
+            "logprobs",
+            "routed_experts",
+            "sampling_mask",
+            "stop_reason",
+            "token_ids",
+            "weight_versions",
+        ]
         assert choice["weight_versions"] == [{"version": "0", "start": 0, "end": 7}]
         content = choice["logprobs"]["content"]
         assert [c["token_id"] for c in content] == choice["token_ids"]
@@ -104,27 +146,34 @@ def test_generate_endpoint_matches_vllm_shape(server, hf):
     assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in data["choices"]]  # seeded
 
 
-@pytest.mark.parametrize("path,body,needle", [
-    ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": [1, 2], "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"prompt": [1, 2], "top_p": 0}, "top_p"),
-    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": list(range(3, 600))}, "max_model_len"),
-    ("/v1/completions", {"prompt": [1, 100000]}, "token ids"),
-    ("/v1/completions", {"prompt": [1, 2], "stream": True}, "stream"),
-    ("/v1/completions", {"prompt": [1, 2], "presence_penalty": 1.0}, "presence_penalty"),
-    ("/inference/v1/generate", {"token_ids": [-1, 2]}, "negative"),
-    ("/inference/v1/generate", {"token_ids": []}, "token_ids"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/pause?mode=sideways", None, "mode"),
-])
+@pytest.mark.parametrize(
+    "path,body,needle",
+    [
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": [1, 2], "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": [1, 2], "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": list(range(3, 600))}, "max_model_len"),
+        ("/v1/completions", {"prompt": [1, 100000]}, "token ids"),
+        ("/v1/completions", {"prompt": [1, 2], "stream": True}, "stream"),
+        ("/v1/completions", {"prompt": [1, 2], "presence_penalty": 1.0}, "presence_penalty"),
+        ("/inference/v1/generate", {"token_ids": [-1, 2]}, "negative"),
+        ("/inference/v1/generate", {"token_ids": []}, "token_ids"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/pause?mode=sideways", None, "mode"),
+    ],
+)
 def test_bad_requests_are_400_and_harmless(server, path, body, needle):
     response = httpx.post(server.url + path, json=body)
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
-    assert httpx.post(server.url + "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}
-                      ).status_code == 400
+    assert (
+        httpx.post(
+            server.url + "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}
+        ).status_code
+        == 400
+    )
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -139,12 +188,17 @@ def test_metrics_pause_abort_and_disconnect(server):
         time.sleep(0.02)
     metrics = _metrics(url)
     assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0
-    assert metrics["vllm:generation_tokens_total"] > 0 and metrics["vllm:e2e_request_latency_seconds_count"] >= 1
+    assert (
+        metrics["vllm:generation_tokens_total"] > 0 and metrics["vllm:e2e_request_latency_seconds_count"] >= 1
+    )
 
     # /abort_requests by the caller's request id: partial tokens come back with finish_reason abort.
     result = {}
-    worker = threading.Thread(target=lambda: result.update(
-        r=httpx.post(url + "/v1/completions", json={**long, "request_id": "to-abort"}, timeout=30).json()))
+    worker = threading.Thread(
+        target=lambda: result.update(
+            r=httpx.post(url + "/v1/completions", json={**long, "request_id": "to-abort"}, timeout=30).json()
+        )
+    )
     worker.start()
     time.sleep(0.3)
     assert httpx.post(url + "/abort_requests", json={"request_ids": ["to-abort"]}).json()["aborted"] == 1
@@ -153,8 +207,11 @@ def test_metrics_pause_abort_and_disconnect(server):
     assert 0 < result["r"]["usage"]["completion_tokens"] < 960
 
     # pause(keep) freezes, resume continues; is_paused reflects it.
-    worker = threading.Thread(target=lambda: result.update(
-        k=httpx.post(url + "/v1/completions", json={**long, "max_tokens": 200}, timeout=30).json()))
+    worker = threading.Thread(
+        target=lambda: result.update(
+            k=httpx.post(url + "/v1/completions", json={**long, "max_tokens": 200}, timeout=30).json()
+        )
+    )
     worker.start()
     time.sleep(0.2)
     assert httpx.post(url + "/pause", params={"mode": "keep"}).json() == {"status": "paused"}
@@ -169,10 +226,18 @@ def test_metrics_pause_abort_and_disconnect(server):
 
 
 def test_stop_strings_cut_the_text(server):
-    body = {"prompt": "The quick brown fox", "max_tokens": 40, "temperature": 1.0, "seed": 0, "ignore_eos": True}
+    body = {
+        "prompt": "The quick brown fox",
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 0,
+        "ignore_eos": True,
+    }
     free = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["text"]
-    start = next(i for i in range(4, len(free) - 1) if free[i:i + 2].isascii() and free[i:i + 2].isalnum())
-    stop = free[start:start + 2]
+    start = next(
+        i for i in range(4, len(free) - 1) if free[i : i + 2].isascii() and free[i : i + 2].isalnum()
+    )
+    stop = free[start : start + 2]
     choice = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert choice["text"] == free[: free.index(stop)]
@@ -190,23 +255,39 @@ def test_app_seams_chat_template_and_extra_routers(tiny_qwen2_path):
     from refractor.inference.server import create_app
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_path)
-    engine = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_qwen2_path, EngineConfig(max_model_len=128,
-                                                                                    kv_cache_memory_gb=0.01)))
+    engine = AsyncLLMEngine(
+        LLMEngine.from_pretrained(tiny_qwen2_path, EngineConfig(max_model_len=128, kv_cache_memory_gb=0.01))
+    )
     extra = APIRouter()
 
     @extra.get("/weight_info")
     async def weight_info():
         return {"weight_version": str(engine.weight_version)}
 
-    app = create_app(engine, tokenizer, "t", chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
-                     extra_routers=[extra])
+    app = create_app(
+        engine,
+        tokenizer,
+        "t",
+        chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
+        extra_routers=[extra],
+    )
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            tokens = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()
-            chat = (await client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "return_token_ids": True})).json()
+            tokens = (
+                await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+            ).json()
+            chat = (
+                await client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 2,
+                        "return_token_ids": True,
+                    },
+                )
+            ).json()
             info = (await client.get("/weight_info")).json()
         return tokens, chat, info
 

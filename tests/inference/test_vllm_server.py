@@ -24,29 +24,53 @@ def flag(argv: list[str], name: str) -> str | None:
 
 
 def test_config_becomes_explicit_vllm_flags():
-    cfg = load_config(None, {
-        "kv_cache_memory_gb": 0.5, "max_model_len": 2048, "max_tokens": 1024, "max_num_seqs": 48,
-        "max_num_batched_tokens": 4096, "vllm_scheduling_policy": "fcfs", "seed": 7,
-        "inference_num_workers": 4, "inference_tensor_parallel_size": 2, "inference_engine": "vllm",
-        "enable_vllm_tracing": True, "otlp_receiver_port": 4999, "eval_num_servers": 0,
-        "environments": [{"name": "countdown"}]})
+    cfg = load_config(
+        None,
+        {
+            "kv_cache_memory_gb": 0.5,
+            "max_model_len": 2048,
+            "max_tokens": 1024,
+            "max_num_seqs": 48,
+            "max_num_batched_tokens": 4096,
+            "vllm_scheduling_policy": "fcfs",
+            "seed": 7,
+            "inference_num_workers": 4,
+            "inference_tensor_parallel_size": 2,
+            "inference_engine": "vllm",
+            "enable_vllm_tracing": True,
+            "otlp_receiver_port": 4999,
+            "eval_num_servers": 0,
+            "environments": [{"name": "countdown"}],
+        },
+    )
     settings = VllmServerSettings.from_config(cfg, served_model_name="policy")
     argv, env = vllm_command("/models/m", "0.0.0.0", 8123, settings, on_cpu=True)
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]  # not the broken CLI
-    expected = {"--model": "/models/m", "--port": "8123", "--max-model-len": "2048", "--max-num-seqs": "48",
-                "--max-num-batched-tokens": "4096", "--scheduling-policy": "fcfs", "--seed": "7",
-                "--tensor-parallel-size": "2", "--distributed-executor-backend": "mp",
-                "--logprobs-mode": "processed_logprobs", "--generation-config": "vllm",
-                "--kv-cache-memory-bytes": str(2**29), "--served-model-name": "policy",
-                "--otlp-traces-endpoint": "http://127.0.0.1:4999/v1/traces",
-                "--worker-extension-cls": "refractor.inference.vllm.worker_ext.RefractorWorkerExtension",
-                "--weight-transfer-config": '{"backend": "refractor"}'}
+    expected = {
+        "--model": "/models/m",
+        "--port": "8123",
+        "--max-model-len": "2048",
+        "--max-num-seqs": "48",
+        "--max-num-batched-tokens": "4096",
+        "--scheduling-policy": "fcfs",
+        "--seed": "7",
+        "--tensor-parallel-size": "2",
+        "--distributed-executor-backend": "mp",
+        "--logprobs-mode": "processed_logprobs",
+        "--generation-config": "vllm",
+        "--kv-cache-memory-bytes": str(2**29),
+        "--served-model-name": "policy",
+        "--otlp-traces-endpoint": "http://127.0.0.1:4999/v1/traces",
+        "--worker-extension-cls": "refractor.inference.vllm.worker_ext.RefractorWorkerExtension",
+        "--weight-transfer-config": '{"backend": "refractor"}',
+    }
     assert {k: flag(argv, k) for k in expected} == expected
     assert "--enable-scale-out" in argv and "--enforce-eager" in argv
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
     # GPU: the memory fraction applies, CUDA graphs stay on, no tracing unless asked
-    gpu_argv, gpu_env = vllm_command("/m", "127.0.0.1", 1, VllmServerSettings(gpu_memory_utilization=0.8),
-                                     on_cpu=False)
+    gpu_argv, gpu_env = vllm_command(
+        "/m", "127.0.0.1", 1, VllmServerSettings(gpu_memory_utilization=0.8), on_cpu=False
+    )
     assert flag(gpu_argv, "--gpu-memory-utilization") == "0.8" and "--kv-cache-memory-bytes" not in gpu_argv
     assert "--enforce-eager" not in gpu_argv and "--otlp-traces-endpoint" not in gpu_argv
     assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in gpu_env
@@ -57,20 +81,36 @@ def test_a_failed_start_reports_the_server_log(tmp_path):
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     with pytest.raises(VllmStartError) as info:
-        start_vllm_server(empty, settings=VllmServerSettings(startup_timeout_s=240), log_path=tmp_path / "s.log")
+        start_vllm_server(
+            empty, settings=VllmServerSettings(startup_timeout_s=240), log_path=tmp_path / "s.log"
+        )
     message = str(info.value)
     assert "exited with code" in message and "not-a-model" in message  # the log tail names the model
 
 
 @pytest.mark.vllm
-def test_token_completions_match_transformers(vllm_server, vllm_sender, vllm_model_name, hf_models,
-                                              hf_token_logprobs):
+def test_token_completions_match_transformers(
+    vllm_server, vllm_sender, vllm_model_name, hf_models, hf_token_logprobs
+):
     vllm_sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=1)  # known weights
     prompt = list(range(3, 40))
     temperature = 0.7
-    response = httpx.post(vllm_server.url + "/v1/completions", timeout=120, json={
-        "model": vllm_model_name, "prompt": prompt, "n": 3, "max_tokens": 12, "temperature": temperature,
-        "top_p": 1.0, "logprobs": 0, "return_token_ids": True, "ignore_eos": True, "seed": 3}).json()
+    response = httpx.post(
+        vllm_server.url + "/v1/completions",
+        timeout=120,
+        json={
+            "model": vllm_model_name,
+            "prompt": prompt,
+            "n": 3,
+            "max_tokens": 12,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "seed": 3,
+        },
+    ).json()
     choices = response["choices"]
     assert len(choices) == 3
     assert len({tuple(c["token_ids"]) for c in choices}) > 1  # n independent samples
@@ -82,13 +122,27 @@ def test_token_completions_match_transformers(vllm_server, vllm_sender, vllm_mod
 
 
 @pytest.mark.vllm
-def test_generate_endpoint_returns_tokens_logprobs_and_versions(vllm_server, vllm_sender, vllm_model_name,
-                                                                 hf_models, hf_token_logprobs):
+def test_generate_endpoint_returns_tokens_logprobs_and_versions(
+    vllm_server, vllm_sender, vllm_model_name, hf_models, hf_token_logprobs
+):
     vllm_sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=2)
     prompt = list(range(50, 70))
-    response = httpx.post(vllm_server.url + "/inference/v1/generate", timeout=120, json={
-        "model": vllm_model_name, "token_ids": prompt, "sampling_params": {
-            "n": 2, "temperature": 1.0, "max_tokens": 8, "logprobs": 0, "ignore_eos": True, "seed": 1}}).json()
+    response = httpx.post(
+        vllm_server.url + "/inference/v1/generate",
+        timeout=120,
+        json={
+            "model": vllm_model_name,
+            "token_ids": prompt,
+            "sampling_params": {
+                "n": 2,
+                "temperature": 1.0,
+                "max_tokens": 8,
+                "logprobs": 0,
+                "ignore_eos": True,
+                "seed": 1,
+            },
+        },
+    ).json()
     for choice in response["choices"]:
         tokens = choice["token_ids"]
         logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]

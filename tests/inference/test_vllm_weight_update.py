@@ -19,19 +19,35 @@ PROMPT = list(range(3, 40))
 
 
 def sample(url: str, n: int = 4, max_tokens: int = 16, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
-    response = httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": "tiny",  # the session server's served_model_name
-        "prompt": PROMPT, "n": n, "max_tokens": max_tokens, "temperature": 1.0,
-        "logprobs": 0, "return_token_ids": True, "ignore_eos": True, "seed": seed}).json()
-    return [(c["token_ids"], torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float64))
-            for c in response["choices"]]
+    response = httpx.post(
+        url + "/v1/completions",
+        timeout=120,
+        json={
+            "model": "tiny",  # the session server's served_model_name
+            "prompt": PROMPT,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "seed": seed,
+        },
+    ).json()
+    return [
+        (c["token_ids"], torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float64))
+        for c in response["choices"]
+    ]
 
 
 @pytest.fixture
 def max_error(hf_token_logprobs):
     def worst(samples, model) -> float:
-        return max((logprobs - hf_token_logprobs(model, PROMPT, tokens)).abs().max().item()
-                   for tokens, logprobs in samples)
+        return max(
+            (logprobs - hf_token_logprobs(model, PROMPT, tokens)).abs().max().item()
+            for tokens, logprobs in samples
+        )
+
     return worst
 
 
@@ -49,7 +65,9 @@ def test_push_switches_the_served_weights_both_ways(vllm_server, vllm_sender, hf
 
 def test_corrupted_bucket_fails_the_canary(vllm_server, vllm_sender, hf_models, max_error):
     with pytest.raises(CanaryError, match=r"server 'vllm-0' \(rank 1\): received checksum"):
-        vllm_sender.push(iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=20, _corrupt_for_test=True)
+        vllm_sender.push(
+            iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=20, _corrupt_for_test=True
+        )
     # the server stays usable: the next good push repairs it
     vllm_sender.push(iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=21)
     assert max_error(sample(vllm_server.url, n=2, seed=21), hf_models[1]) < 1e-4
@@ -58,12 +76,25 @@ def test_corrupted_bucket_fails_the_canary(vllm_server, vllm_sender, hf_models, 
 def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
     """Stream one 450-token request; push new weights once 10 tokens arrived. Returns tokens, logprobs, spans."""
     sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=old_version)
-    body = {"model": model_name, "token_ids": PROMPT, "request_id": f"inflight-{old_version}", "stream": True,
-            "sampling_params": {"max_tokens": 450, "temperature": 1.0, "logprobs": 0, "ignore_eos": True,
-                                "seed": 5}}
+    body = {
+        "model": model_name,
+        "token_ids": PROMPT,
+        "request_id": f"inflight-{old_version}",
+        "stream": True,
+        "sampling_params": {
+            "max_tokens": 450,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "seed": 5,
+        },
+    }
     tokens, logprobs, spans, finish = [], [], None, None
-    pusher = threading.Thread(target=lambda: sender.push(
-        iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=old_version + 1))
+    pusher = threading.Thread(
+        target=lambda: sender.push(
+            iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=old_version + 1
+        )
+    )
     # stream, so that the update provably lands while the request is decoding
     with httpx.stream("POST", url + "/inference/v1/generate", json=body, timeout=300) as response:
         for line in response.iter_lines():
@@ -81,15 +112,24 @@ def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
 
 
 @pytest.mark.parametrize("inflight_kv", ["recompute", "keep"])
-def test_update_during_an_inflight_request(inflight_kv, vllm_server, vllm_sender, vllm_model_name, hf_models,
-                                           hf_token_logprobs, stale_kv_logprobs, monkeypatch):
+def test_update_during_an_inflight_request(
+    inflight_kv,
+    vllm_server,
+    vllm_sender,
+    vllm_model_name,
+    hf_models,
+    hf_token_logprobs,
+    stale_kv_logprobs,
+    monkeypatch,
+):
     monkeypatch.setattr(vllm_sender, "inflight_kv", inflight_kv)
     first = 30 if inflight_kv == "recompute" else 40
     # Where the update lands is up to the scheduler: on a loaded machine the request can finish before
     # the push arrives. That is not a failure of the update, so such an attempt is repeated (3 at most).
     for attempt in range(3):
-        tokens, logprobs, spans = _stream_while_pushing(vllm_server.url, vllm_model_name, vllm_sender, hf_models,
-                                                        old_version=first + 2 * attempt)
+        tokens, logprobs, spans = _stream_while_pushing(
+            vllm_server.url, vllm_model_name, vllm_sender, hf_models, old_version=first + 2 * attempt
+        )
         if len(spans) > 1:
             break
     old_v, new_v = str(first + 2 * attempt), str(first + 1 + 2 * attempt)

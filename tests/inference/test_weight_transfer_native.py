@@ -28,8 +28,14 @@ from refractor.inference.weight_transfer.control import ServerRef, WeightSyncErr
 from refractor.inference.weight_transfer.sender import CanaryError, WeightSender
 
 PROMPT = list(range(3, 30))
-ENGINE_CONFIG = EngineConfig(max_model_len=512, max_num_seqs=4, kv_cache_memory_gb=0.02, dtype="float32",
-                             device="cpu", enforce_eager=True)
+ENGINE_CONFIG = EngineConfig(
+    max_model_len=512,
+    max_num_seqs=4,
+    kv_cache_memory_gb=0.02,
+    dtype="float32",
+    device="cpu",
+    enforce_eager=True,
+)
 
 
 class ThreadServer:
@@ -70,13 +76,20 @@ def qwen_servers(tiny_qwen2_path):
 
 
 def worst_error(outputs, model, hf_token_logprobs) -> float:
-    return max((torch.tensor(o.logprobs, dtype=torch.float64) - hf_token_logprobs(model, PROMPT, o.token_ids))
-               .abs().max().item() for o in outputs)
+    return max(
+        (torch.tensor(o.logprobs, dtype=torch.float64) - hf_token_logprobs(model, PROMPT, o.token_ids))
+        .abs()
+        .max()
+        .item()
+        for o in outputs
+    )
 
 
 def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logprobs):
     train, evaluation = qwen_servers
-    sender = WeightSender([train.ref, evaluation.ref], eval_servers={"eval-0"}, init_timeout_s=30, timeout_s=30)
+    sender = WeightSender(
+        [train.ref, evaluation.ref], eval_servers={"eval-0"}, init_timeout_s=30, timeout_s=30
+    )
     try:
         result = sender.push(iter_buckets(hf_models[1].named_parameters(), 300 << 10), version=5)
         assert sorted(result.reports) == ["eval-0", "train-0"]
@@ -88,8 +101,9 @@ def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logpro
             assert worst_error(outputs, hf_models[0], hf_token_logprobs) > 0.05
             assert all(o.weight_versions[0].version == "5" for o in outputs)
         # eval servers keep the previous version while training continues on the others
-        result = sender.push(iter_buckets(hf_models[0].named_parameters(), 300 << 10), version=6,
-                             target="training_only")
+        result = sender.push(
+            iter_buckets(hf_models[0].named_parameters(), 300 << 10), version=6, target="training_only"
+        )
         assert list(result.reports) == ["train-0"] and result.stats.metadata_sent  # its own group
         assert httpx.get(train.url + "/weight_info").json() == {"weight_version": "6"}
         assert httpx.get(evaluation.url + "/weight_info").json() == {"weight_version": "5"}
@@ -104,7 +118,9 @@ def test_corrupted_bucket_fails_the_canary(qwen_servers, hf_models, hf_token_log
     sender = WeightSender([train.ref], init_timeout_s=30, timeout_s=30)
     try:
         with pytest.raises(CanaryError, match=r"server 'train-0' \(rank 1\): received checksum"):
-            sender.push(iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=7, _corrupt_for_test=True)
+            sender.push(
+                iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=7, _corrupt_for_test=True
+            )
         sender.push(iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=8)
         assert worst_error(train.generate(), hf_models[1], hf_token_logprobs) < 1e-4
     finally:
@@ -112,8 +128,9 @@ def test_corrupted_bucket_fails_the_canary(qwen_servers, hf_models, hf_token_log
 
 
 @pytest.mark.parametrize("inflight_kv", ["recompute", "keep"])
-def test_update_during_an_inflight_request(inflight_kv, qwen_servers, hf_models, hf_token_logprobs,
-                                           stale_kv_logprobs):
+def test_update_during_an_inflight_request(
+    inflight_kv, qwen_servers, hf_models, hf_token_logprobs, stale_kv_logprobs
+):
     train, _ = qwen_servers
     sender = WeightSender([train.ref], init_timeout_s=30, timeout_s=30, inflight_kv=inflight_kv)
     try:
@@ -121,8 +138,9 @@ def test_update_during_an_inflight_request(inflight_kv, qwen_servers, hf_models,
         before = train.engine.stats().generation_tokens_total
         result: dict = {}
         params = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True, seed=4)
-        request = threading.Thread(target=lambda: result.update(
-            output=asyncio.run(train.engine.generate(PROMPT, params)).outputs[0]))
+        request = threading.Thread(
+            target=lambda: result.update(output=asyncio.run(train.engine.generate(PROMPT, params)).outputs[0])
+        )
         request.start()
         deadline = time.monotonic() + 60
         while train.engine.stats().generation_tokens_total < before + 20:  # decoding has begun
@@ -164,7 +182,10 @@ def test_untied_model_per_tensor_mode(tiny_llama_path, hf_token_logprobs):
     try:
         result = sender.push(iter_buckets(new.named_parameters(), 1 << 20), version=1)
         (report,) = result.reports["llama-0"]
-        assert report.tensors == len(list(new.named_parameters())) and report.params_loaded == report.params_total
+        assert (
+            report.tensors == len(list(new.named_parameters()))
+            and report.params_loaded == report.params_total
+        )
         assert worst_error(server.generate(), new, hf_token_logprobs) < 1e-4
     finally:
         sender.close()
@@ -183,8 +204,9 @@ run_native_server(sys.argv[1], "127.0.0.1", int(sys.argv[2]), engine_config=Engi
 @pytest.mark.parametrize("failure", ["dies", "hangs"])
 def test_a_server_failing_mid_update_is_named_in_bounded_time(failure, tiny_qwen2_path, hf_models):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-c", SUBPROCESS_SERVER, str(tiny_qwen2_path), str(port)],
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", SUBPROCESS_SERVER, str(tiny_qwen2_path), str(port)], start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -229,7 +251,9 @@ def test_the_inflight_kv_key_reaches_the_sender():
     quickstart = Path(__file__).resolve().parents[2] / "configs" / "examples" / "quickstart.yaml"
     servers = [ServerRef("server-0", "http://127.0.0.1:9")]
     for value in ("recompute", "keep"):
-        sender = WeightSender.from_config(load_config(quickstart, {"weight_sync_inflight_kv": value}), servers)
+        sender = WeightSender.from_config(
+            load_config(quickstart, {"weight_sync_inflight_kv": value}), servers
+        )
         assert sender.inflight_kv == value
         sender.close()
     with pytest.raises(ConfigError, match="weight_sync_inflight_kv"):

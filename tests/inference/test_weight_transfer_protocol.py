@@ -21,8 +21,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
 
 @settings(max_examples=150, deadline=None)
-@given(sizes=st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(0, 300)), max_size=30),
-       bucket_bytes=st.integers(1, 2000))
+@given(
+    sizes=st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(0, 300)), max_size=30),
+    bucket_bytes=st.integers(1, 2000),
+)
 def test_bucket_plan_properties(sizes, bucket_bytes):
     named = [(f"t{i}", torch.zeros(n, dtype=dtype)) for i, (dtype, n) in enumerate(sizes)]
     buckets = list(iter_buckets(named, bucket_bytes))
@@ -45,9 +47,16 @@ def run_group(world_size: int, worker, *, timeout_s: float = 10.0):
 
     def join(rank: int) -> None:
         try:
-            group = TransferGroup.create(master_address="127.0.0.1", master_port=store.port, rank=rank,
-                                         world_size=world_size, backend="gloo", group_name="test",
-                                         init_timeout_s=10, timeout_s=timeout_s)
+            group = TransferGroup.create(
+                master_address="127.0.0.1",
+                master_port=store.port,
+                rank=rank,
+                world_size=world_size,
+                backend="gloo",
+                group_name="test",
+                init_timeout_s=10,
+                timeout_s=timeout_s,
+            )
             worker(group)
         except BaseException as err:  # noqa: BLE001 - re-raised by the test
             errors.append(err)
@@ -55,9 +64,17 @@ def run_group(world_size: int, worker, *, timeout_s: float = 10.0):
     threads = [threading.Thread(target=join, args=(r,), daemon=True) for r in range(1, world_size)]
     for t in threads:
         t.start()
-    group = TransferGroup.create(master_address="127.0.0.1", master_port=store.port, rank=0, world_size=world_size,
-                                 backend="gloo", group_name="test", init_timeout_s=10, timeout_s=timeout_s,
-                                 store=store)
+    group = TransferGroup.create(
+        master_address="127.0.0.1",
+        master_port=store.port,
+        rank=0,
+        world_size=world_size,
+        backend="gloo",
+        group_name="test",
+        init_timeout_s=10,
+        timeout_s=timeout_s,
+        store=store,
+    )
     return group, threads, errors
 
 
@@ -92,8 +109,11 @@ def test_both_modes_deliver_identical_tensors_and_cache_metadata(mode):
     assert first.metadata_sent and first.tensors == len(named)
     reports = sender.gather_reports()
     assert [r.rank for r in reports] == [1, 2]
-    assert all((r.checksum, r.tensors, r.bytes, r.buckets) == (first.checksum, first.tensors, first.bytes,
-                                                               first.buckets) for r in reports)
+    assert all(
+        (r.checksum, r.tensors, r.bytes, r.buckets)
+        == (first.checksum, first.tensors, first.bytes, first.buckets)
+        for r in reports
+    )
     second = sender.send(iter_buckets(named, 600))
     sender.gather_reports()
     assert not second.metadata_sent and second.checksum == first.checksum
@@ -202,7 +222,10 @@ def test_data_plane_backend_follows_device_and_cpu_staging():
     staged = WeightSender(servers, device="cuda:0", cpu_staging=True)  # weight_broadcast_cpu_staging
     on_cpu = WeightSender(servers)
     assert (on_gpu.backend, on_gpu.device) == ("nccl", torch.device("cuda:0"))
-    assert (staged.backend, staged.device) == ("gloo", torch.device("cpu"))  # buckets assembled in host memory
+    assert (staged.backend, staged.device) == (
+        "gloo",
+        torch.device("cpu"),
+    )  # buckets assembled in host memory
     assert (on_cpu.backend, on_cpu.device) == ("gloo", torch.device("cpu"))
     with pytest.raises(ValueError, match="eval servers"):
         WeightSender(servers, eval_servers={"b"})

@@ -60,7 +60,7 @@ def test_packed_rows_equal_separate_forwards(fixture, request):
         start = 0
         for sample in samples:
             ref = hf(sample[None]).logits[0]
-            assert (logits[start:start + len(sample)] - ref).abs().max().item() <= 1e-4
+            assert (logits[start : start + len(sample)] - ref).abs().max().item() <= 1e-4
             start += len(sample)
     assert hidden.shape == (sum(lengths) + pad, model.config.hidden_size)
 
@@ -99,8 +99,15 @@ def test_bf16_logits_close_to_transformers(tiny_qwen2_path):
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_path, dtype=torch.bfloat16).eval()
     ids = torch.arange(64) % 500
     with torch.no_grad():
-        diff = (model.compute_logits(model(ids, torch.arange(64), CausalAttention())).float()
-                - hf(ids[None]).logits[0].float()).abs().max().item()
+        diff = (
+            (
+                model.compute_logits(model(ids, torch.arange(64), CausalAttention())).float()
+                - hf(ids[None]).logits[0].float()
+            )
+            .abs()
+            .max()
+            .item()
+        )
     assert diff <= 0.05
 
 
@@ -108,8 +115,14 @@ ROPE_CASES = [
     {"rope_type": "default", "rope_theta": 10000.0},
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-     "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
     {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 512},
 ]
 
@@ -119,8 +132,14 @@ def test_rope_frequencies_match_transformers(rope):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf_config = LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64, max_position_embeddings=1024,
-                            rope_parameters=dict(rope), architectures=["LlamaForCausalLM"])
+    hf_config = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        rope_parameters=dict(rope),
+        architectures=["LlamaForCausalLM"],
+    )
     ours = ModelConfig.from_hf(hf_config)
     for seq_len in (None, 4096):
         if rope["rope_type"] == "default":
@@ -137,7 +156,9 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_qwen2_path):
     config["architectures"] = ["GPTNeoXForCausalLM"]
     with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM.*vLLM.*AutoModelForCausalLM"):
         build_model(config)
-    config = read_hf_config(tiny_qwen2_path) | {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}
+    config = read_hf_config(tiny_qwen2_path) | {
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}
+    }
     with pytest.raises(UnsupportedModelError, match="longrope"):
         build_model(config)
 

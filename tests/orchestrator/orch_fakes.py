@@ -50,8 +50,9 @@ class FakeServer:
     from ``answer(prompt_text, sampling)`` and is encoded with the real tokenizer (+ eos).
     """
 
-    def __init__(self, name: str, tokenizer, manual: bool = False, answer=None, seed: int = 0,
-                 max_yields: int = 5) -> None:
+    def __init__(
+        self, name: str, tokenizer, manual: bool = False, answer=None, seed: int = 0, max_yields: int = 5
+    ) -> None:
         self.name, self.tok, self.manual = name, tokenizer, manual
         self.answer = answer or (lambda prompt, sampling: "yes")
         self.rng = random.Random(seed)
@@ -68,8 +69,13 @@ class FakeServer:
         return FakeResult(ids, [-0.5 - 0.01 * i for i in range(len(ids))], finish)
 
     async def generate(self, token_ids, sampling, *, priority=0):
-        req = Request(list(token_ids), sampling, priority, asyncio.get_running_loop().create_future(),
-                      self.tok.decode(token_ids))
+        req = Request(
+            list(token_ids),
+            sampling,
+            priority,
+            asyncio.get_running_loop().create_future(),
+            self.tok.decode(token_ids),
+        )
         self.calls.append(req)
         try:
             if self.manual:
@@ -128,8 +134,14 @@ class FakeTrainer:
 class ToyEnv(SingleTurnEnvironment):
     """Questions "question <i>"; reward 1 when the answer contains "yes"."""
 
-    def __init__(self, n: int = 8, name: str = "toy", reward_gate: asyncio.Event | None = None,
-                 fail: str | None = None, **kw) -> None:
+    def __init__(
+        self,
+        n: int = 8,
+        name: str = "toy",
+        reward_gate: asyncio.Event | None = None,
+        fail: str | None = None,
+        **kw,
+    ) -> None:
         super().__init__(**kw)
         self._name, self.n, self.reward_gate, self.fail = name, n, reward_gate, fail
         self.scored = 0
@@ -170,10 +182,21 @@ class ToyChatEnv(MultiTurnEnvironment):
 
 def make_config(env_names=("toy",), **overrides) -> RefractorConfig:
     base = dict(
-        environments=[{"name": n} for n in env_names], group_size=2, max_concurrent_prompts_per_server=2,
-        prompts_batch_size_for_trainer=1, number_of_steps=3, max_tokens=16, max_model_len=256,
-        max_async_rollout=1, max_off_policy_steps=-1, prompt_prefetch_buffer_size=2, use_wandb=False,
-        discard_group_zero_advantage=False, inference_num_workers=1, trainer_num_workers=1, eval_num_servers=0,
+        environments=[{"name": n} for n in env_names],
+        group_size=2,
+        max_concurrent_prompts_per_server=2,
+        prompts_batch_size_for_trainer=1,
+        number_of_steps=3,
+        max_tokens=16,
+        max_model_len=256,
+        max_async_rollout=1,
+        max_off_policy_steps=-1,
+        prompt_prefetch_buffer_size=2,
+        use_wandb=False,
+        discard_group_zero_advantage=False,
+        inference_num_workers=1,
+        trainer_num_workers=1,
+        eval_num_servers=0,
     )
     base.update(overrides)
     return RefractorConfig(**base)

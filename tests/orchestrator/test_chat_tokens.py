@@ -28,7 +28,9 @@ def test_interleaved_prompt_equals_full_render_with_or_without_eos(tok):
 def test_sampled_tokens_are_kept_even_when_text_would_retokenize_differently(tok):
     chat = ChatTokens(tok)
     prompt = chat.render([{"role": "user", "content": "hi"}])
-    odd = [int(t) for t in chat.encode("ab")][::-1] + [tok.eos_token_id]  # a sequence no encoder would produce
+    odd = [int(t) for t in chat.encode("ab")][::-1] + [
+        tok.eos_token_id
+    ]  # a sequence no encoder would produce
     nxt = chat.next_turn_ids(prompt + odd, odd, [{"role": "user", "content": "more"}])
     assert nxt[: len(prompt) + len(odd)] == prompt + odd
 
@@ -50,7 +52,7 @@ def test_rollout_layout_and_train_sample_alignment():
 def test_history_rewriting_template_falls_back_and_trains_per_turn(tok):
     rewriting = copy.deepcopy(tok)
     # renders the number of messages first: every new message changes the beginning (not append-only)
-    rewriting.chat_template = ("{{ messages|length }}\n" + tok.chat_template)
+    rewriting.chat_template = "{{ messages|length }}\n" + tok.chat_template
     chat = ChatTokens(rewriting)
     first = [{"role": "user", "content": "hi"}]
     prompt = chat.render(first)
@@ -59,7 +61,10 @@ def test_history_rewriting_template_falls_back_and_trains_per_turn(tok):
     assert chat.next_turn_ids(prompt + completion, completion, env) is None
     second_prompt = chat.render([*first, {"role": "assistant", "content": "yo"}, *env])
     r = Rollout(0, 0, 0, "env", advantage=1.0)
-    for t in (Turn(0, prompt, completion, [-0.1] * len(completion)), Turn(1, second_prompt, [5, 6], [-0.2, -0.3])):
+    for t in (
+        Turn(0, prompt, completion, [-0.1] * len(completion)),
+        Turn(1, second_prompt, [5, 6], [-0.2, -0.3]),
+    ):
         r.turns.append(t)
         append_turn_tokens(r, t)
     assert r.retokenized

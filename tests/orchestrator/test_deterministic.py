@@ -31,8 +31,13 @@ def tok(tiny_qwen2_path):
 def test_sampling_seed_depends_on_stream_position_only():
     seed = sampling_seed(7, 12, 3, 1)
     assert seed == sampling_seed(7, 12, 3, 1) and 0 <= seed < 2**31
-    others = {sampling_seed(8, 12, 3, 1), sampling_seed(7, 13, 3, 1), sampling_seed(7, 12, 4, 1),
-              sampling_seed(7, 12, 3, 0), sampling_seed(-7, 12, 3, 1)}
+    others = {
+        sampling_seed(8, 12, 3, 1),
+        sampling_seed(7, 13, 3, 1),
+        sampling_seed(7, 12, 4, 1),
+        sampling_seed(7, 12, 3, 0),
+        sampling_seed(-7, 12, 3, 1),
+    }
     assert seed not in others and len(others) == 5
     # no collisions over a realistic grid (prompts x group x turns)
     grid = {sampling_seed(0, o, s, t) for o in range(300) for s in range(16) for t in range(3)}
@@ -67,8 +72,12 @@ def test_version_pins_schedule():
 
 
 def _group(ordinal, rewards):
-    rs = [Rollout(ordinal * 10 + i, 100 + ordinal, i, "env", reward=r, advantage=r - sum(rewards) / len(rewards))
-          for i, r in enumerate(rewards)]
+    rs = [
+        Rollout(
+            ordinal * 10 + i, 100 + ordinal, i, "env", reward=r, advantage=r - sum(rewards) / len(rewards)
+        )
+        for i, r in enumerate(rewards)
+    ]
     return Group(100 + ordinal, "env", ("env", ordinal), rs, ordinal=ordinal)
 
 
@@ -120,8 +129,13 @@ def test_a_cancelled_ordinal_does_not_block_later_groups():
 
 
 def test_config_rejects_eval_servers_and_documents_the_keys():
-    base = dict(environments=[{"name": "toy"}], evals=[{"name": "toy"}], inference_num_workers=2,
-                eval_num_servers=1, deterministic_rollouts=True)
+    base = dict(
+        environments=[{"name": "toy"}],
+        evals=[{"name": "toy"}],
+        inference_num_workers=2,
+        eval_num_servers=1,
+        deterministic_rollouts=True,
+    )
     with pytest.raises(ValidationError, match="deterministic_rollouts.*eval_num_servers"):
         RefractorConfig(**base)
     assert RefractorConfig(**{**base, "eval_num_servers": 0}).deterministic_rollouts
@@ -140,18 +154,29 @@ class Weights:
     def answer(self, prompt_text, sampling):
         version = self.orch.counters.loaded_version
         self.seen.append((sampling.seed, version))
-        seed = len(self.seen) if sampling.seed is None else sampling.seed  # no seed: differs per request, by timing
+        seed = (
+            len(self.seen) if sampling.seed is None else sampling.seed
+        )  # no seed: differs per request, by timing
         rng = random.Random(f"{seed}:{version}")
         return " ".join(rng.choice(["yes", "no", "maybe"]) for _ in range(rng.randint(1, 4)))
 
 
 def run_det(tok, cfg, timing_seed, state=None, envs=None):
     weights = Weights()
-    servers = [FakeServer(f"s{i}", tok, answer=weights.answer, seed=timing_seed * 10 + i, max_yields=60)
-               for i in range(2)]
+    servers = [
+        FakeServer(f"s{i}", tok, answer=weights.answer, seed=timing_seed * 10 + i, max_yields=60)
+        for i in range(2)
+    ]
     trainer, store = FakeTrainer(), MemoryStore()
-    orch = Orchestrator(cfg, envs or [ToyEnv(n=6), ToyChatEnv(n=5, max_turns=2)], servers, trainer, store, tok,
-                        clock=FakeClock())
+    orch = Orchestrator(
+        cfg,
+        envs or [ToyEnv(n=6), ToyChatEnv(n=5, max_turns=2)],
+        servers,
+        trainer,
+        store,
+        tok,
+        clock=FakeClock(),
+    )
     weights.orch = orch
     if state is not None:
         orch.load_state_dict(state)
@@ -164,13 +189,22 @@ def run_det(tok, cfg, timing_seed, state=None, envs=None):
 
 def batches_of(trainer):
     """What each step trained on, exactly: tokens, masks, advantages, rollout logprobs."""
-    return {step: [(s.input_ids, s.loss_mask, s.advantage, s.rollout_logprobs) for s in samples]
-            for step, samples in trainer.steps}
+    return {
+        step: [(s.input_ids, s.loss_mask, s.advantage, s.rollout_logprobs) for s in samples]
+        for step, samples in trainer.steps
+    }
 
 
-DET = dict(env_names=("toy", "chat"), deterministic_rollouts=True, group_size=3, prompts_batch_size_for_trainer=2,
-           max_concurrent_prompts_per_server=2, discard_group_zero_advantage=True, prompt_prefetch_buffer_size=3,
-           max_off_policy_steps=0)
+DET = dict(
+    env_names=("toy", "chat"),
+    deterministic_rollouts=True,
+    group_size=3,
+    prompts_batch_size_for_trainer=2,
+    max_concurrent_prompts_per_server=2,
+    discard_group_zero_advantage=True,
+    prompt_prefetch_buffer_size=3,
+    max_off_policy_steps=0,
+)
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -189,7 +223,9 @@ def test_batches_do_not_depend_on_timing(tok, lag):
             assert all(t.start_version == t.end_version == pinned for t in r.turns)
         assert {r.reason for r in store.by_status("cancelled")} <= {"requeued"}  # no update under a request
         assert orch.lanes.in_use() == 0 and not orch.in_flight and not orch.assembler.waiting
-        logged = [r.rollout_id for r, _, _ in store.rollouts]  # every rollout recorded once, requeued ones too
+        logged = [
+            r.rollout_id for r, _, _ in store.rollouts
+        ]  # every rollout recorded once, requeued ones too
         assert sorted(logged) == list(range(orch.next_rollout_id))
     completion_orders = [run[3] for run in runs]
     # the timing really differed (groups finished in other orders), the batches did not

@@ -103,7 +103,9 @@ def test_group_completing_past_the_async_limit_is_discarded(tok):
         await wait_until(lambda: orch.counters.inference_step == 1, "batch 0 cut")
         for req in list(server.pending):
             server.finish(req, "no")
-        await wait_until(lambda: store.by_status("discarded") or orch.assembler.discarded, "late group judged")
+        await wait_until(
+            lambda: store.by_status("discarded") or orch.assembler.discarded, "late group judged"
+        )
         trainer.gate.set()
         await task
 
@@ -130,8 +132,13 @@ def test_multiturn_off_policy_counts_every_turn(tok):
         assert len(b_second) == 2
         assert all(r.priority == -1 for r in b_second)  # later turns are served first
         for turn in range(2):  # group A: both turns
-            await wait_until(lambda turn=turn: sum(q_a in r.prompt_text for r in server.calls) == 2 * (turn + 1)
-                             and len(server.find(q_a)) == 2, f"group A turn {turn}")
+            await wait_until(
+                lambda turn=turn: (
+                    sum(q_a in r.prompt_text for r in server.calls) == 2 * (turn + 1)
+                    and len(server.find(q_a)) == 2
+                ),
+                f"group A turn {turn}",
+            )
             for req in server.find(q_a):
                 server.finish(req, "yes no")
             await settle()
@@ -139,7 +146,9 @@ def test_multiturn_off_policy_counts_every_turn(tok):
 
     asyncio.run(main())
     b = [r for r in store.by_status("cancelled") if r.group_id == 1]  # group B
-    assert len(b) == 2 and all(r.reason == "off_policy" and r.off_policy_steps == 1 and r.num_turns == 1 for r in b)
+    assert len(b) == 2 and all(
+        r.reason == "off_policy" and r.off_policy_steps == 1 and r.num_turns == 1 for r in b
+    )
     assert server.cancelled >= 2  # their second-turn requests were aborted (and any later group's)
     assert orch.lanes.in_use() == 0
     [(step, samples)] = trainer.steps
@@ -153,11 +162,21 @@ def test_multiturn_off_policy_counts_every_turn(tok):
 
 @pytest.mark.parametrize("individual,free_after", [(True, True), (True, False), (False, False)])
 def test_no_lane_leaks_under_cancellation_storm(tok, individual, free_after):
-    cfg = make_config(env_names=("toy", "chat"), number_of_steps=12, max_async_rollout=2, max_off_policy_steps=0, group_size=3,
-                      max_concurrent_prompts_per_server=2, enable_individual_sample_lanes=individual,
-                      free_lane_after_generation=free_after, prompt_prefetch_buffer_size=3)
+    cfg = make_config(
+        env_names=("toy", "chat"),
+        number_of_steps=12,
+        max_async_rollout=2,
+        max_off_policy_steps=0,
+        group_size=3,
+        max_concurrent_prompts_per_server=2,
+        enable_individual_sample_lanes=individual,
+        free_lane_after_generation=free_after,
+        prompt_prefetch_buffer_size=3,
+    )
     servers = [FakeServer(f"s{i}", tok, answer=alternating, seed=i, max_yields=40) for i in range(2)]
-    orch, _, trainer, store = build(tok, cfg, envs=[ToyEnv(n=5), ToyChatEnv(n=5, max_turns=3)], servers=servers)
+    orch, _, trainer, store = build(
+        tok, cfg, envs=[ToyEnv(n=5), ToyChatEnv(n=5, max_turns=3)], servers=servers
+    )
     capacity = 2 * 2 * 3
     peak = []
 
@@ -182,8 +201,9 @@ def test_free_lane_after_generation_releases_before_reward(tok):
     gate = asyncio.Event()
 
     async def scenario(free_after):
-        cfg = make_config(number_of_steps=1, free_lane_after_generation=free_after,
-                          max_concurrent_prompts_per_server=1)
+        cfg = make_config(
+            number_of_steps=1, free_lane_after_generation=free_after, max_concurrent_prompts_per_server=1
+        )
         env = ToyEnv(reward_gate=gate)
         orch, [server], trainer, store = build(tok, cfg, envs=[env], answer=alternating)
         gate.clear()
@@ -247,7 +267,9 @@ def test_max_tokens_clamped_to_context(tok):
 
 
 def test_checkpoint_waits_for_quiet_trainer_and_state_resumes(tok):
-    cfg = make_config(number_of_steps=4, checkpoint_every=2, max_async_rollout=3, max_concurrent_prompts_per_server=3)
+    cfg = make_config(
+        number_of_steps=4, checkpoint_every=2, max_async_rollout=3, max_concurrent_prompts_per_server=3
+    )
     orch, _, trainer, _ = build(tok, cfg, answer=alternating)
     asyncio.run(orch.run())
     assert trainer.log.index("checkpoint 1") < trainer.log.index("train 2")
@@ -268,13 +290,26 @@ def test_run_store_holds_every_rollout_and_the_dashboard_recomputes_the_same_met
     from refractor.telemetry import ConsoleSink, RunReader, RunStore
     from refractor.telemetry.metrics import rollout_step_metrics
 
-    cfg = make_config(env_names=("toy", "chat"), number_of_steps=4, discard_group_zero_advantage=True,
-                      max_off_policy_steps=0, max_async_rollout=2)
+    cfg = make_config(
+        env_names=("toy", "chat"),
+        number_of_steps=4,
+        discard_group_zero_advantage=True,
+        max_off_policy_steps=0,
+        max_async_rollout=2,
+    )
     store = RunStore(tmp_path / "run", config=cfg.model_dump(mode="json"))
     out = io.StringIO()
     trainer = FakeTrainer()
-    orch = Orchestrator(cfg, [ToyEnv(), ToyChatEnv()], [FakeServer("s0", tok, answer=alternating, max_yields=20)],
-                        trainer, store, tok, sinks=[ConsoleSink(4, quiet=True, stream=out)], clock=FakeClock())
+    orch = Orchestrator(
+        cfg,
+        [ToyEnv(), ToyChatEnv()],
+        [FakeServer("s0", tok, answer=alternating, max_yields=20)],
+        trainer,
+        store,
+        tok,
+        sinks=[ConsoleSink(4, quiet=True, stream=out)],
+        clock=FakeClock(),
+    )
     asyncio.run(orch.run())
     store.close()
     assert len(out.getvalue().splitlines()) == 4
@@ -303,9 +338,15 @@ def test_dispatch_only_needed_groups_removes_stale_over_dispatch(tok, cap):
     """Sync mode, lanes for 8 groups, batches of 2: filling every free lane starts 8 groups, and the 6 that finish
     after the cut are thrown away as `max_async`. The cap starts only the 2 the batch needs, and replaces a group
     that gets discarded."""
-    cfg = make_config(number_of_steps=1, max_async_rollout=0, max_concurrent_prompts_per_server=8,
-                      prompts_batch_size_for_trainer=2, discard_group_zero_advantage=True, prompt_prefetch_buffer_size=8,
-                      dispatch_only_needed_groups=cap)
+    cfg = make_config(
+        number_of_steps=1,
+        max_async_rollout=0,
+        max_concurrent_prompts_per_server=8,
+        prompts_batch_size_for_trainer=2,
+        discard_group_zero_advantage=True,
+        prompt_prefetch_buffer_size=8,
+        dispatch_only_needed_groups=cap,
+    )
     orch, [server], trainer, store = build(tok, cfg, envs=[ToyEnv(n=16)], manual=True)
 
     def groups_pending() -> set[str]:
@@ -320,8 +361,10 @@ def test_dispatch_only_needed_groups_removes_stale_over_dispatch(tok, cap):
         first = sorted(groups_pending())[0]
         for req in [r for r in server.pending if r.prompt_text == first]:
             server.finish(req, "yes")  # every sample scores 1: zero advantage, discarded
-        await wait_until(lambda: first not in groups_pending() and len(groups_pending()) == expected,
-                         "the discarded group replaced" if cap else "lanes refilled")
+        await wait_until(
+            lambda: first not in groups_pending() and len(groups_pending()) == expected,
+            "the discarded group replaced" if cap else "lanes refilled",
+        )
         while server.pending:
             for i, req in enumerate(list(server.pending)):
                 server.finish(req, "yes" if i % 2 else "no")

@@ -16,7 +16,9 @@ def draw(stream, n):
 
 
 def test_same_seed_same_stream_other_seed_differs():
-    assert draw(PromptStream(SIZES, {"math": 2.0}, seed=1), 50) == draw(PromptStream(SIZES, {"math": 2.0}, seed=1), 50)
+    assert draw(PromptStream(SIZES, {"math": 2.0}, seed=1), 50) == draw(
+        PromptStream(SIZES, {"math": 2.0}, seed=1), 50
+    )
     assert draw(PromptStream(SIZES, seed=1), 50) != draw(PromptStream(SIZES, seed=2), 50)
 
 
@@ -27,7 +29,7 @@ def test_weights_and_epochs():
     # within each epoch of an environment, every index appears exactly once
     code = [r.index for r in refs if r.env_name == "code"]
     for e in range(len(code) // 3):
-        assert sorted(code[3 * e: 3 * e + 3]) == [0, 1, 2]
+        assert sorted(code[3 * e : 3 * e + 3]) == [0, 1, 2]
     single = draw(PromptStream({"only": 4}, seed=3), 8)
     assert sorted(r.index for r in single[:4]) == [0, 1, 2, 3]
 
@@ -106,7 +108,11 @@ def test_replay_entries_without_ordinal_get_fresh_ones():
     state["replay"] = [["math", 1], ["code", 2]]  # a checkpoint written before ordinals existed
     resumed = PromptStream(SIZES, seed=4)
     resumed.load_state_dict(state)
-    assert draw(resumed, 3) == [PromptRef("math", 1, 3), PromptRef("code", 2, 4), PromptRef(*_fresh(SIZES, 4, 3), 5)]
+    assert draw(resumed, 3) == [
+        PromptRef("math", 1, 3),
+        PromptRef("code", 2, 4),
+        PromptRef(*_fresh(SIZES, 4, 3), 5),
+    ]
 
 
 def _fresh(sizes, seed, n_before):

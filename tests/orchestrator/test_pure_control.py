@@ -76,7 +76,10 @@ def test_checkpoint_schedule_and_gate():
 
 
 def _group(gid, rewards, advantages, failed=None):
-    rs = [Rollout(gid * 10 + i, gid, i, "env", reward=r, advantage=a) for i, (r, a) in enumerate(zip(rewards, advantages, strict=True))]
+    rs = [
+        Rollout(gid * 10 + i, gid, i, "env", reward=r, advantage=a)
+        for i, (r, a) in enumerate(zip(rewards, advantages, strict=True))
+    ]
     if failed is not None:
         rs[failed].mark(RolloutStatus.DISCARDED, "reward_timeout")
     return Group(gid, "env", ("env", gid), rs)
@@ -84,8 +87,12 @@ def _group(gid, rewards, advantages, failed=None):
 
 def test_batch_assembly_and_discard_counts():
     c = StepCounters()
-    asm = BatchAssembler(2, max_async_rollout=1, discard_group_zero_advantage=True,
-                         is_zero_advantage=lambda a: max(a) - min(a) <= 1e-9)
+    asm = BatchAssembler(
+        2,
+        max_async_rollout=1,
+        discard_group_zero_advantage=True,
+        is_zero_advantage=lambda a: max(a) - min(a) <= 1e-9,
+    )
     assert asm.add(_group(0, [1, 0], [0.7, -0.7]), c) == []
     assert asm.add(_group(1, [1, 1], [0.0, 0.0]), c) == []  # zero advantage
     g2 = _group(2, [1, 0], [0.7, -0.7], failed=1)
@@ -94,7 +101,9 @@ def test_batch_assembly_and_discard_counts():
     asm.add_cancelled(_group(5, [0, 0], [0, 0]))
     [batch] = asm.add(_group(3, [0, 1], [-0.7, 0.7]), c)
     assert batch.step == 0 and [g.group_id for g in batch.groups] == [0, 3] and c.inference_step == 1
-    assert all(r.status == RolloutStatus.KEPT for r in batch.rollouts) and {g.step for g in batch.groups} == {0}
+    assert all(r.status == RolloutStatus.KEPT for r in batch.rollouts) and {g.step for g in batch.groups} == {
+        0
+    }
     assert batch.discarded == {"zero_advantage": 2, "group_member_failed": 1, "reward_timeout": 1}
     assert batch.cancelled == {"": 2} and len(batch.discarded_rollouts) == 4
     # async limit at completion: 2 batches cut, base model still loaded, max_async 1 -> discard

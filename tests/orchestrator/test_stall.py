@@ -21,6 +21,9 @@ def test_warns_at_the_threshold_and_each_doubling_and_resets_on_a_kept_group():
     assert "12 finished groups" in warnings[11] and "discard_group_zero_advantage: false" in warnings[11]
     assert "[1.0]" in warnings[11]  # the score every sample got
     # other discards neither count nor reset; a kept group resets the streak and the marks
-    assert watch.observe(group(RolloutStatus.DISCARDED, DiscardReason.REWARD_ERROR)) is None and watch.streak == 12
+    assert (
+        watch.observe(group(RolloutStatus.DISCARDED, DiscardReason.REWARD_ERROR)) is None
+        and watch.streak == 12
+    )
     assert watch.observe(group(RolloutStatus.KEPT)) is None and watch.streak == 0
     assert [watch.observe(zero()) is not None for _ in range(3)] == [False, False, True]

@@ -22,15 +22,32 @@ FIXTURE_EVALS = ROOT / "tests" / "evals" / "fixtures"
 def test_baseline_step_and_final_evals_land_in_the_run_store(tmp_path, monkeypatch):
     monkeypatch.setenv("REFRACTOR_ENV_PATH", str(ROOT / "environments"))
     monkeypatch.setenv("REFRACTOR_EVAL_PATH", str(FIXTURE_EVALS))
-    cfg = load_config(QUICKSTART, {
-        "run_dir": str(tmp_path / "runs"), "run_name": "evals", "ray_address": "", "number_of_steps": 3,
-        "inference_num_workers": 2, "ray_inference_cpus_per_worker": 0.5, "eval_num_servers": 1,
-        "eval_before_training": True, "eval_after_training": True, "max_concurrent_prompts_per_server": 2,
-        "evals": [
-            {"name": "repeat_letter", "eval_every": 2, "num_samples": 4, "separate_eval_samples": True,
-             "max_tokens": 6, "pass_k": {"at_k": {"metrics": ["letter_fraction"], "k": [1, 2]}}},
-            {"name": "letters", "eval_every": 2, "num_samples": 3, "temperature": 0.5},
-        ]})
+    cfg = load_config(
+        QUICKSTART,
+        {
+            "run_dir": str(tmp_path / "runs"),
+            "run_name": "evals",
+            "ray_address": "",
+            "number_of_steps": 3,
+            "inference_num_workers": 2,
+            "ray_inference_cpus_per_worker": 0.5,
+            "eval_num_servers": 1,
+            "eval_before_training": True,
+            "eval_after_training": True,
+            "max_concurrent_prompts_per_server": 2,
+            "evals": [
+                {
+                    "name": "repeat_letter",
+                    "eval_every": 2,
+                    "num_samples": 4,
+                    "separate_eval_samples": True,
+                    "max_tokens": 6,
+                    "pass_k": {"at_k": {"metrics": ["letter_fraction"], "k": [1, 2]}},
+                },
+                {"name": "letters", "eval_every": 2, "num_samples": 3, "temperature": 0.5},
+            ],
+        },
+    )
     run_dir = run_training(cfg, quiet=True)
     with RunReader(run_dir) as reader:
         steps = {m["step"]: m for m in reader.step_metrics()}
@@ -38,8 +55,11 @@ def test_baseline_step_and_final_evals_land_in_the_run_store(tmp_path, monkeypat
             m = steps[step]
             assert m["eval/repeat_letter/policy_version"] == step and m["eval/letters/policy_version"] == step
             assert m["eval/repeat_letter/num_completions"] == 4 * 2 and m["eval/letters/num_completions"] == 3
-            for name in ("eval/repeat_letter/letter_fraction", "eval/repeat_letter/pass@2/letter_fraction",
-                         "eval/letters/has_letter"):
+            for name in (
+                "eval/repeat_letter/letter_fraction",
+                "eval/repeat_letter/pass@2/letter_fraction",
+                "eval/letters/has_letter",
+            ):
                 assert 0.0 <= m[name] <= 1.0, (step, name)
         assert "eval/letters/has_letter" not in steps[1]
         rows = reader.rollouts(status="eval")
@@ -54,8 +74,14 @@ def test_baseline_step_and_final_evals_land_in_the_run_store(tmp_path, monkeypat
         held_out = [f"(#{i})" for i in range(4)]  # the eval's prompts never reach training
         assert not [r for r in kept if any(h in r["prompt_text"] for h in held_out)]
         names = [e["name"] for e in reader.timeline() if e["name"].startswith("eval_")]
-        assert names == ["eval_baseline_start", "eval_baseline_done", "eval_step_start", "eval_step_done",
-                         "eval_final_start", "eval_final_done"]
+        assert names == [
+            "eval_baseline_start",
+            "eval_baseline_done",
+            "eval_step_start",
+            "eval_step_done",
+            "eval_final_start",
+            "eval_final_done",
+        ]
         assert reader.meta()["status"] == "finished"
         assert reader.last_step() == 2  # the last training step (0-indexed), not the final eval's row at 3
     assert os.path.exists(Path(run_dir) / "logs" / "server-1.log")

@@ -17,7 +17,9 @@ from refractor.runtime.health import ComponentFailure, HeartbeatSettings, Server
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_path):
-    handle = start_native_server(str(tiny_qwen2_path), engine_args={"max_model_len": 256, "kv_cache_memory_gb": 0.05})
+    handle = start_native_server(
+        str(tiny_qwen2_path), engine_args={"max_model_len": 256, "kv_cache_memory_gb": 0.05}
+    )
     yield handle
     handle.stop()
 
@@ -47,14 +49,18 @@ def test_a_healthy_server_passes_and_a_hung_one_is_named_after_the_timeout(serve
 
 
 def test_a_dead_server_process_is_named_at_once_with_its_log(tiny_qwen2_path):
-    handle = start_native_server(str(tiny_qwen2_path), engine_args={"max_model_len": 256, "kv_cache_memory_gb": 0.05})
+    handle = start_native_server(
+        str(tiny_qwen2_path), engine_args={"max_model_len": 256, "kv_cache_memory_gb": 0.05}
+    )
 
     async def process_check(name: str) -> tuple[bool, str]:
         return handle.alive(), handle.log_tail()
 
     async def scenario():
         async with InferenceClient(handle.url, name="server-3") as client:
-            watchdog = ServerWatchdog([client], HeartbeatSettings(interval_s=0.2, timeout_s=600.0), process_check)
+            watchdog = ServerWatchdog(
+                [client], HeartbeatSettings(interval_s=0.2, timeout_s=600.0), process_check
+            )
             await watchdog.check()
             os.killpg(handle.process.pid, signal.SIGKILL)
             return await _watch_until_failure(watchdog, limit_s=30)
@@ -86,16 +92,31 @@ def local_ray():
 
 def test_trainer_calls_name_the_rank_that_hangs_or_dies(local_ray):
     ranks = [Rank.remote() for _ in range(3)]
-    assert asyncio.run(await_ranks([r.work.remote(0) for r in ranks], "train_step (step 0)", 60)) == ["done"] * 3
+    assert (
+        asyncio.run(await_ranks([r.work.remote(0) for r in ranks], "train_step (step 0)", 60)) == ["done"] * 3
+    )
 
     with pytest.raises(ComponentFailure) as err:
-        asyncio.run(await_ranks([ranks[0].work.remote(0), ranks[1].work.remote(60), ranks[2].work.remote(0)],
-                                "train_step (step 4)", timeout_s=2))
+        asyncio.run(
+            await_ranks(
+                [ranks[0].work.remote(0), ranks[1].work.remote(60), ranks[2].work.remote(0)],
+                "train_step (step 4)",
+                timeout_s=2,
+            )
+        )
     message = str(err.value)
-    assert "rank(s) [1] did not finish train_step (step 4) within 2 s" in message and "rank(s) [0, 2] did" in message
+    assert (
+        "rank(s) [1] did not finish train_step (step 4) within 2 s" in message
+        and "rank(s) [0, 2] did" in message
+    )
 
     with pytest.raises(ComponentFailure, match=r"trainer rank 2 died during the weight sync"):
-        asyncio.run(await_ranks([ranks[0].work.remote(0), ranks[1].work.remote(0), ranks[2].die.remote()],
-                                "the weight sync to version 3", timeout_s=60))
+        asyncio.run(
+            await_ranks(
+                [ranks[0].work.remote(0), ranks[1].work.remote(0), ranks[2].die.remote()],
+                "the weight sync to version 3",
+                timeout_s=60,
+            )
+        )
     for r in ranks:
         ray.kill(r)

@@ -25,8 +25,15 @@ from refractor.train import run_training
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "examples" / "quickstart.yaml"
-COMPARED_METRICS = ("loss", "grad_norm", "entropy", "kl_divergence_inference", "reward_sum_mean",
-                    "advantage_mean", "num_samples")
+COMPARED_METRICS = (
+    "loss",
+    "grad_norm",
+    "entropy",
+    "kl_divergence_inference",
+    "reward_sum_mean",
+    "advantage_mean",
+    "num_samples",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -35,11 +42,21 @@ def _env_paths(monkeypatch):
 
 
 def det_cfg(tmp_path, run_name, **overrides):
-    keys = {"run_dir": str(tmp_path / "runs"), "run_name": run_name, "ray_address": "",
-            "deterministic_rollouts": True, "serialize_generation": True, "seed": 3,
-            "number_of_steps": 3, "checkpoint_every": 2, "max_async_rollout": 1,
-            "group_size": 8, "prompts_batch_size_for_trainer": 2, "max_concurrent_prompts_per_server": 2,
-            "max_tokens": 6}
+    keys = {
+        "run_dir": str(tmp_path / "runs"),
+        "run_name": run_name,
+        "ray_address": "",
+        "deterministic_rollouts": True,
+        "serialize_generation": True,
+        "seed": 3,
+        "number_of_steps": 3,
+        "checkpoint_every": 2,
+        "max_async_rollout": 1,
+        "group_size": 8,
+        "prompts_batch_size_for_trainer": 2,
+        "max_concurrent_prompts_per_server": 2,
+        "max_tokens": 6,
+    }
     return load_config(QUICKSTART, {**keys, **overrides})
 
 
@@ -48,11 +65,27 @@ def batch_of(reader: RunReader, step: int) -> list[tuple]:
     groups: dict[int, list[dict]] = {}
     for r in reader.rollouts(step=step, status="kept"):
         groups.setdefault(r["group_id"], []).append(r)
-    return [tuple((r["prompt_text"], r["prompt_index"], r["prompt_ordinal"], r["sample_idx"], r["completion_ids"],
-                   r["completion_text"], r["prompt_tokens"], r["completion_tokens"],
-                   r["stop_reason"], r["reward"], r["advantage"], r["start_version"], r["end_version"])
-                  for r in sorted(rows, key=lambda r: r["sample_idx"]))
-            for _, rows in sorted(groups.items())]
+    return [
+        tuple(
+            (
+                r["prompt_text"],
+                r["prompt_index"],
+                r["prompt_ordinal"],
+                r["sample_idx"],
+                r["completion_ids"],
+                r["completion_text"],
+                r["prompt_tokens"],
+                r["completion_tokens"],
+                r["stop_reason"],
+                r["reward"],
+                r["advantage"],
+                r["start_version"],
+                r["end_version"],
+            )
+            for r in sorted(rows, key=lambda r: r["sample_idx"])
+        )
+        for _, rows in sorted(groups.items())
+    ]
 
 
 def metrics_of(reader: RunReader) -> dict[int, dict[str, float]]:

@@ -42,15 +42,30 @@ def reward_means(run_dir) -> list[float]:
 
 @pytest.mark.slow
 def test_three_async_steps_fill_the_run_store(tmp_path):
-    run_dir = run_training(quick_cfg(tmp_path, max_async_rollout=1, discard_group_zero_advantage=True,
-                                     metrics_logger_interval_seconds=0.5), quiet=True)
+    run_dir = run_training(
+        quick_cfg(
+            tmp_path,
+            max_async_rollout=1,
+            discard_group_zero_advantage=True,
+            metrics_logger_interval_seconds=0.5,
+        ),
+        quiet=True,
+    )
     with RunReader(run_dir) as reader:
         steps = reader.step_metrics()
         assert [m["step"] for m in steps] == [0, 1, 2]
         for m in steps:
-            for key in ("loss", "grad_norm", "entropy", "kl_divergence_inference", "reward_sum_mean",
-                        "timing_weight_sync_total", "timing_weight_sync_trainer_total",
-                        "timing_weight_sync_inference_total", "timing_waiting_for_data"):
+            for key in (
+                "loss",
+                "grad_norm",
+                "entropy",
+                "kl_divergence_inference",
+                "reward_sum_mean",
+                "timing_weight_sync_total",
+                "timing_weight_sync_trainer_total",
+                "timing_weight_sync_inference_total",
+                "timing_waiting_for_data",
+            ):
                 assert key in m and m[key] == m[key], key  # present and not NaN
             assert m["policy_version"] >= 0
         kept = reader.rollouts(status="kept")
@@ -63,7 +78,12 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
         assert reader.meta()["status"] == "finished"
         # the server's /metrics, scraped every metrics_logger_interval_seconds (reference §8.5 names)
         scraped = {r["name"] for r in reader.system_metrics() if r["source"] == "inference:server-0"}
-        assert {"requests_running", "generation_tokens_total", "engine_busy_fraction", "engine_step_ms"} <= scraped
+        assert {
+            "requests_running",
+            "generation_tokens_total",
+            "engine_busy_fraction",
+            "engine_step_ms",
+        } <= scraped
     assert (Path(run_dir) / "logs" / "server-0.log").exists()
     saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
     assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()
@@ -74,9 +94,14 @@ def test_grpo_learns_and_a_zero_learning_rate_does_not(tmp_path):
     """The quick start's task and settings. Measured on 2 CPU cores (bench/RESULTS.md, 8 runs): reward ~0
     until the take-off at steps 8-13, >= 0.98 from step 15-20 on; 35 steps leave margin for run-to-run
     variation."""
-    learned = reward_means(run_training(quick_cfg(tmp_path, run_name="learn", number_of_steps=35), quiet=True))
-    control = reward_means(run_training(quick_cfg(tmp_path, run_name="control", number_of_steps=8,
-                                                  learning_rate=0.0), quiet=True))
+    learned = reward_means(
+        run_training(quick_cfg(tmp_path, run_name="learn", number_of_steps=35), quiet=True)
+    )
+    control = reward_means(
+        run_training(
+            quick_cfg(tmp_path, run_name="control", number_of_steps=8, learning_rate=0.0), quiet=True
+        )
+    )
     assert learned[0] < 0.2
     assert sum(learned[-3:]) / 3 >= 0.8, learned
     assert max(control) < 0.2, control
@@ -84,11 +109,17 @@ def test_grpo_learns_and_a_zero_learning_rate_does_not(tmp_path):
 
 @pytest.mark.slow
 def test_a_raising_reward_discards_with_a_reason_and_the_run_goes_on(tmp_path):
-    run_dir = run_training(quick_cfg(tmp_path, environments=[{"name": "flaky_reward"}], number_of_steps=2,
-                                     group_size=4, max_tokens=12), quiet=True)
+    run_dir = run_training(
+        quick_cfg(
+            tmp_path, environments=[{"name": "flaky_reward"}], number_of_steps=2, group_size=4, max_tokens=12
+        ),
+        quiet=True,
+    )
     with RunReader(run_dir) as reader:
         assert len(reader.step_metrics()) == 2
-        failed = [r for r in reader.rollouts(status="discarded") if "judge is down" in f"{r['reason']} {r['error']}"]
+        failed = [
+            r for r in reader.rollouts(status="discarded") if "judge is down" in f"{r['reason']} {r['error']}"
+        ]
         assert failed, "the reward exception was not recorded"
 
 
@@ -145,9 +176,29 @@ def _alive(pids: set[int]) -> set[int]:
 def test_ctrl_c_stops_everything_and_leaves_no_orphans(tmp_path):
     env = {**os.environ, "REFRACTOR_ENV_PATH": os.environ["REFRACTOR_ENV_PATH"]}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "refractor.cli", "train", "--config", str(QUICKSTART), "--quiet",
-         "--run_dir", str(tmp_path / "runs"), "--run_name", "ctrlc", "--number_of_steps", "50", "--ray_address", ""],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "refractor.cli",
+            "train",
+            "--config",
+            str(QUICKSTART),
+            "--quiet",
+            "--run_dir",
+            str(tmp_path / "runs"),
+            "--run_name",
+            "ctrlc",
+            "--number_of_steps",
+            "50",
+            "--ray_address",
+            "",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     seen: set[int] = set()
     deadline = time.monotonic() + 240
     lines = []
@@ -158,8 +209,11 @@ def test_ctrl_c_stops_everything_and_leaves_no_orphans(tmp_path):
             break
     assert any(line.startswith("step 1/") for line in lines), "".join(lines)
     seen |= _descendants(proc.pid)
-    assert any("serve" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
-               for p in _alive(seen) if Path(f"/proc/{p}/cmdline").exists()), "no server process was seen"
+    assert any(
+        "serve" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+        for p in _alive(seen)
+        if Path(f"/proc/{p}/cmdline").exists()
+    ), "no server process was seen"
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, "".join(lines) + rest
@@ -173,8 +227,10 @@ def test_ctrl_c_stops_everything_and_leaves_no_orphans(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_three_steps_with_the_vllm_cpu_engine(tmp_path):
-    run_dir = run_training(quick_cfg(tmp_path, inference_engine="vllm", max_async_rollout=1,
-                                     discard_group_zero_advantage=True), quiet=True)
+    run_dir = run_training(
+        quick_cfg(tmp_path, inference_engine="vllm", max_async_rollout=1, discard_group_zero_advantage=True),
+        quiet=True,
+    )
     with RunReader(run_dir) as reader:
         assert reader.meta()["engine"] == "vllm"
         assert [m["step"] for m in reader.step_metrics(["loss"])] == [0, 1, 2]
@@ -187,7 +243,9 @@ def test_three_steps_with_the_vllm_cpu_engine(tmp_path):
 def test_resume_continues_from_the_checkpoint(tmp_path):
     first = quick_cfg(tmp_path, number_of_steps=2, checkpoint_every=1)
     run_dir = run_training(first, quiet=True)
-    assert (Path(run_dir) / "checkpoints" / "step_2").is_dir() or (Path(run_dir) / "checkpoints" / "step_1").is_dir()
+    assert (Path(run_dir) / "checkpoints" / "step_2").is_dir() or (
+        Path(run_dir) / "checkpoints" / "step_1"
+    ).is_dir()
     resumed = quick_cfg(tmp_path, number_of_steps=4, checkpoint_every=1, resume_from_checkpoint=True)
     run_training(resumed, quiet=True)
     with RunReader(run_dir) as reader:
@@ -202,17 +260,41 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
     """The heartbeat finds the dead server process; the run stops with its name instead of stalling."""
     env = {**os.environ, "REFRACTOR_ENV_PATH": os.environ["REFRACTOR_ENV_PATH"]}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "refractor.cli", "train", "--config", str(QUICKSTART), "--quiet",
-         "--run_dir", str(tmp_path / "runs"), "--run_name", "dead", "--number_of_steps", "50", "--ray_address", "",
-         "--heartbeat_interval_s", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "refractor.cli",
+            "train",
+            "--config",
+            str(QUICKSTART),
+            "--quiet",
+            "--run_dir",
+            str(tmp_path / "runs"),
+            "--run_name",
+            "dead",
+            "--number_of_steps",
+            "50",
+            "--ray_address",
+            "",
+            "--heartbeat_interval_s",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("step 1/"):
             break
-    servers = [p for p in _alive(_descendants(proc.pid))
-               if "serve" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").split("\0")]
+    servers = [
+        p
+        for p in _alive(_descendants(proc.pid))
+        if "serve" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").split("\0")
+    ]
     assert len(servers) == 1, "".join(lines)
     os.kill(servers[0], signal.SIGKILL)
     killed_at = time.monotonic()
@@ -230,11 +312,33 @@ def test_a_run_starved_of_advantage_says_so(tmp_path):
     """Every group scores the same and is discarded: no batch can fill, and the console says why."""
     env = {**os.environ, "REFRACTOR_ENV_PATH": os.environ["REFRACTOR_ENV_PATH"]}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "refractor.cli", "train", "--config", str(QUICKSTART), "--quiet",
-         "--run_dir", str(tmp_path / "runs"), "--run_name", "starved", "--ray_address", "",
-         "--environments", '[{"name": "constant_reward"}]', "--discard_group_zero_advantage", "true",
-         "--group_size", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "refractor.cli",
+            "train",
+            "--config",
+            str(QUICKSTART),
+            "--quiet",
+            "--run_dir",
+            str(tmp_path / "runs"),
+            "--run_name",
+            "starved",
+            "--ray_address",
+            "",
+            "--environments",
+            '[{"name": "constant_reward"}]',
+            "--discard_group_zero_advantage",
+            "true",
+            "--group_size",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     lines = []
     deadline = time.monotonic() + 240
     for line in proc.stdout:

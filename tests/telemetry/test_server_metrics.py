@@ -17,26 +17,47 @@ from refractor.telemetry.server_metrics import ServerMetricsScraper, rates, serv
 
 def test_prometheus_names_become_the_reference_names():
     samples = {
-        "vllm:num_requests_running": 3.0, "vllm:num_requests_waiting": 1.0, "vllm:kv_cache_usage_perc": 0.25,
-        "vllm:request_success_total": 7.0, "vllm:generation_tokens_total": 700.0, "vllm:prompt_tokens_total": 90.0,
-        "vllm:num_preemptions_total": 2.0, "vllm:time_to_first_token_seconds_sum": 1.5,
-        "vllm:time_to_first_token_seconds_count": 6.0, "vllm:time_to_first_token_seconds_bucket": 99.0,
-        "vllm:e2e_request_latency_seconds_count": 0.0, "vllm:e2e_request_latency_seconds_sum": 0.0,
-        "refractor:engine_busy_seconds_total": 4.0, "refractor:engine_steps_total": 200.0,
+        "vllm:num_requests_running": 3.0,
+        "vllm:num_requests_waiting": 1.0,
+        "vllm:kv_cache_usage_perc": 0.25,
+        "vllm:request_success_total": 7.0,
+        "vllm:generation_tokens_total": 700.0,
+        "vllm:prompt_tokens_total": 90.0,
+        "vllm:num_preemptions_total": 2.0,
+        "vllm:time_to_first_token_seconds_sum": 1.5,
+        "vllm:time_to_first_token_seconds_count": 6.0,
+        "vllm:time_to_first_token_seconds_bucket": 99.0,
+        "vllm:e2e_request_latency_seconds_count": 0.0,
+        "vllm:e2e_request_latency_seconds_sum": 0.0,
+        "refractor:engine_busy_seconds_total": 4.0,
+        "refractor:engine_steps_total": 200.0,
         "process_cpu_seconds_total": 12.0,  # not an inference metric: left out
     }
     assert server_metrics(samples) == {
-        "requests_running": 3.0, "requests_waiting": 1.0, "cache_usage": 0.25, "requests_total": 7.0,
-        "generation_tokens_total": 700.0, "prompt_tokens_total": 90.0, "preemptions_total": 2.0,
-        "ttft_mean": 0.25, "engine_busy_seconds_total": 4.0, "engine_steps_total": 200.0}  # no mean of 0 samples
+        "requests_running": 3.0,
+        "requests_waiting": 1.0,
+        "cache_usage": 0.25,
+        "requests_total": 7.0,
+        "generation_tokens_total": 700.0,
+        "prompt_tokens_total": 90.0,
+        "preemptions_total": 2.0,
+        "ttft_mean": 0.25,
+        "engine_busy_seconds_total": 4.0,
+        "engine_steps_total": 200.0,
+    }  # no mean of 0 samples
 
 
 def test_rates_come_from_counter_deltas():
     before = {"generation_tokens_total": 100.0, "engine_busy_seconds_total": 1.0, "engine_steps_total": 10.0}
-    after = {"generation_tokens_total": 500.0, "engine_busy_seconds_total": 2.5, "engine_steps_total": 310.0,
-             "requests_running": 4.0}
+    after = {
+        "generation_tokens_total": 500.0,
+        "engine_busy_seconds_total": 2.5,
+        "engine_steps_total": 310.0,
+        "requests_running": 4.0,
+    }
     assert rates(before, after, 2.0) == pytest.approx(
-        {"generation_tokens_per_s": 200.0, "engine_busy_fraction": 0.75, "engine_step_ms": 5.0})
+        {"generation_tokens_per_s": 200.0, "engine_busy_fraction": 0.75, "engine_step_ms": 5.0}
+    )
     assert rates(None, after, 2.0) == {}  # the first scrape has nothing to compare with
     assert rates(after, before, 2.0) == {}  # counters went down: the server restarted
 
@@ -49,16 +70,20 @@ class _Unreachable:
 
 
 def test_a_real_native_server_is_scraped_and_a_dead_one_is_skipped(tiny_qwen2_path, caplog):
-    server = start_native_server(str(tiny_qwen2_path), engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05})
+    server = start_native_server(
+        str(tiny_qwen2_path), engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05}
+    )
     rows: list[tuple[str, dict, float]] = []
     try:
+
         async def scrape() -> None:
             async with InferenceClient(server.url, name="server-0") as client:
                 scraper = ServerMetricsScraper([client, _Unreachable()], lambda *row: rows.append(row), 0.5)
                 await scraper.scrape_once()  # idle
                 body = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "n": 4}
-                request = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body,
-                                                                     timeout=60))
+                request = threading.Thread(
+                    target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+                )
                 request.start()
                 while request.is_alive():  # scrape while it decodes
                     await asyncio.sleep(0.3)

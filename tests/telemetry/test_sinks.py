@@ -76,7 +76,9 @@ def test_wandb_offline_logs_metrics_and_rollout_table(tmp_path, monkeypatch):
     while b"kl_divergence_inference" not in log.read_bytes() and time.monotonic() < deadline:
         time.sleep(0.2)
     history = log.read_bytes()
-    assert b"rollout/reward_mean" in history and b"kl_divergence_inference" in history and b"0.0123" in history
+    assert (
+        b"rollout/reward_mean" in history and b"kl_divergence_inference" in history and b"0.0123" in history
+    )
     [table] = tmp_path.glob("wandb/offline-run-*/files/media/table/rollouts_0_*.table.json")
     data = json.loads(table.read_text())
     assert data["columns"][:3] == ["step", "group_id", "rollout_id"] and data["data"][0][:3] == [0, 3, 7]

@@ -13,12 +13,32 @@ from refractor.telemetry.store import RunStore
 
 
 def make_rollout(rid, group, status=RolloutStatus.KEPT, reason="", reward=1.0, step=0):
-    r = Rollout(rollout_id=rid, group_id=group, sample_idx=rid % 2, env_name="countdown", prompt_text=f"q{rid}",
-                prompt_index=7 * group, prompt_ordinal=group,
-                server="s0", lane=rid % 4, reward=reward, advantage=reward - 0.5, sample_metrics={"correct": reward})
-    t0 = Turn(0, [1, 2, 3], [4, 5], [-0.1, -0.2], "stop", "ab", start_version=0, end_version=1,
-              env_messages=[{"role": "user", "content": "again"}],
-              tool_calls=[ToolCall("calc", '{"x": 1}', "2", True, "", {"exit_code": 0})])
+    r = Rollout(
+        rollout_id=rid,
+        group_id=group,
+        sample_idx=rid % 2,
+        env_name="countdown",
+        prompt_text=f"q{rid}",
+        prompt_index=7 * group,
+        prompt_ordinal=group,
+        server="s0",
+        lane=rid % 4,
+        reward=reward,
+        advantage=reward - 0.5,
+        sample_metrics={"correct": reward},
+    )
+    t0 = Turn(
+        0,
+        [1, 2, 3],
+        [4, 5],
+        [-0.1, -0.2],
+        "stop",
+        "ab",
+        start_version=0,
+        end_version=1,
+        env_messages=[{"role": "user", "content": "again"}],
+        tool_calls=[ToolCall("calc", '{"x": 1}', "2", True, "", {"exit_code": 0})],
+    )
     t1 = Turn(1, [1, 2, 3, 4, 5, 9], [6], [-0.3], "length", "c", start_version=1, end_version=2)
     for t in (t0, t1):
         r.turns.append(t)
@@ -38,8 +58,13 @@ def test_round_trip(tmp_path):
     store.log_rollouts([make_rollout(3, 2, RolloutStatus.CANCELLED, "off_policy", 0.0)], 0, 1)
     store.log_step_metrics(0, {"reward_sum_mean": 0.5, "grad_norm": 1.25})
     store.log_step_metrics(1, {"reward_sum_mean": 0.75})
-    store.log_events([TimelineEvent("train_step", 10.0, 12.0, "trainer", {"step": 0}),
-                      TimelineEvent("weight_sync", 12.0, 12.5, "inference", {"server": "s0"})], step=0)
+    store.log_events(
+        [
+            TimelineEvent("train_step", 10.0, 12.0, "trainer", {"step": 0}),
+            TimelineEvent("weight_sync", 12.0, 12.5, "inference", {"server": "s0"}),
+        ],
+        step=0,
+    )
     store.log_system_metrics("driver", {"cpu_utilization_percent": 50.0}, timestamp=11.0)
     store.close()
 
@@ -47,14 +72,23 @@ def test_round_trip(tmp_path):
     assert [(r.name, r.status, r.last_step) for r in runs] == [("r1", "finished", 1)]
     with RunReader(tmp_path / "runs" / "r1") as reader:
         assert reader.config() == {"learning_rate": 1e-6, "group_size": 2}
-        assert reader.step_metrics() == [{"step": 0, "reward_sum_mean": 0.5, "grad_norm": 1.25},
-                                         {"step": 1, "reward_sum_mean": 0.75}]
+        assert reader.step_metrics() == [
+            {"step": 0, "reward_sum_mean": 0.5, "grad_norm": 1.25},
+            {"step": 1, "reward_sum_mean": 0.75},
+        ]
         assert reader.step_metrics(["grad_norm"]) == [{"step": 0, "grad_norm": 1.25}]
         rows = reader.rollouts(step=0)
         assert [(r["rollout_id"], r["status"], r["reason"]) for r in rows] == [
-            (0, "kept", ""), (1, "kept", ""), (2, "discarded", "zero_advantage")]
+            (0, "kept", ""),
+            (1, "kept", ""),
+            (2, "discarded", "zero_advantage"),
+        ]
         r0 = rows[0]
-        assert (r0["prompt_tokens"], r0["completion_tokens"], r0["total_tokens"]) == (3, 3, 3 + 4)  # completion = 4 5 | 9 (env glue) | 6
+        assert (r0["prompt_tokens"], r0["completion_tokens"], r0["total_tokens"]) == (
+            3,
+            3,
+            3 + 4,
+        )  # completion = 4 5 | 9 (env glue) | 6
         assert (r0["start_version"], r0["end_version"], r0["off_policy_steps"]) == (0, 2, 2)
         assert r0["sample_metrics"] == {"correct": 1.0} and r0["completion_text"] == "ab\nc"
         assert r0["completion_ids"] == [4, 5, 9, 6]  # the trained sequence, env glue included

@@ -16,7 +16,9 @@ def test_hand_computed(tmp_path):
     write_proc(tmp_path, 130, 170)  # +30 busy, +70 idle
     m = sampler.sample()
     assert m["cpu_utilization_percent"] == pytest.approx(30.0)
-    assert m["system_memory_used_gb"] == pytest.approx(3.0) and m["system_memory_available_gb"] == pytest.approx(1.0)
+    assert m["system_memory_used_gb"] == pytest.approx(3.0) and m[
+        "system_memory_available_gb"
+    ] == pytest.approx(1.0)
     assert m["system_memory_percent"] == pytest.approx(75.0)
 
 

@@ -24,8 +24,15 @@ def free_port() -> int:
 
 
 def make_cfg(model: Any, **overrides: Any):
-    base = dict(environments=[{"name": "countdown"}], model=str(model), learning_rate=1e-3, seq_len=SEQ_LEN,
-                pad_to_multiple_of=PAD_TO, entropy_chunk_size=48, temperature=0.8)
+    base = dict(
+        environments=[{"name": "countdown"}],
+        model=str(model),
+        learning_rate=1e-3,
+        seq_len=SEQ_LEN,
+        pad_to_multiple_of=PAD_TO,
+        entropy_chunk_size=48,
+        temperature=0.8,
+    )
     base.update(overrides)
     try:
         from refractor.config import RefractorConfig
@@ -38,11 +45,27 @@ def _light_config(values: dict[str, Any]) -> SimpleNamespace:
     from refractor.algorithms.loss import LossSettings
 
     defaults = dict(
-        model_dtype="float32", mixed_precision_dtype="bfloat16", seed=0, activation_checkpointing=True,
-        weight_decay=0.0, grad_clip=1.0, lr_scheduler="constant", warmup_steps=0, number_of_steps=300,
-        min_lr_ratio=0.0, checkpoint_dir=None, run_name=None, run_dir="runs", number_of_minibatches=1,
-        ppo_clip_ref_logprobs="rollout", weight_broadcast_bucket_mb=256, checkpoint_save_training_state=True,
-        checkpoint_keep_last=None, checkpoint_keep_every=None, resume_from_checkpoint=False)
+        model_dtype="float32",
+        mixed_precision_dtype="bfloat16",
+        seed=0,
+        activation_checkpointing=True,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        lr_scheduler="constant",
+        warmup_steps=0,
+        number_of_steps=300,
+        min_lr_ratio=0.0,
+        checkpoint_dir=None,
+        run_name=None,
+        run_dir="runs",
+        number_of_minibatches=1,
+        ppo_clip_ref_logprobs="rollout",
+        weight_broadcast_bucket_mb=256,
+        checkpoint_save_training_state=True,
+        checkpoint_keep_last=None,
+        checkpoint_keep_every=None,
+        resume_from_checkpoint=False,
+    )
     return SimpleNamespace(**{**asdict(LossSettings()), **defaults, **values})
 
 
@@ -61,9 +84,18 @@ def make_samples(n: int = 9, seed: int = 0, vocab: int = 500) -> list[TrainSampl
     return samples
 
 
-def pack(samples: list[TrainSample], num_dp_ranks: int = 1, number_of_minibatches: int = 1, step: int = 0) -> TrainBatch:
-    return pack_train_batch(samples, step=step, seq_len=SEQ_LEN, pad_to_multiple_of=PAD_TO, pad_token_id=0,
-                            num_dp_ranks=num_dp_ranks, number_of_minibatches=number_of_minibatches)
+def pack(
+    samples: list[TrainSample], num_dp_ranks: int = 1, number_of_minibatches: int = 1, step: int = 0
+) -> TrainBatch:
+    return pack_train_batch(
+        samples,
+        step=step,
+        seq_len=SEQ_LEN,
+        pad_to_multiple_of=PAD_TO,
+        pad_token_id=0,
+        num_dp_ranks=num_dp_ranks,
+        number_of_minibatches=number_of_minibatches,
+    )
 
 
 def full_params(trainer) -> dict[str, torch.Tensor]:

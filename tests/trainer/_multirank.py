@@ -13,8 +13,14 @@ BUCKET_BYTES = 128 * 1024
 
 
 def schedule_cfg(model_path, checkpoint_dir):
-    return make_cfg(model_path, checkpoint_dir=checkpoint_dir, lr_scheduler="cosine", warmup_steps=1,
-                    number_of_steps=4, weight_decay=0.01)
+    return make_cfg(
+        model_path,
+        checkpoint_dir=checkpoint_dir,
+        lr_scheduler="cosine",
+        warmup_steps=1,
+        number_of_steps=4,
+        weight_decay=0.01,
+    )
 
 
 def batches(world_size: int):
@@ -49,10 +55,15 @@ def clip_known_gradients(trainer: Trainer, max_norm: float = 1.0) -> dict:
     full = known_gradients(trainer)
     params = dict(trainer.model.named_parameters())
     for name, p in params.items():
-        p.grad = (distribute_tensor(full[name], p.device_mesh, p.placements) if isinstance(p, DTensor)
-                  else full[name].clone())
+        p.grad = (
+            distribute_tensor(full[name], p.device_mesh, p.placements)
+            if isinstance(p, DTensor)
+            else full[name].clone()
+        )
     norm = clip_gradients(list(params.values()), max_norm)
-    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in params.items()}
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for name, p in params.items()
+    }
     trainer.optimizer.zero_grad(set_to_none=True)
     return {"norm": norm, "grads": grads, "reference": full}
 

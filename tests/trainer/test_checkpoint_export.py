@@ -20,8 +20,15 @@ quiet_env()
 
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_qwen2_path, tmp_path):
-    cfg = make_cfg(tiny_qwen2_path, checkpoint_dir=str(tmp_path), lr_scheduler="cosine", warmup_steps=1,
-                   number_of_steps=4, weight_decay=0.01, checkpoint_keep_last=2)
+    cfg = make_cfg(
+        tiny_qwen2_path,
+        checkpoint_dir=str(tmp_path),
+        lr_scheduler="cosine",
+        warmup_steps=1,
+        number_of_steps=4,
+        weight_decay=0.01,
+        checkpoint_keep_last=2,
+    )
     batches = [pack(make_samples(seed=10 + i), step=i) for i in range(3)]
     first = Trainer(cfg)
     first.train_step(batches[0])
@@ -46,7 +53,9 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_qwen2_path, tm
     meta = read_meta(path)
     assert meta["step"] == 2 and meta["training_state"] and meta["backend"] == "fsdp"
     assert json.loads((path / "orchestrator.json").read_text()) == {"next_sample_idx": 7}
-    assert {"config.json", "tokenizer.json", "generation_config.json"} <= {f.name for f in (path / "hf_meta").iterdir()}
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= {
+        f.name for f in (path / "hf_meta").iterdir()
+    }
     assert (path / "rng_state_rank_0.pt").is_file()
 
     # Retention (keep_last=2) runs after every save; a re-save of the same step replaces it.
@@ -136,7 +145,9 @@ def test_weight_buckets_concatenate_to_the_full_weights_one_bucket_at_a_time(tin
     seen: dict[str, torch.Tensor] = {}
     previous: list[weakref.ref] = []
     whole = [pair for bucket in trainer.export_weight_buckets(bucket_mb=64) for pair in bucket]
-    assert [n for n, _ in whole] == list(expected) and whole[0][1].dtype == torch.float32  # the config's dtype
+    assert [n for n, _ in whole] == list(expected) and whole[0][
+        1
+    ].dtype == torch.float32  # the config's dtype
     live = {p.to_local().data_ptr() for p in trainer.model.parameters()}
     assert not live & {t.data_ptr() for _, t in whole}  # copies, never views of live parameters
     del whole

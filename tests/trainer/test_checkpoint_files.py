@@ -28,9 +28,9 @@ def fake_checkpoint(root, step, complete=True, suffix=""):
 
 def test_interrupted_checkpoints_are_never_latest(tmp_path):
     fake_checkpoint(tmp_path, 10)
-    fake_checkpoint(tmp_path, 20, suffix="_tmp")          # interrupted before the rename
-    fake_checkpoint(tmp_path, 30, complete=False)         # renamed dir without meta.json (manual copy, crash)
-    fake_checkpoint(tmp_path, 40, suffix="_old_tmp")      # leftover of a replacement
+    fake_checkpoint(tmp_path, 20, suffix="_tmp")  # interrupted before the rename
+    fake_checkpoint(tmp_path, 30, complete=False)  # renamed dir without meta.json (manual copy, crash)
+    fake_checkpoint(tmp_path, 40, suffix="_old_tmp")  # leftover of a replacement
     (tmp_path / "step_x").mkdir()
     assert list_checkpoints(tmp_path) == [10]
     assert latest_checkpoint(tmp_path) == 10

@@ -76,7 +76,9 @@ def test_every_mode_traces_under_torch_compile(tiny_qwen2_path, monkeypatch, mod
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager", fullgraph=True))
+    monkeypatch.setattr(
+        torch, "compile", functools.partial(torch.compile, backend="aot_eager", fullgraph=True)
+    )
     _, compiled = backward_ops(tiny_qwen2_path, mode, compile=True)
     _, eager = backward_ops(tiny_qwen2_path, False)
     for name, g in eager.items():

@@ -30,11 +30,20 @@ def worker(rank: int, world_size: int, port: int, model_path: str, case: str, ou
 
     quiet_env()
     overrides, _ = CASES[case]
-    trainer = Trainer(make_cfg(model_path, **overrides), rank, world_size, master_port=port,
-                      device=torch.device("cuda", rank))
-    metrics = [trainer.train_step(pack(make_samples(n=11, seed=30 + i), num_dp_ranks=world_size, step=i)).metrics
-               for i in range(2)]
-    buckets = [[(name, t.cpu()) for name, t in bucket] for bucket in trainer.export_weight_buckets(1, torch.float32)]
+    trainer = Trainer(
+        make_cfg(model_path, **overrides),
+        rank,
+        world_size,
+        master_port=port,
+        device=torch.device("cuda", rank),
+    )
+    metrics = [
+        trainer.train_step(pack(make_samples(n=11, seed=30 + i), num_dp_ranks=world_size, step=i)).metrics
+        for i in range(2)
+    ]
+    buckets = [
+        [(name, t.cpu()) for name, t in bucket] for bucket in trainer.export_weight_buckets(1, torch.float32)
+    ]
     result = {"metrics": metrics, "params": full_params(trainer), "buckets": buckets}
     torch.save(result, f"{out}.rank{rank}")
     trainer.shutdown()

@@ -30,7 +30,9 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(two_ranks, tiny_qwen2
     single = run_reference(Trainer(schedule_cfg(tiny_qwen2_path, str(tmp_path))), world_size=1)
     rank0, rank1 = two_ranks
     for m0, m1 in zip(rank0["metrics"], rank1["metrics"], strict=True):  # same global metrics on every rank
-        assert {k: v for k, v in m0.items() if not _per_rank(k)} == {k: v for k, v in m1.items() if not _per_rank(k)}
+        assert {k: v for k, v in m0.items() if not _per_rank(k)} == {
+            k: v for k, v in m1.items() if not _per_rank(k)
+        }
     assert rank0["metrics"][0]["trainer/batch/noop_micro_batches"] > 0
     # Tolerance: float32 summation order differs (2 partial sums + reduce-scatter) -> rel 1e-5 on
     # metrics; after the first AdamW update, parameters within 1e-5 (1% of the learning rate).
@@ -66,8 +68,9 @@ def check_clip(clip: dict) -> None:
     assert clip["norm"] > 10  # grad_clip 1 really scales
     scale = 1.0 / (float(full.norm()) + 1e-6)
     for name, g in clip["grads"].items():
-        torch.testing.assert_close(g.double(), clip["reference"][name].double() * scale, rtol=1e-5, atol=1e-9,
-                                   msg=name)
+        torch.testing.assert_close(
+            g.double(), clip["reference"][name].double() * scale, rtol=1e-5, atol=1e-9, msg=name
+        )
 
 
 def test_gradient_norm_and_clipping_on_sharded_gradients(two_ranks, tiny_qwen2_path, tmp_path):

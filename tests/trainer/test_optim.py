@@ -29,7 +29,10 @@ def test_schedule_matches_reference_table(kind, warmup):
     total, rho = 10, 0.1
     sched = LRSchedule(kind, warmup, total, rho)
     for s in range(total + 3):  # past the horizon the multiplier stays at the floor
-        assert sched(s) == pytest.approx(reference_multiplier(kind, s, warmup, total, rho), abs=1e-12), (kind, s)
+        assert sched(s) == pytest.approx(reference_multiplier(kind, s, warmup, total, rho), abs=1e-12), (
+            kind,
+            s,
+        )
 
 
 def test_scheduler_drives_adamw_lr_and_warmup_starts_at_zero():

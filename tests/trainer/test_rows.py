@@ -27,9 +27,13 @@ def test_merge_rows_concatenates_rows_into_passes_that_keep_samples_apart():
         members = [mb for mb in rows if set(mb.sample_ids) <= set(p.sample_ids)]
         assert sum(mb.num_tokens for mb in members) == p.num_tokens
         # The block-causal mask of the pass is the block-diagonal of its rows' masks.
-        torch.testing.assert_close(block_causal_mask(p.document_ids),
-                                   torch.block_diag(*[block_causal_mask(mb.document_ids) for mb in members]))
-        assert p.cu_seqlens.tolist() == sorted(set(p.cu_seqlens.tolist())) and p.cu_seqlens[-1] == p.num_tokens
+        torch.testing.assert_close(
+            block_causal_mask(p.document_ids),
+            torch.block_diag(*[block_causal_mask(mb.document_ids) for mb in members]),
+        )
+        assert (
+            p.cu_seqlens.tolist() == sorted(set(p.cu_seqlens.tolist())) and p.cu_seqlens[-1] == p.num_tokens
+        )
         assert int(p.document_ids.max()) + 1 == len(p.sample_ids)
     assert merge_rows(rows, max_tokens=0) == rows  # off
     assert len(merge_rows(rows, max_tokens=1)) == len(rows)  # nothing fits together: one pass per row
@@ -51,8 +55,9 @@ def test_a_step_with_merged_passes_equals_the_step_with_one_pass_per_row(tiny_qw
         trainer = Trainer(make_cfg(tiny_qwen2_path, kl_penalty_tau=0.1))
         assert trainer.step_settings.max_tokens_per_forward == 0  # CPU default: one pass per row
         assert trainer.step_settings.pass_pad_multiple == 0  # padding only for compiled (CUDA) layers
-        trainer.step_settings = replace(trainer.step_settings, max_tokens_per_forward=max_tokens,
-                                        pass_pad_multiple=pad_multiple)
+        trainer.step_settings = replace(
+            trainer.step_settings, max_tokens_per_forward=max_tokens, pass_pad_multiple=pad_multiple
+        )
         runs.append([trainer.train_step(batch).metrics for _ in range(2)])
     rows, merged, padded = runs
     assert rows[0]["timing_microbatch_count"] > merged[0]["timing_microbatch_count"] == 1
@@ -143,7 +148,9 @@ def test_a_compiled_step_with_padded_passes_equals_the_eager_step(tiny_qwen2_pat
 
     import torch._dynamo
 
-    cfg = make_cfg(tiny_qwen2_path, use_ppo_clip=True, ppo_clip_ref_logprobs="batch", trainer_pass_pad_multiple=128)
+    cfg = make_cfg(
+        tiny_qwen2_path, use_ppo_clip=True, ppo_clip_ref_logprobs="batch", trainer_pass_pad_multiple=128
+    )
     batches = [pack(make_samples(n=7, seed=seed)) for seed in (31, 32)]
     eager = Trainer(cfg)
     expected = [eager.train_step(b).metrics for b in batches]

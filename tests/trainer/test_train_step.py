@@ -78,8 +78,16 @@ def packed_loss_and_grads(trainer: Trainer, rows, settings: LossSettings, normal
     total = 0.0
     for mb in rows:
         logprobs, entropy = trainer.model(mb, trainer.cfg.temperature, trainer.cfg.entropy_chunk_size)
-        out = policy_loss(logprobs, mb.rollout_logprobs, mb.advantages, mb.loss_mask, mb.document_ids,
-                          settings, normalizer, entropy=entropy)
+        out = policy_loss(
+            logprobs,
+            mb.rollout_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            mb.document_ids,
+            settings,
+            normalizer,
+            entropy=entropy,
+        )
         out.loss.backward()
         total += float(out.loss.detach())
     grads = {hf_name(n): p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
@@ -90,7 +98,9 @@ def packed_loss_and_grads(trainer: Trainer, rows, settings: LossSettings, normal
 def test_packed_rows_equal_samples_run_one_by_one(tiny_qwen3_path, impl, checkpointing):
     """Packing must not leak attention across samples: a packed row's loss and gradients equal the
     sum over the same samples run alone (each its own row), with the same global normalizer."""
-    cfg = make_cfg(tiny_qwen3_path, activation_checkpointing=checkpointing, kl_penalty_tau=0.1, entropy_coef=0.01)
+    cfg = make_cfg(
+        tiny_qwen3_path, activation_checkpointing=checkpointing, kl_penalty_tau=0.1, entropy_coef=0.01
+    )
     trainer = Trainer(cfg, model_impl=impl)
     samples = make_samples(n=5, seed=2)
     packed = pack(samples).micro_batches[0]
@@ -113,7 +123,9 @@ def test_activation_checkpointing_gives_the_same_step(tiny_qwen2_path):
         results.append((trainer.train_step(batch).metrics, full_params(trainer)))
     (m_off, p_off), *checkpointed = results
     for m_on, p_on in checkpointed:
-        assert m_on["loss"] == m_off["loss"] and m_on["grad_norm"] == pytest.approx(m_off["grad_norm"], rel=1e-6)
+        assert m_on["loss"] == m_off["loss"] and m_on["grad_norm"] == pytest.approx(
+            m_off["grad_norm"], rel=1e-6
+        )
         for name in p_on:
             torch.testing.assert_close(p_on[name], p_off[name], rtol=0, atol=1e-7)
 
@@ -155,8 +167,11 @@ def test_batch_reference_logprobs_make_the_first_ppo_step_a_policy_gradient_step
         s.rollout_logprobs = [lp - 0.7 * m for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True)]
     batch = pack(samples)
     norms = {}
-    for name, over in {"grpo": {}, "ppo_batch": dict(use_ppo_clip=True, ppo_clip_ref_logprobs="batch"),
-                       "ppo_rollout": dict(use_ppo_clip=True)}.items():
+    for name, over in {
+        "grpo": {},
+        "ppo_batch": dict(use_ppo_clip=True, ppo_clip_ref_logprobs="batch"),
+        "ppo_rollout": dict(use_ppo_clip=True),
+    }.items():
         trainer = Trainer(make_cfg(tiny_qwen2_path, **over))
         result = trainer.train_step(batch)
         norms[name] = result.metrics["grad_norm"]
@@ -177,13 +192,15 @@ def test_minibatches_take_one_optimizer_step_each(tiny_qwen2_path):
     assert math.isfinite(result.metrics["loss"]) and result.metrics["trainer/batch/micro_batches"] >= 3
 
 
-
 def test_auto_picks_the_native_model_and_falls_back_to_hf_for_uncovered_architectures(tiny_qwen2_path):
     from refractor.testing import TinyModelSpec, build_tiny_model
     from refractor.trainer.policy_model import choose_impl
 
-    sliding = build_tiny_model(TinyModelSpec(arch="qwen2", extra={"use_sliding_window": True, "sliding_window": 32,
-                                                                  "max_window_layers": 0}))
+    sliding = build_tiny_model(
+        TinyModelSpec(
+            arch="qwen2", extra={"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}
+        )
+    )
     assert choose_impl(tiny_qwen2_path, "auto") == "native"
     assert choose_impl(sliding, "auto") == "hf"  # the native decoder has no sliding-window attention
     trainer = Trainer(make_cfg(sliding))

@@ -33,8 +33,14 @@ BUCKET_MB = 0.25
 
 class NativeServer:
     def __init__(self, model_path):
-        config = EngineConfig(max_model_len=256, max_num_seqs=4, kv_cache_memory_gb=0.01, dtype="float32",
-                              device="cpu", enforce_eager=True)
+        config = EngineConfig(
+            max_model_len=256,
+            max_num_seqs=4,
+            kv_cache_memory_gb=0.01,
+            dtype="float32",
+            device="cpu",
+            enforce_eager=True,
+        )
         self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, config))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -47,8 +53,13 @@ class NativeServer:
 
     def complete(self, timeout_s: float = 30.0) -> int:
         """Generated tokens of one real completion request (raises if the server cannot generate in time)."""
-        body = {"model": "tiny", "prompt": list(range(3, 20)), "max_tokens": 3, "temperature": 1.0,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": list(range(3, 20)),
+            "max_tokens": 3,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        }
         reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
         reply.raise_for_status()
         return reply.json()["usage"]["completion_tokens"]
@@ -81,14 +92,19 @@ def observed(buckets, server: NativeServer, log: list[dict]):
 
 
 @pytest.mark.parametrize(("budget_buckets", "first_paused_gather"), [(100, None), (0, 0), (2, 3)])
-def test_buckets_are_gathered_before_the_pause_within_the_budget(server, trainer, budget_buckets,
-                                                                 first_paused_gather):
+def test_buckets_are_gathered_before_the_pause_within_the_budget(
+    server, trainer, budget_buckets, first_paused_gather
+):
     """Budget of 100 buckets: every gather happens while the server generates; 0 (the old way):
     every gather happens during the pause; 2 buckets (each a little under the bucket size): the
     third gather crosses the budget and is kept, the fourth happens during the pause."""
     bucket_bytes = int(BUCKET_MB * 2**20)
-    sender = WeightSender([ServerRef("native-0", server.url)], init_timeout_s=30, timeout_s=30,
-                          gather_before_pause_bytes=budget_buckets * bucket_bytes)
+    sender = WeightSender(
+        [ServerRef("native-0", server.url)],
+        init_timeout_s=30,
+        timeout_s=30,
+        gather_before_pause_bytes=budget_buckets * bucket_bytes,
+    )
     try:
         log: list[dict] = []
         result = sender.push(observed(trainer.export_weight_buckets(BUCKET_MB), server, log), version=7)
@@ -115,8 +131,12 @@ def test_weights_gathered_ahead_are_the_ones_served(server, trainer):
     expected = {name: t.clone() for bucket in trainer.export_weight_buckets(BUCKET_MB) for name, t in bucket}
     name0 = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(dict(server.engine.named_parameters())[name0], expected[name0])
-    sender = WeightSender([ServerRef("native-0", server.url)], init_timeout_s=30, timeout_s=30,
-                          gather_before_pause_bytes=1 << 30)
+    sender = WeightSender(
+        [ServerRef("native-0", server.url)],
+        init_timeout_s=30,
+        timeout_s=30,
+        gather_before_pause_bytes=1 << 30,
+    )
     try:
         result = sender.push(trainer.export_weight_buckets(BUCKET_MB), version=8)
     finally:

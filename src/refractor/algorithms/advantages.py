@@ -41,7 +41,8 @@ class AdvantageSettings:
     @property
     def batch_whitening(self) -> bool:
         return self.algorithm not in {"rloo", "dr_grpo"} and (
-            self.algorithm == "reinforce_pp" or self.advantage_norm == "batch")
+            self.algorithm == "reinforce_pp" or self.advantage_norm == "batch"
+        )
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -136,8 +137,9 @@ def score_group(
     for r, length in zip(rewards, num_completion_tokens, strict=True):
         if settings.normalize_rewards_to_range:
             r = normalize_reward(r, reward_min, reward_max)
-        r += overlong_penalty(length, settings.max_tokens, settings.overlong_penalty_factor,
-                              settings.overlong_buffer_tokens)
+        r += overlong_penalty(
+            length, settings.max_tokens, settings.overlong_penalty_factor, settings.overlong_buffer_tokens
+        )
         shaped.append(float(r))
     adv = group_advantages(shaped, settings.algorithm, settings.advantage_norm)
     zero = settings.discard_group_zero_advantage and is_zero_advantage_group(adv)

@@ -84,4 +84,6 @@ def flex_block_causal_attention(
         return _flex()(q[None], k[None], v[None], block_mask=block_mask, scale=scale, enable_gqa=gqa)[0]
     with warnings.catch_warnings():  # the unfused eager path is deliberate off CUDA
         warnings.simplefilter("ignore", UserWarning)
-        return flex_attention(q[None], k[None], v[None], block_mask=block_mask, scale=scale, enable_gqa=gqa)[0]
+        return flex_attention(q[None], k[None], v[None], block_mask=block_mask, scale=scale, enable_gqa=gqa)[
+            0
+        ]

@@ -45,12 +45,19 @@ class FilterFlags:
         return self.overlong or self.gibberish or self.repetition
 
 
-def is_gibberish(token_ids: Sequence[int], logprobs: Sequence[float], token_threshold: int, logprob_offset: float,
-                 loss_mask: Sequence[int] | None = None) -> bool:
+def is_gibberish(
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    token_threshold: int,
+    logprob_offset: float,
+    loss_mask: Sequence[int] | None = None,
+) -> bool:
     """Any sampled token with id above ``token_threshold`` and log-prob below ``-11.5 - offset``."""
     limit = -GIBBERISH_BASE_LOGPROB - logprob_offset
     mask = loss_mask if loss_mask is not None else [1] * len(token_ids)
-    return any(m and t > token_threshold and lp < limit for t, lp, m in zip(token_ids, logprobs, mask, strict=True))
+    return any(
+        m and t > token_threshold and lp < limit for t, lp, m in zip(token_ids, logprobs, mask, strict=True)
+    )
 
 
 def compression_ratio(text: str) -> float:
@@ -75,17 +82,31 @@ def output_filter_flags(
     """Which enabled filters flag this rollout (disabled filters never flag)."""
     return FilterFlags(
         overlong=settings.filter_overlong and is_truncated,
-        gibberish=settings.filter_gibberish and is_gibberish(
-            token_ids, logprobs, settings.gibberish_token_threshold, settings.gibberish_logprob_offset, loss_mask),
-        repetition=settings.filter_repetition and is_repetitive(completion_text, settings.repetition_compression_threshold),
+        gibberish=settings.filter_gibberish
+        and is_gibberish(
+            token_ids,
+            logprobs,
+            settings.gibberish_token_threshold,
+            settings.gibberish_logprob_offset,
+            loss_mask,
+        ),
+        repetition=settings.filter_repetition
+        and is_repetitive(completion_text, settings.repetition_compression_threshold),
     )
 
 
-def sample_filter_flags(sample: TrainSample, completion_text: str, is_truncated: bool,
-                        settings: FilterSettings) -> FilterFlags:
+def sample_filter_flags(
+    sample: TrainSample, completion_text: str, is_truncated: bool, settings: FilterSettings
+) -> FilterFlags:
     """``output_filter_flags`` on a packed-ready sample (its mask-1 tokens are the sampled ones)."""
-    return output_filter_flags(sample.input_ids, sample.rollout_logprobs, completion_text, is_truncated,
-                               settings, loss_mask=sample.loss_mask)
+    return output_filter_flags(
+        sample.input_ids,
+        sample.rollout_logprobs,
+        completion_text,
+        is_truncated,
+        settings,
+        loss_mask=sample.loss_mask,
+    )
 
 
 def without_loss(sample: TrainSample) -> TrainSample:

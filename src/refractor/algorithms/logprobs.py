@@ -103,12 +103,22 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if need_h else None
         # Accumulate the weight gradient over chunks in fp32 (summing bf16 partials loses bits).
-        grad_w = torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device) if need_w else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device)
+            if need_w
+            else None
+        )
         bwd = _kernel("backward", _chunk_grad_logits, hidden.is_cuda)
         for s, e in _chunk_bounds(hidden.shape[0], ctx.chunk_size):
-            grad_z = bwd(hidden[s:e] @ weight.t(), targets[s:e], lse[s:e], entropy[s:e],
-                         None if grad_logprobs is None else grad_logprobs[s:e],
-                         None if grad_entropy is None else grad_entropy[s:e], ctx.temperature)
+            grad_z = bwd(
+                hidden[s:e] @ weight.t(),
+                targets[s:e],
+                lse[s:e],
+                entropy[s:e],
+                None if grad_logprobs is None else grad_logprobs[s:e],
+                None if grad_entropy is None else grad_entropy[s:e],
+                ctx.temperature,
+            )
             if need_h:
                 grad_h[s:e] = grad_z @ weight
             if need_w:
@@ -132,11 +142,14 @@ def chunked_logprobs_entropy(
     ``chunk_size`` rows are processed at a time (<= 0: all rows at once).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"expected hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
-    return _ChunkedLogprobEntropy.apply(hidden, weight, targets.long(), effective_temperature(temperature),
-                                        int(chunk_size))
+    return _ChunkedLogprobEntropy.apply(
+        hidden, weight, targets.long(), effective_temperature(temperature), int(chunk_size)
+    )
 
 
 def token_logprobs_and_entropy(
@@ -155,6 +168,7 @@ def token_logprobs_and_entropy(
     every sample has loss mask 0 (the packer enforces it).
     """
     logprobs, entropy = chunked_logprobs_entropy(
-        hidden[:-1], weight, input_ids[1:], temperature=temperature, chunk_size=chunk_size)
+        hidden[:-1], weight, input_ids[1:], temperature=temperature, chunk_size=chunk_size
+    )
     zero = logprobs.new_zeros(1)
     return torch.cat([zero, logprobs]), torch.cat([zero, entropy])

@@ -79,7 +79,9 @@ class LossSettings:
         return self.entropy_coef > 0
 
 
-def loss_normalizer(num_trainable_tokens: int, num_samples: int, aggregation: Aggregation, max_tokens: int) -> float:
+def loss_normalizer(
+    num_trainable_tokens: int, num_samples: int, aggregation: Aggregation, max_tokens: int
+) -> float:
     """The global divisor of one optimizer step's loss (all micro-batches, all DP ranks).
 
     token_mean: trainable tokens; token_sum_norm (DR-GRPO): samples x max_tokens. Never below 1.
@@ -91,7 +93,15 @@ def loss_normalizer(num_trainable_tokens: int, num_samples: int, aggregation: Ag
 
 # ---- metrics --------------------------------------------------------------------------------
 STAT_NAMES = (
-    "loss", "num_tokens", "entropy_sum", "kl_inference_sum", "policy_tokens", "tis_sum", "tis_zero_count", "dual_clip_count", "kl_penalty_sum",
+    "loss",
+    "num_tokens",
+    "entropy_sum",
+    "kl_inference_sum",
+    "policy_tokens",
+    "tis_sum",
+    "tis_zero_count",
+    "dual_clip_count",
+    "kl_penalty_sum",
 )
 
 
@@ -200,7 +210,9 @@ def policy_loss(
     if s.seq_is_masking:
         seq_log_ratio = _segment_masked_mean(delta_rollout, mask0, idx, nseg)
         seq_weight = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        mask = mask0 * ((seq_weight >= s.seq_is_mask_low) & (seq_weight <= s.seq_is_mask_high)).to(mask0.dtype)
+        mask = mask0 * ((seq_weight >= s.seq_is_mask_low) & (seq_weight <= s.seq_is_mask_high)).to(
+            mask0.dtype
+        )
 
     lo, hi = 1.0 - s.clip_low, 1.0 + s.clip_high
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -269,15 +281,17 @@ def policy_loss(
         ent = entropy.detach().to(mask0.dtype) if entropy is not None else torch.zeros_like(mask0)
         d = delta_rollout.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # one wild token cannot make it inf
         kl_inference = torch.exp(d) - 1.0 - d
-        stat_values = torch.stack([
-            loss.detach(),
-            mask0.sum(),
-            (ent * mask0).sum(),
-            (kl_inference * mask0).sum(),
-            mask.sum(),
-            (tis * mask).sum(),
-            ((tis == 0).to(mask.dtype) * mask).sum(),
-            (dual_clipped * mask).sum(),
-            (kl.detach() * mask).sum(),
-        ]).to(torch.float64)
+        stat_values = torch.stack(
+            [
+                loss.detach(),
+                mask0.sum(),
+                (ent * mask0).sum(),
+                (kl_inference * mask0).sum(),
+                mask.sum(),
+                (tis * mask).sum(),
+                ((tis == 0).to(mask.dtype) * mask).sum(),
+                (dual_clipped * mask).sum(),
+                (kl.detach() * mask).sum(),
+            ]
+        ).to(torch.float64)
     return LossOutput(loss=loss, stats=LossStats(stat_values))

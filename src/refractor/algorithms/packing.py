@@ -92,8 +92,9 @@ def _padded_length(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_micro_batch(parts: Sequence[_Prepared], pad_to_multiple_of: int, pad_token_id: int,
-                      minibatch: int, normalizer: float) -> MicroBatch:
+def build_micro_batch(
+    parts: Sequence[_Prepared], pad_to_multiple_of: int, pad_token_id: int, minibatch: int, normalizer: float
+) -> MicroBatch:
     """Concatenate samples into one row (positions restart per sample) and pad it."""
     ids: list[int] = []
     pos: list[int] = []
@@ -158,23 +159,32 @@ def pack_train_batch(
     if not samples:
         raise ValueError("pack_train_batch needs at least one sample")
     if seq_len < 1 or pad_to_multiple_of < 1 or num_dp_ranks < 1:
-        raise ValueError(f"seq_len ({seq_len}), pad_to_multiple_of ({pad_to_multiple_of}) and "
-                         f"num_dp_ranks ({num_dp_ranks}) must be >= 1")
+        raise ValueError(
+            f"seq_len ({seq_len}), pad_to_multiple_of ({pad_to_multiple_of}) and "
+            f"num_dp_ranks ({num_dp_ranks}) must be >= 1"
+        )
     prepared = [_prepare(s, seq_len) for s in samples]
     truncated = [s for s in samples if len(s.input_ids) > seq_len]
     ranks: list[list[MicroBatch]] = [[] for _ in range(num_dp_ranks)]
     noop = 0
     for mb_index, span in enumerate(split_minibatches(len(prepared), number_of_minibatches)):
         members = [prepared[i] for i in span]
-        normalizer = loss_normalizer(sum(sum(p.loss_mask) for p in members), len(members), aggregation, max_tokens)
+        normalizer = loss_normalizer(
+            sum(sum(p.loss_mask) for p in members), len(members), aggregation, max_tokens
+        )
         shards = balance_over_ranks([p.length for p in members], num_dp_ranks)
         rows_per_rank = []
         for shard in shards:
             parts = [members[i] for i in shard]
             bins = first_fit_decreasing([p.length for p in parts], seq_len)
-            rows_per_rank.append([
-                build_micro_batch([parts[i] for i in b], pad_to_multiple_of, pad_token_id, mb_index, normalizer)
-                for b in bins])
+            rows_per_rank.append(
+                [
+                    build_micro_batch(
+                        [parts[i] for i in b], pad_to_multiple_of, pad_token_id, mb_index, normalizer
+                    )
+                    for b in bins
+                ]
+            )
         most = max(len(rows) for rows in rows_per_rank)
         for rank, rows in enumerate(rows_per_rank):
             while len(rows) < most:
@@ -184,7 +194,9 @@ def pack_train_batch(
     all_rows = [mb for rows in ranks for mb in rows]
     real_tokens = sum(p.length for p in prepared)
     total_tokens = sum(mb.num_tokens for mb in all_rows)
-    step_normalizer = loss_normalizer(sum(sum(p.loss_mask) for p in prepared), len(prepared), aggregation, max_tokens)
+    step_normalizer = loss_normalizer(
+        sum(sum(p.loss_mask) for p in prepared), len(prepared), aggregation, max_tokens
+    )
     metrics = {
         "packing/micro_batches": float(len(all_rows) - noop),
         "packing/noop_micro_batches": float(noop),
@@ -193,5 +205,10 @@ def pack_train_batch(
         "packing/truncated_samples": float(len(truncated)),
         "packing/truncated_tokens": float(sum(len(s.input_ids) - seq_len for s in truncated)),
     }
-    return TrainBatch(step=step, micro_batches=ranks, loss_normalizer=step_normalizer,
-                      num_samples=len(prepared), metrics=metrics)
+    return TrainBatch(
+        step=step,
+        micro_batches=ranks,
+        loss_normalizer=step_normalizer,
+        num_samples=len(prepared),
+        metrics=metrics,
+    )

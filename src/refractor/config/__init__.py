@@ -11,6 +11,13 @@ from refractor.config.loader import (
 from refractor.config.schema import EnvironmentEntry, EvalEntry, RefractorConfig
 
 __all__ = [
-    "ConfigError", "EnvironmentEntry", "EvalEntry", "RefractorConfig", "config_from_dict", "config_to_dict",
-    "config_to_yaml", "load_config", "parse_overrides",
+    "ConfigError",
+    "EnvironmentEntry",
+    "EvalEntry",
+    "RefractorConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_yaml",
+    "load_config",
+    "parse_overrides",
 ]

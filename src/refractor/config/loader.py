@@ -26,7 +26,9 @@ class _Loader(yaml.SafeLoader):
     """YAML 1.1 reads ``1e-6`` as a string; accept it as a float like every other tool does."""
 
 
-_FLOAT = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+_FLOAT = re.compile(
+    r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+)
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
@@ -52,7 +54,9 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: a config file must be a mapping of keys to values, got {type(data).__name__}")
+        raise ConfigError(
+            f"{p}: a config file must be a mapping of keys to values, got {type(data).__name__}"
+        )
     return data
 
 
@@ -96,7 +100,9 @@ def _suggest(key: str, candidates=RefractorConfig.model_fields) -> str:
 
 
 def _check_unknown(layer: dict[str, Any], source: str) -> list[str]:
-    return [f"{source}: unknown key `{k}`{_suggest(k)}" for k in layer if k not in RefractorConfig.model_fields]
+    return [
+        f"{source}: unknown key `{k}`{_suggest(k)}" for k in layer if k not in RefractorConfig.model_fields
+    ]
 
 
 def _format_validation(err: ValidationError, sources: dict[str, str]) -> list[str]:
@@ -115,7 +121,9 @@ def _format_validation(err: ValidationError, sources: dict[str, str]) -> list[st
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             nested = _NESTED.get(key)
-            msg = "unknown key" + (_suggest(str(loc[-1]), nested.model_fields) if nested and len(loc) == 3 else "")
+            msg = "unknown key" + (
+                _suggest(str(loc[-1]), nested.model_fields) if nested and len(loc) == 3 else ""
+            )
             shown = ""
         msgs.append(f"{where}: `{path}`{shown}: {msg}")
     return msgs
@@ -140,7 +148,9 @@ def build_config(layers: list[tuple[str, dict[str, Any]]]) -> RefractorConfig:
     return cfg
 
 
-def load_config(config_path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> RefractorConfig:
+def load_config(
+    config_path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None
+) -> RefractorConfig:
     """The full resolution used by every entry point (CLI, train.py, tests)."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if config_path is not None:
@@ -155,8 +165,10 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] | di
 
 
 def ignored_key_notices(cfg: RefractorConfig) -> list[str]:
-    return [f"note: `{k}` is accepted for Telescope compatibility but has no effect: {IGNORED_KEYS[k]}"
-            for k in sorted(cfg.user_keys & IGNORED_KEYS.keys())]
+    return [
+        f"note: `{k}` is accepted for Telescope compatibility but has no effect: {IGNORED_KEYS[k]}"
+        for k in sorted(cfg.user_keys & IGNORED_KEYS.keys())
+    ]
 
 
 def config_to_dict(cfg: RefractorConfig) -> dict[str, Any]:

@@ -15,8 +15,24 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 _WANDB_CODE_EXCLUDES = [
-    ".git", ".venv", ".ruff_cache", ".mypy_cache", ".pytest_cache", "__pycache__", ".claude", ".env*",
-    "assets", "checkpoints", "data", "dist", "logs", "specs", "stdout", "wandb", "*.pyc", "*.egg-info",
+    ".git",
+    ".venv",
+    ".ruff_cache",
+    ".mypy_cache",
+    ".pytest_cache",
+    "__pycache__",
+    ".claude",
+    ".env*",
+    "assets",
+    "checkpoints",
+    "data",
+    "dist",
+    "logs",
+    "specs",
+    "stdout",
+    "wandb",
+    "*.pyc",
+    "*.egg-info",
 ]
 
 
@@ -25,10 +41,14 @@ class _Strict(BaseModel):
 
 
 class EnvironmentEntry(_Strict):
-    name: str = Field(description="Environment name: a built-in, a folder under the environments path, or an entry point.")
+    name: str = Field(
+        description="Environment name: a built-in, a folder under the environments path, or an entry point."
+    )
     weight: float = Field(1.0, gt=0, description="Sampling weight (normalized over all environments).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Constructor kwargs of the environment.")
-    reward_min: float | None = Field(None, description="Lower end of the reward range (dashboard colouring, normalization).")
+    reward_min: float | None = Field(
+        None, description="Lower end of the reward range (dashboard colouring, normalization)."
+    )
     reward_max: float | None = Field(None, description="Upper end of the reward range.")
 
     @model_validator(mode="after")
@@ -41,79 +61,151 @@ class EnvironmentEntry(_Strict):
 class EvalEntry(_Strict):
     name: str = Field(description="Dedicated eval or environment name.")
     eval_every: int = Field(10, ge=1, description="Run this eval every N training steps.")
-    pass_k: dict[str, Any] = Field(default_factory=dict, description='{"at_k": {"metrics": [...], "k": [...]}, "pow_k": {...}}')
+    pass_k: dict[str, Any] = Field(
+        default_factory=dict, description='{"at_k": {"metrics": [...], "k": [...]}, "pow_k": {...}}'
+    )
     num_samples: int = Field(-1, ge=-1, description="Evaluate the first N samples; -1 = all.")
-    separate_eval_samples: bool = Field(False, description="Hold these samples out of training for the same environment.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Constructor kwargs of the eval/environment.")
-    temperature: float | None = Field(None, ge=0, description="Sampling override; null inherits training sampling.")
+    separate_eval_samples: bool = Field(
+        False, description="Hold these samples out of training for the same environment."
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Constructor kwargs of the eval/environment."
+    )
+    temperature: float | None = Field(
+        None, ge=0, description="Sampling override; null inherits training sampling."
+    )
     top_p: float | None = Field(None, gt=0, le=1, description="Sampling override; null inherits.")
     max_tokens: int | None = Field(None, ge=1, description="Sampling override; null inherits.")
 
 
 class GeneralKeys(_Strict):
     debug: bool = Field(False, description="Verbose console and Ray worker log forwarding (also --debug).")
-    model: str = Field("Qwen/Qwen2.5-3B", description="HF model id (from the local HF cache) or a local checkpoint directory.")
+    model: str = Field(
+        "Qwen/Qwen2.5-3B",
+        description="HF model id (from the local HF cache) or a local checkpoint directory.",
+    )
     model_dtype: Dtype = Field("float32", description="Dtype of the trainer's master weights.")
-    mixed_precision_dtype: Dtype | None = Field("bfloat16", description="FSDP2 compute dtype (reduce in fp32); null = no mixed precision.")
-    environments: list[EnvironmentEntry] = Field(default_factory=list, description="Training environments (required, non-empty).")
+    mixed_precision_dtype: Dtype | None = Field(
+        "bfloat16", description="FSDP2 compute dtype (reduce in fp32); null = no mixed precision."
+    )
+    environments: list[EnvironmentEntry] = Field(
+        default_factory=list, description="Training environments (required, non-empty)."
+    )
     evals: list[EvalEntry] = Field(default_factory=list, description="Periodic evals.")
     # refractor additions
-    run_name: str | None = Field(None, description="[refractor] Run name; the run lives in <run_dir>/<run_name>. null = timestamped name.")
+    run_name: str | None = Field(
+        None,
+        description="[refractor] Run name; the run lives in <run_dir>/<run_name>. null = timestamped name.",
+    )
     run_dir: str = Field("runs", description="[refractor] Parent folder of run directories.")
     seed: int = Field(0, description="[refractor] Seed for prompt sampling, sampling seeds and model init.")
 
 
 class RayKeys(_Strict):
     ray_address: str = Field("auto", description='ray.init address; "" always starts a local cluster.')
-    ray_auto_start_local: bool = Field(True, description='Start a local Ray cluster when connecting to "auto" fails.')
+    ray_auto_start_local: bool = Field(
+        True, description='Start a local Ray cluster when connecting to "auto" fails.'
+    )
     ray_namespace: str = Field("refractor", description="Ray namespace.")
-    ray_log_to_driver: bool = Field(True, description="Forward worker logs to the driver (forced off unless debug).")
-    ray_runtime_env: dict[str, Any] | None = Field(None, description="User runtime_env, extended with refractor's defaults.")
-    ray_disable_runtime_env_hook: bool = Field(True, description="Drop RAY_RUNTIME_ENV_HOOK (avoids per-worker env builds).")
+    ray_log_to_driver: bool = Field(
+        True, description="Forward worker logs to the driver (forced off unless debug)."
+    )
+    ray_runtime_env: dict[str, Any] | None = Field(
+        None, description="User runtime_env, extended with refractor's defaults."
+    )
+    ray_disable_runtime_env_hook: bool = Field(
+        True, description="Drop RAY_RUNTIME_ENV_HOOK (avoids per-worker env builds)."
+    )
     ray_pin_py_executable: bool = Field(True, description="Workers use the driver's Python executable.")
-    ray_propagate_active_venv: bool = Field(True, description="Forward VIRTUAL_ENV / UV_PROJECT_ENVIRONMENT to workers.")
+    ray_propagate_active_venv: bool = Field(
+        True, description="Forward VIRTUAL_ENV / UV_PROJECT_ENVIRONMENT to workers."
+    )
     ray_propagate_run_dir: bool = Field(True, description="Forward the run directory to workers.")
-    ray_broadcast_init_timeout_s: int = Field(300, ge=1, description="Timeout for creating the weight-broadcast group.")
-    ray_broadcast_prefer_loopback_if_single_node: bool = Field(True, description="Use 127.0.0.1 for the broadcast rendezvous on one node.")
-    ray_shutdown_on_exit: bool = Field(False, description="Shut the Ray cluster down on exit (standalone eval).")
+    ray_broadcast_init_timeout_s: int = Field(
+        300, ge=1, description="Timeout for creating the weight-broadcast group."
+    )
+    ray_broadcast_prefer_loopback_if_single_node: bool = Field(
+        True, description="Use 127.0.0.1 for the broadcast rendezvous on one node."
+    )
+    ray_shutdown_on_exit: bool = Field(
+        False, description="Shut the Ray cluster down on exit (standalone eval)."
+    )
     ray_inference_cpus_per_worker: float = Field(4.0, ge=0, description="CPUs per inference server bundle.")
     ray_trainer_cpus_per_worker: float = Field(4.0, ge=0, description="CPUs per trainer bundle.")
-    ray_inference_placement_strategy: PlacementStrategy = Field("PACK", description="Placement strategy of inference servers.")
-    ray_trainer_placement_strategy: PlacementStrategy = Field("PACK", description="Placement strategy of trainer ranks.")
-    ray_placement_timeout_s: int = Field(900, ge=1, description="Placement-group readiness and server start-up timeout.")
+    ray_inference_placement_strategy: PlacementStrategy = Field(
+        "PACK", description="Placement strategy of inference servers."
+    )
+    ray_trainer_placement_strategy: PlacementStrategy = Field(
+        "PACK", description="Placement strategy of trainer ranks."
+    )
+    ray_placement_timeout_s: int = Field(
+        900, ge=1, description="Placement-group readiness and server start-up timeout."
+    )
     heartbeat_interval_s: float = Field(
-        10.0, gt=0, description="[refractor] How often the driver checks every inference server (/health and its process).")
+        10.0,
+        gt=0,
+        description="[refractor] How often the driver checks every inference server (/health and its process).",
+    )
     heartbeat_timeout_s: float = Field(
-        120.0, gt=0, description="[refractor] A server that has not answered /health for this long stops the run, named.")
+        120.0,
+        gt=0,
+        description="[refractor] A server that has not answered /health for this long stops the run, named.",
+    )
     trainer_call_timeout_s: float = Field(
-        3600.0, gt=0, description="[refractor] A trainer step, weight sync or checkpoint that takes longer stops the run, "
-                                  "naming the ranks that did not finish (a hung collective).")
+        3600.0,
+        gt=0,
+        description="[refractor] A trainer step, weight sync or checkpoint that takes longer stops the run, "
+        "naming the ranks that did not finish (a hung collective).",
+    )
 
 
 class WorkerKeys(_Strict):
-    inference_num_workers: int = Field(2, ge=1, description="Inference GPUs (servers = this / inference_tensor_parallel_size).")
-    inference_tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallelism per inference server (vLLM).")
+    inference_num_workers: int = Field(
+        2, ge=1, description="Inference GPUs (servers = this / inference_tensor_parallel_size)."
+    )
+    inference_tensor_parallel_size: int = Field(
+        1, ge=1, description="Tensor parallelism per inference server (vLLM)."
+    )
     trainer_num_workers: int = Field(2, ge=1, description="Trainer ranks (one GPU each).")
     inference_engine: Literal["auto", "vllm", "native"] = Field(
-        "auto", description="[refractor] auto = vLLM when importable and a GPU is present, else the native engine.")
+        "auto",
+        description="[refractor] auto = vLLM when importable and a GPU is present, else the native engine.",
+    )
 
 
 class OrchestratorKeys(_Strict):
-    max_concurrent_prompts_per_server: int = Field(32, ge=1, description="Groups in flight per server (lanes = this x group_size).")
+    max_concurrent_prompts_per_server: int = Field(
+        32, ge=1, description="Groups in flight per server (lanes = this x group_size)."
+    )
     prompts_batch_size_for_trainer: int = Field(16, ge=1, description="Kept groups per training step.")
     number_of_steps: int = Field(300, ge=1, description="Training steps (also the LR-schedule horizon).")
-    max_async_rollout: int = Field(2, ge=0, description="How many steps generation may run ahead of training.")
-    discard_group_zero_advantage: bool = Field(True, description="Drop groups whose advantages are all equal (group_size > 1).")
+    max_async_rollout: int = Field(
+        2, ge=0, description="How many steps generation may run ahead of training."
+    )
+    discard_group_zero_advantage: bool = Field(
+        True, description="Drop groups whose advantages are all equal (group_size > 1)."
+    )
     enable_prompt_prefetch: bool = Field(True, description="Render prompts ahead of dispatch.")
     prompt_prefetch_buffer_size: int = Field(24, ge=0, description="Prefetch queue size; 0 disables.")
-    enable_individual_sample_lanes: bool = Field(True, description="One lane per sample instead of per group.")
-    max_off_policy_steps: int = Field(8, ge=-1, description="Cancel rollouts more than N policy versions old; -1 disables.")
+    enable_individual_sample_lanes: bool = Field(
+        True, description="One lane per sample instead of per group."
+    )
+    max_off_policy_steps: int = Field(
+        8, ge=-1, description="Cancel rollouts more than N policy versions old; -1 disables."
+    )
     free_lane_after_generation: bool = Field(
-        True, description="Release a lane when generation ends, before scoring (needs individual lanes; defaults to false without them).")
-    eager_prepare_resources: bool = Field(False, description="Await every env's prepare_resources() before the rollout loop.")
-    reward_timeout_s: float = Field(120.0, gt=0, description="[refractor] Per-sample reward timeout; a timeout discards the rollout.")
+        True,
+        description="Release a lane when generation ends, before scoring (needs individual lanes; defaults to false without them).",
+    )
+    eager_prepare_resources: bool = Field(
+        False, description="Await every env's prepare_resources() before the rollout loop."
+    )
+    reward_timeout_s: float = Field(
+        120.0, gt=0, description="[refractor] Per-sample reward timeout; a timeout discards the rollout."
+    )
     deterministic_rollouts: bool = Field(
-        False, description="[refractor] Reproducible rollouts: every request carries a sampling seed derived from `seed` and "
+        False,
+        description="[refractor] Reproducible rollouts: every request carries a sampling seed derived from `seed` and "
         "the prompt's position in the prompt stream; batches are filled in prompt-stream order (a finished group waits for "
         "earlier ones), not completion order; batch s is generated by exactly one policy version, max(s - max_async_rollout, "
         "the newest version saved by checkpoint_every), and weights never change under a running request, so a run resumed "
@@ -121,35 +213,59 @@ class OrchestratorKeys(_Strict):
         "cut run again when the next batch needs newer weights, finished groups wait for slower earlier ones, the pipeline "
         "drains at each checkpoint, and max_async_rollout above 1 only adds staleness. Still timing-dependent: reward "
         "timeouts and server errors. Bitwise-equal rollouts also need an engine whose numerics do not depend on which "
-        "requests share a batch (see serialize_generation).")
+        "requests share a batch (see serialize_generation).",
+    )
     dispatch_only_needed_groups: bool = Field(
-        False, description="[refractor] Create a new group only while the batches the async gate leaves open still lack "
+        False,
+        description="[refractor] Create a new group only while the batches the async gate leaves open still lack "
         "groups (counting the ones in flight, scaled up by the observed keep rate), instead of whenever a lane is free. "
         "Removes the over-dispatch that max_async_rollout then discards as stale (33% of all rollouts with "
-        "max_async_rollout 0 in bench/RESULTS.md); a run whose groups are often discarded gets a slower tail.")
+        "max_async_rollout 0 in bench/RESULTS.md); a run whose groups are often discarded gets a slower tail.",
+    )
     serialize_generation: bool = Field(
-        False, description="[refractor] Send each inference server one generation request at a time (the rest wait in the "
+        False,
+        description="[refractor] Send each inference server one generation request at a time (the rest wait in the "
         "orchestrator). With deterministic_rollouts this makes rollouts bitwise reproducible on engines whose results depend "
         "on which requests share a batch: the native engine (on CPU, MKL GEMM results change with the number of rows) and "
-        "vLLM outside its batch-invariant mode. Very slow; for tests, debugging and reproducibility checks.")
+        "vLLM outside its batch-invariant mode. Very slow; for tests, debugging and reproducibility checks.",
+    )
 
 
 class TrainerKeys(_Strict):
-    learning_rate: float = Field(1e-6, ge=0, description="AdamW learning rate (0 freezes the policy; useful as a control run).")
+    learning_rate: float = Field(
+        1e-6, ge=0, description="AdamW learning rate (0 freezes the policy; useful as a control run)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, description="Max grad norm; 0 reports the norm without clipping.")
-    lr_scheduler: Literal["none", "constant", "linear", "cosine"] = Field("constant", description="LR schedule.")
+    lr_scheduler: Literal["none", "constant", "linear", "cosine"] = Field(
+        "constant", description="LR schedule."
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of linear/cosine decay as a fraction of learning_rate.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="Floor of linear/cosine decay as a fraction of learning_rate."
+    )
     train_backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend.")
     fsdp_context_parallel_size: int = Field(1, ge=1, description="Context parallelism for FSDP.")
     activation_checkpointing: bool | Literal["selective"] = Field(
-        True, description="[refractor] Recompute decoder layers in the backward pass. true: the whole layer "
+        True,
+        description="[refractor] Recompute decoder layers in the backward pass. true: the whole layer "
         "(least memory); selective: keep the outputs of its matmuls and attention, recompute only the elementwise "
-        "glue (RMSNorm, rotary, SiLU gate); false: keep everything (fastest, most memory).")
-    trainer_compile: bool = Field(True, description="[refractor] torch.compile each decoder layer of the trainer, activation checkpointing included (CUDA only; CPU trainers run eagerly).")
-    trainer_max_tokens_per_forward: int = Field(16384, ge=0, description="[refractor] CUDA trainer: the packed rows of a minibatch (each <= seq_len) are concatenated into forward passes of up to this many tokens (samples stay isolated); fewer, longer passes cut per-layer host overhead. 0 = one pass per row. CPU trainers run one pass per row.")
-    trainer_pass_pad_multiple: int = Field(4096, ge=0, description="[refractor] Compiled CUDA trainer: every forward pass is padded to a multiple of this many tokens (padding is masked out of attention and loss), so the compiled decoder layers see a few static lengths (<= trainer_max_tokens_per_forward / this) instead of a new one each step; a dynamic-shape compile of a layer did not finish within 8 minutes on an H100. 0 = no padding (lengths vary; not recommended with trainer_compile).")
+        "glue (RMSNorm, rotary, SiLU gate); false: keep everything (fastest, most memory).",
+    )
+    trainer_compile: bool = Field(
+        True,
+        description="[refractor] torch.compile each decoder layer of the trainer, activation checkpointing included (CUDA only; CPU trainers run eagerly).",
+    )
+    trainer_max_tokens_per_forward: int = Field(
+        16384,
+        ge=0,
+        description="[refractor] CUDA trainer: the packed rows of a minibatch (each <= seq_len) are concatenated into forward passes of up to this many tokens (samples stay isolated); fewer, longer passes cut per-layer host overhead. 0 = one pass per row. CPU trainers run one pass per row.",
+    )
+    trainer_pass_pad_multiple: int = Field(
+        4096,
+        ge=0,
+        description="[refractor] Compiled CUDA trainer: every forward pass is padded to a multiple of this many tokens (padding is masked out of attention and loss), so the compiled decoder layers see a few static lengths (<= trainer_max_tokens_per_forward / this) instead of a new one each step; a dynamic-shape compile of a layer did not finish within 8 minutes on an H100. 0 = no padding (lengths vary; not recommended with trainer_compile).",
+    )
 
 
 class MegatronKeys(_Strict):
@@ -157,7 +273,9 @@ class MegatronKeys(_Strict):
     megatron_pipeline_parallel_size: int = Field(1, ge=1, description="Megatron PP.")
     megatron_context_parallel_size: int = Field(1, ge=1, description="Megatron CP.")
     megatron_expert_parallel_size: int = Field(1, ge=1, description="Megatron EP.")
-    megatron_global_batch_size: int | None = Field(None, description="Unused (kept for Telescope compatibility).")
+    megatron_global_batch_size: int | None = Field(
+        None, description="Unused (kept for Telescope compatibility)."
+    )
     megatron_disable_unified_memory_jit: bool = Field(True, description="Skip a slow Megatron JIT at import.")
     megatron_optimizer_cpu_offload: bool = Field(False, description="Offload the optimizer to CPU.")
     megatron_optimizer_offload_fraction: float = Field(1.0, ge=0, le=1, description="Offloaded fraction.")
@@ -177,26 +295,36 @@ class MegatronKeys(_Strict):
 
 
 class AlgorithmKeys(_Strict):
-    algorithm: Literal["grpo", "rloo", "reinforce_pp", "dr_grpo", "cispo", "gspo", "sapo"] = Field("grpo", description="RL algorithm.")
+    algorithm: Literal["grpo", "rloo", "reinforce_pp", "dr_grpo", "cispo", "gspo", "sapo"] = Field(
+        "grpo", description="RL algorithm."
+    )
     number_of_minibatches: int = Field(1, ge=1, description="Optimizer steps per training step.")
     use_ppo_clip: bool = Field(False, description="Use the PPO clipped surrogate as the policy loss.")
-    ppo_clip_ref_logprobs: Literal["rollout", "batch"] = Field("rollout", description="Ratio reference: rollout logprobs or the trainer's before the step.")
+    ppo_clip_ref_logprobs: Literal["rollout", "batch"] = Field(
+        "rollout", description="Ratio reference: rollout logprobs or the trainer's before the step."
+    )
     clip_low: float = Field(0.4, ge=0, le=1, description="Ratio lower bound = 1 - clip_low.")
     clip_high: float = Field(0.5, ge=0, description="Ratio upper bound = 1 + clip_high.")
     clip_ratio_c: float | None = Field(None, description="Dual-clip constant (> 1).")
     sapo_tau_pos: float = Field(1.0, gt=0, description="SAPO temperature for positive advantages.")
     sapo_tau_neg: float = Field(1.05, gt=0, description="SAPO temperature for non-positive advantages.")
-    dr_grpo_loss_agg_mode: Literal["token_mean", "token_sum_norm"] = Field("token_mean", description="DR-GRPO aggregation.")
+    dr_grpo_loss_agg_mode: Literal["token_mean", "token_sum_norm"] = Field(
+        "token_mean", description="DR-GRPO aggregation."
+    )
     advantage_norm: Literal["group", "batch"] = Field("group", description="Advantage normalization scope.")
     use_tis: bool = Field(False, description="Truncated importance sampling against the rollout policy.")
     tis_cap: float = Field(2.0, gt=0, description="Upper bound of the IS weight.")
     tis_logprob_clamp: float = Field(20.0, gt=0, description="Clamp of the log-ratio before exp.")
-    tis_mode: Literal["truncate", "icepop"] = Field("truncate", description="Clamp (truncate) or zero out (icepop) outside bounds.")
+    tis_mode: Literal["truncate", "icepop"] = Field(
+        "truncate", description="Clamp (truncate) or zero out (icepop) outside bounds."
+    )
     tis_floor: float = Field(0.0, ge=0, description="Lower IS bound (icepop).")
     kl_penalty_tau: float = Field(0.0, ge=0, description="KL-to-rollout-policy penalty coefficient.")
     kl_estimator: Literal["k2", "k3"] = Field("k2", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
-    entropy_chunk_size: int = Field(1024, description="Token chunk for log-prob/entropy computation; <= 0 = unchunked.")
+    entropy_chunk_size: int = Field(
+        1024, description="Token chunk for log-prob/entropy computation; <= 0 = unchunked."
+    )
     seq_is_masking: bool = Field(False, description="Sequence-level importance-sampling rejection.")
     seq_is_mask_low: float = Field(0.8, gt=0, lt=1, description="Lower sequence IS bound.")
     seq_is_mask_high: float = Field(1.2, gt=1, description="Upper sequence IS bound.")
@@ -206,64 +334,109 @@ class RewardShapingKeys(_Strict):
     filter_overlong: bool = Field(False, description="Zero the loss mask of truncated samples.")
     overlong_penalty_factor: float = Field(0.0, ge=0, description="Soft overlong length penalty.")
     overlong_buffer_tokens: int = Field(256, ge=1, description="Width of the overlong penalty ramp.")
-    filter_gibberish: bool = Field(False, description="Zero the mask of samples with rare tokens at very low logprob.")
+    filter_gibberish: bool = Field(
+        False, description="Zero the mask of samples with rare tokens at very low logprob."
+    )
     gibberish_token_threshold: int = Field(100000, ge=1, description='"Rare" = token id above this.')
-    gibberish_logprob_offset: float = Field(2.0, gt=0, description="Flag if logprob < -ln(vocab_threshold) - offset.")
+    gibberish_logprob_offset: float = Field(
+        2.0, gt=0, description="Flag if logprob < -ln(vocab_threshold) - offset."
+    )
     filter_repetition: bool = Field(False, description="Zero the mask of highly compressible completions.")
-    repetition_compression_threshold: float = Field(10.0, gt=1, description="zlib compression ratio threshold.")
-    normalize_rewards_to_range: bool = Field(False, description="[refractor] Map each environment's rewards onto [0, 1] with its reward_min/reward_max before advantages (the reference uses the range only for UI colouring).")
+    repetition_compression_threshold: float = Field(
+        10.0, gt=1, description="zlib compression ratio threshold."
+    )
+    normalize_rewards_to_range: bool = Field(
+        False,
+        description="[refractor] Map each environment's rewards onto [0, 1] with its reward_min/reward_max before advantages (the reference uses the range only for UI colouring).",
+    )
 
 
 class WeightSyncKeys(_Strict):
-    weight_broadcast_mode: Literal["flattened_bucket", "per_tensor"] = Field("flattened_bucket", description="Broadcast layout.")
+    weight_broadcast_mode: Literal["flattened_bucket", "per_tensor"] = Field(
+        "flattened_bucket", description="Broadcast layout."
+    )
     weight_broadcast_bucket_mb: int = Field(256, ge=1, description="Bucket size in MiB.")
-    weight_broadcast_cpu_staging: bool = Field(False, description="Stage gathered weights on CPU before broadcast.")
-    weight_sync_gather_before_pause_mb: int = Field(4096, ge=0, description="[refractor] Gather up to this many MiB of the weight-update buckets on the trainer BEFORE pausing the inference servers (generation continues during the gather); the rest streams while paused. 0 = gather while paused.")
+    weight_broadcast_cpu_staging: bool = Field(
+        False, description="Stage gathered weights on CPU before broadcast."
+    )
+    weight_sync_gather_before_pause_mb: int = Field(
+        4096,
+        ge=0,
+        description="[refractor] Gather up to this many MiB of the weight-update buckets on the trainer BEFORE pausing the inference servers (generation continues during the gather); the rest streams while paused. 0 = gather while paused.",
+    )
     weight_sync_inflight_kv: Literal["recompute", "keep"] = Field(
-        "recompute", description="[refractor] What requests in flight during a weight update do with the KV they "
+        "recompute",
+        description="[refractor] What requests in flight during a weight update do with the KV they "
         "already hold. recompute (exact): their KV is dropped and re-prefilled with the new weights, so every token "
         "after the switch comes from the new policy; costs one prefill of every running sequence per update. keep "
         "(Telescope's behaviour, PipelineRL-style): the old-weight KV stays, tokens after the switch come from new "
-        "weights over old-weight KV (neither policy exactly); no re-prefill.")
+        "weights over old-weight KV (neither policy exactly); no re-prefill.",
+    )
     weight_broadcast_pin_memory: bool = Field(True, description="Megatron only: pinned staging buffers.")
-    weight_broadcast_free_grad_buffers: bool = Field(True, description="Megatron only: free grad buffers during sync.")
+    weight_broadcast_free_grad_buffers: bool = Field(
+        True, description="Megatron only: free grad buffers during sync."
+    )
 
 
 class PackingKeys(_Strict):
-    seq_len: int = Field(4096, ge=1, description="Micro-batch capacity in tokens; longer samples are truncated (counted).")
+    seq_len: int = Field(
+        4096, ge=1, description="Micro-batch capacity in tokens; longer samples are truncated (counted)."
+    )
     pad_to_multiple_of: int = Field(64, ge=1, description="Pad each micro-batch to a multiple of this.")
 
 
 class InferenceKeys(_Strict):
     inference_host: str = Field("0.0.0.0", description="Inference server bind host.")
-    inference_base_port: int = Field(8100, ge=1, le=65535, description="Fallback base port (servers pick free ports).")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache.")
+    inference_base_port: int = Field(
+        8100, ge=1, le=65535, description="Fallback base port (servers pick free ports)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache."
+    )
     kv_cache_memory_gb: float | None = Field(
-        None, gt=0, description="[refractor] Explicit KV-cache budget in GiB (CPU engines; overrides gpu_memory_utilization).")
+        None,
+        gt=0,
+        description="[refractor] Explicit KV-cache budget in GiB (CPU engines; overrides gpu_memory_utilization).",
+    )
     max_model_len: int = Field(4096, ge=1, description="Context length; also clamps max_tokens client-side.")
     max_num_seqs: int | None = Field(None, ge=1, description="Scheduler concurrency.")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Per-step token budget.")
-    vllm_scheduling_policy: Literal["priority", "fcfs"] = Field("priority", description="Scheduling; priority favours later turns.")
+    vllm_scheduling_policy: Literal["priority", "fcfs"] = Field(
+        "priority", description="Scheduling; priority favours later turns."
+    )
     enable_thinking: bool = Field(False, description="Passed as enable_thinking to apply_chat_template.")
     chat_template: str | None = Field(None, description="Replaces the tokenizer's chat template.")
     group_size: int = Field(8, ge=1, description="Samples per prompt.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (the trainer divides logits by it too).")
+    temperature: float = Field(
+        1.0, ge=0, description="Sampling temperature (the trainer divides logits by it too)."
+    )
     max_tokens: int = Field(3700, ge=1, description="Generation cap per request (per turn in multi-turn).")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling.")
-    interleaved_rollouts: bool = Field(True, description="Multi-turn prompts extend the previous turn's exact tokens.")
+    interleaved_rollouts: bool = Field(
+        True, description="Multi-turn prompts extend the previous turn's exact tokens."
+    )
 
 
 class CheckpointKeys(_Strict):
-    checkpoint_every: int | bool = Field(False, description="Save every N steps and at the last step; false disables.")
-    checkpoint_save_training_state: bool = Field(True, description="Save optimizer/scheduler/RNG/orchestrator state (resume) too.")
+    checkpoint_every: int | bool = Field(
+        False, description="Save every N steps and at the last step; false disables."
+    )
+    checkpoint_save_training_state: bool = Field(
+        True, description="Save optimizer/scheduler/RNG/orchestrator state (resume) too."
+    )
     resume_from_checkpoint: bool | int = Field(False, description="true = latest step_N; an int = that step.")
     checkpoint_dir: str | None = Field(None, description="Default <run_dir>/<run_name>/checkpoints.")
     checkpoint_keep_last: int | None = Field(None, ge=1, description="Keep the last N checkpoints.")
-    checkpoint_keep_every: int | None = Field(None, ge=1, description="Also keep every checkpoint whose step is a multiple of N.")
+    checkpoint_keep_every: int | None = Field(
+        None, ge=1, description="Also keep every checkpoint whose step is a multiple of N."
+    )
 
 
 class LoggingKeys(_Strict):
-    use_wandb: bool = Field(True, description="Log to Weights & Biases (needs the wandb extra). The local run store is always written.")
+    use_wandb: bool = Field(
+        True,
+        description="Log to Weights & Biases (needs the wandb extra). The local run store is always written.",
+    )
     wandb_project: str = Field("refractor", description="W&B project (env WANDB_PROJECT overrides).")
     wandb_run_name: str = Field("refractor_run", description="W&B run name (env WANDB_RUN_NAME overrides).")
     wandb_tags: list[str] = Field(default_factory=lambda: ["refractor"], description="W&B tags.")
@@ -271,16 +444,30 @@ class LoggingKeys(_Strict):
     wandb_upload_logs: bool = Field(True, description="Telescope only: log upload.")
     wandb_upload_logs_detailed: bool = Field(False, description="Telescope only: detailed log upload.")
     wandb_upload_logs_stdout: bool = Field(False, description="Telescope only: stdout upload.")
-    wandb_code_max_file_size_mb: float = Field(2.0, gt=0, description="Telescope only: code snapshot file cap.")
+    wandb_code_max_file_size_mb: float = Field(
+        2.0, gt=0, description="Telescope only: code snapshot file cap."
+    )
     wandb_code_exclude_patterns: list[str] = Field(
-        default_factory=lambda: list(_WANDB_CODE_EXCLUDES), description="Telescope only: code snapshot excludes.")
-    system_metrics_collection_interval_seconds: float = Field(1.0, gt=0, description="System metrics sampling period.")
-    torch_memory_sample_interval_seconds: float = Field(0.1, gt=0, description="Trainer torch-memory sampling period.")
+        default_factory=lambda: list(_WANDB_CODE_EXCLUDES),
+        description="Telescope only: code snapshot excludes.",
+    )
+    system_metrics_collection_interval_seconds: float = Field(
+        1.0, gt=0, description="System metrics sampling period."
+    )
+    torch_memory_sample_interval_seconds: float = Field(
+        0.1, gt=0, description="Trainer torch-memory sampling period."
+    )
     event_tail_window_seconds: int = Field(60, ge=1, description="Telescope only: W&B event tail window.")
-    event_block_duration_seconds: int = Field(1800, ge=1, description="Telescope only: W&B event block length.")
-    event_upload_interval_seconds: int = Field(5, ge=1, description="Telescope only: W&B event upload period.")
+    event_block_duration_seconds: int = Field(
+        1800, ge=1, description="Telescope only: W&B event block length."
+    )
+    event_upload_interval_seconds: int = Field(
+        5, ge=1, description="Telescope only: W&B event upload period."
+    )
     metrics_logger_interval_seconds: float = Field(2.0, gt=0, description="Infra metrics poll period.")
-    ray_torch_memory_drain_interval_seconds: float = Field(0.5, gt=0, description="Telescope only: torch-memory drain period.")
+    ray_torch_memory_drain_interval_seconds: float = Field(
+        0.5, gt=0, description="Telescope only: torch-memory drain period."
+    )
     rollout_block_size: int = Field(500, ge=1, description="Telescope only: steps per W&B rollout archive.")
     track_gpu_events: bool = Field(True, description="Record trainer timeline spans.")
 
@@ -288,20 +475,29 @@ class LoggingKeys(_Strict):
 class EvalKeys(_Strict):
     eval_before_training: bool = Field(True, description="Baseline eval at step 0 (skipped on resume).")
     eval_after_training: bool = Field(True, description="Final eval.")
-    eval_num_servers: int = Field(1, ge=0, description="Servers reserved for evals (from the end of the server list).")
+    eval_num_servers: int = Field(
+        1, ge=0, description="Servers reserved for evals (from the end of the server list)."
+    )
     eval_start_end_use_all_servers: bool = Field(True, description="Baseline/final evals use every server.")
     enable_vllm_tracing: bool = Field(True, description="OTLP export from vLLM to a local receiver.")
     otlp_receiver_port: int = Field(4318, ge=1, le=65535, description="OTLP receiver port.")
 
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
-    ("General / model", GeneralKeys), ("Ray cluster", RayKeys), ("Workers", WorkerKeys),
-    ("Orchestrator", OrchestratorKeys), ("Trainer / optimizer / schedule", TrainerKeys),
+    ("General / model", GeneralKeys),
+    ("Ray cluster", RayKeys),
+    ("Workers", WorkerKeys),
+    ("Orchestrator", OrchestratorKeys),
+    ("Trainer / optimizer / schedule", TrainerKeys),
     ("Megatron (not implemented yet; accepted for compatibility)", MegatronKeys),
-    ("Algorithm / loss", AlgorithmKeys), ("Reward shaping and output filters", RewardShapingKeys),
-    ("Weight sync", WeightSyncKeys), ("Sequence packing", PackingKeys),
-    ("Inference server / sampling", InferenceKeys), ("Checkpointing", CheckpointKeys),
-    ("Logging", LoggingKeys), ("Evals and tracing", EvalKeys),
+    ("Algorithm / loss", AlgorithmKeys),
+    ("Reward shaping and output filters", RewardShapingKeys),
+    ("Weight sync", WeightSyncKeys),
+    ("Sequence packing", PackingKeys),
+    ("Inference server / sampling", InferenceKeys),
+    ("Checkpointing", CheckpointKeys),
+    ("Logging", LoggingKeys),
+    ("Evals and tracing", EvalKeys),
 ]
 
 # Keys accepted so Telescope YAMLs load unchanged, but which refractor does not act on.
@@ -331,8 +527,20 @@ DELIBERATE_DEFAULT_CHANGES: dict[str, str] = {
 
 
 class RefractorConfig(
-    GeneralKeys, RayKeys, WorkerKeys, OrchestratorKeys, TrainerKeys, MegatronKeys, AlgorithmKeys,
-    RewardShapingKeys, WeightSyncKeys, PackingKeys, InferenceKeys, CheckpointKeys, LoggingKeys, EvalKeys,
+    GeneralKeys,
+    RayKeys,
+    WorkerKeys,
+    OrchestratorKeys,
+    TrainerKeys,
+    MegatronKeys,
+    AlgorithmKeys,
+    RewardShapingKeys,
+    WeightSyncKeys,
+    PackingKeys,
+    InferenceKeys,
+    CheckpointKeys,
+    LoggingKeys,
+    EvalKeys,
 ):
     """The resolved configuration of a run. Frozen; pass it (or the fields needed) explicitly."""
 
@@ -343,8 +551,11 @@ class RefractorConfig(
     def _derived_defaults(cls, data: Any) -> Any:
         # free_lane_after_generation only works with individual lanes: when the user did not set
         # it, follow enable_individual_sample_lanes instead of failing a Telescope YAML.
-        if (isinstance(data, dict) and "free_lane_after_generation" not in data
-                and data.get("enable_individual_sample_lanes") is False):
+        if (
+            isinstance(data, dict)
+            and "free_lane_after_generation" not in data
+            and data.get("enable_individual_sample_lanes") is False
+        ):
             data = {**data, "free_lane_after_generation": False}
         return data
 
@@ -380,57 +591,83 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
     if not c.environments:
         e.append("`environments` must list at least one environment, e.g. environments: [{name: countdown}]")
     if c.use_tis and c.use_ppo_clip and c.ppo_clip_ref_logprobs == "rollout":
-        e.append("`use_tis` with `use_ppo_clip` and `ppo_clip_ref_logprobs: rollout` applies the rollout correction "
-                 "twice; set `ppo_clip_ref_logprobs: batch`")
+        e.append(
+            "`use_tis` with `use_ppo_clip` and `ppo_clip_ref_logprobs: rollout` applies the rollout correction "
+            "twice; set `ppo_clip_ref_logprobs: batch`"
+        )
     if c.use_ppo_clip and c.algorithm in {"cispo", "gspo", "sapo"}:
-        e.append(f"`use_ppo_clip` cannot be combined with `algorithm: {c.algorithm}` (it has its own clipping/gating)")
+        e.append(
+            f"`use_ppo_clip` cannot be combined with `algorithm: {c.algorithm}` (it has its own clipping/gating)"
+        )
     if c.clip_ratio_c is not None:
         if c.clip_ratio_c <= 1.0:
             e.append(f"`clip_ratio_c` = {c.clip_ratio_c} must be > 1.0")
         if not _clipping_active(c):
-            e.append("`clip_ratio_c` (dual clip) needs clipping: set `use_ppo_clip: true` or use `algorithm: cispo|gspo`")
+            e.append(
+                "`clip_ratio_c` (dual clip) needs clipping: set `use_ppo_clip: true` or use `algorithm: cispo|gspo`"
+            )
     if c.advantage_norm == "batch" and c.algorithm in {"rloo", "dr_grpo"}:
         e.append(f"`advantage_norm: batch` is not valid with `algorithm: {c.algorithm}` (use `group`)")
     if c.advantage_norm == "group" and c.algorithm == "reinforce_pp":
         e.append("`algorithm: reinforce_pp` requires `advantage_norm: batch`")
     if c.inference_num_workers % c.inference_tensor_parallel_size:
-        e.append(f"`inference_num_workers` ({c.inference_num_workers}) must be a multiple of "
-                 f"`inference_tensor_parallel_size` ({c.inference_tensor_parallel_size})")
+        e.append(
+            f"`inference_num_workers` ({c.inference_num_workers}) must be a multiple of "
+            f"`inference_tensor_parallel_size` ({c.inference_tensor_parallel_size})"
+        )
     if c.fsdp_context_parallel_size > 1:
         if c.train_backend != "fsdp":
             e.append("`fsdp_context_parallel_size` > 1 needs `train_backend: fsdp`")
         if c.seq_len % (2 * c.fsdp_context_parallel_size):
-            e.append(f"`seq_len` ({c.seq_len}) must be divisible by 2 x `fsdp_context_parallel_size` "
-                     f"({2 * c.fsdp_context_parallel_size})")
+            e.append(
+                f"`seq_len` ({c.seq_len}) must be divisible by 2 x `fsdp_context_parallel_size` "
+                f"({2 * c.fsdp_context_parallel_size})"
+            )
         if c.trainer_num_workers % c.fsdp_context_parallel_size:
-            e.append(f"`trainer_num_workers` ({c.trainer_num_workers}) must be a multiple of "
-                     f"`fsdp_context_parallel_size` ({c.fsdp_context_parallel_size})")
+            e.append(
+                f"`trainer_num_workers` ({c.trainer_num_workers}) must be a multiple of "
+                f"`fsdp_context_parallel_size` ({c.fsdp_context_parallel_size})"
+            )
     # Rules the reference left unchecked.
     if c.train_backend == "megatron":
         e.append("`train_backend: megatron` is not implemented yet in refractor; use `train_backend: fsdp`")
-    if c.evals and c.eval_num_servers >= c.num_inference_servers and c.inference_num_workers % c.inference_tensor_parallel_size == 0:
-        e.append(f"`eval_num_servers` ({c.eval_num_servers}) must leave at least one of the {c.num_inference_servers} "
-                 "inference server(s) for training; lower it or raise `inference_num_workers`")
+    if (
+        c.evals
+        and c.eval_num_servers >= c.num_inference_servers
+        and c.inference_num_workers % c.inference_tensor_parallel_size == 0
+    ):
+        e.append(
+            f"`eval_num_servers` ({c.eval_num_servers}) must leave at least one of the {c.num_inference_servers} "
+            "inference server(s) for training; lower it or raise `inference_num_workers`"
+        )
     if c.free_lane_after_generation and not c.enable_individual_sample_lanes:
         e.append("`free_lane_after_generation: true` needs `enable_individual_sample_lanes: true`")
     if c.max_tokens >= c.max_model_len:
-        e.append(f"`max_tokens` ({c.max_tokens}) must be below `max_model_len` ({c.max_model_len}) to leave room for the prompt")
+        e.append(
+            f"`max_tokens` ({c.max_tokens}) must be below `max_model_len` ({c.max_model_len}) to leave room for the prompt"
+        )
     if c.pad_to_multiple_of > c.seq_len:
         e.append(f"`pad_to_multiple_of` ({c.pad_to_multiple_of}) cannot exceed `seq_len` ({c.seq_len})")
     if c.use_tis and c.tis_mode == "icepop" and c.tis_floor >= c.tis_cap:
         e.append(f"`tis_floor` ({c.tis_floor}) must be below `tis_cap` ({c.tis_cap})")
     if c.inference_engine == "native" and c.inference_tensor_parallel_size > 1:
-        e.append("the native engine has no tensor parallelism: set `inference_tensor_parallel_size: 1` or `inference_engine: vllm`")
+        e.append(
+            "the native engine has no tensor parallelism: set `inference_tensor_parallel_size: 1` or `inference_engine: vllm`"
+        )
     if not isinstance(c.checkpoint_every, bool) and c.checkpoint_every < 1:
         e.append(f"`checkpoint_every` ({c.checkpoint_every}) must be >= 1, or false to disable")
     if not isinstance(c.resume_from_checkpoint, bool) and c.resume_from_checkpoint < 0:
         e.append(f"`resume_from_checkpoint` ({c.resume_from_checkpoint}) must be true, false or a step >= 0")
     if c.number_of_minibatches > c.samples_per_step:
-        e.append(f"`number_of_minibatches` ({c.number_of_minibatches}) exceeds the samples per step "
-                 f"({c.samples_per_step} = prompts_batch_size_for_trainer x group_size)")
+        e.append(
+            f"`number_of_minibatches` ({c.number_of_minibatches}) exceeds the samples per step "
+            f"({c.samples_per_step} = prompts_batch_size_for_trainer x group_size)"
+        )
     if c.deterministic_rollouts and c.evals and c.eval_num_servers > 0:
-        e.append(f"`deterministic_rollouts` cannot be combined with `eval_num_servers: {c.eval_num_servers}`: eval servers "
-                 "hold other weights and drain training requests at eval steps; set `eval_num_servers: 0`")
+        e.append(
+            f"`deterministic_rollouts` cannot be combined with `eval_num_servers: {c.eval_num_servers}`: eval servers "
+            "hold other weights and drain training requests at eval steps; set `eval_num_servers: 0`"
+        )
     names = [ev.name for ev in c.evals]
     if len(names) != len(set(names)):
         e.append(f"`evals` names must be unique, got {names}")

@@ -91,9 +91,26 @@ from refractor.envs.scoring import ScoreOutcome, run_blocking, score_rollout
 from refractor.envs.tool_env import ToolEnvironment
 
 __all__ = [
-    "ChatMessage", "Environment", "EvalMetricsResult", "Messages", "MultiTurnEnvironment", "RewardResult",
-    "RolloutState", "Rubric", "Sample", "ScoreOutcome", "SingleTurnEnvironment", "ToolCallRecord",
-    "ToolEnvironment", "TrajectoryStep", "discover", "get_environment", "info_turn", "list_environments",
-    "load_environment_class", "run_blocking", "score_rollout", "strip_eos",
+    "ChatMessage",
+    "Environment",
+    "EvalMetricsResult",
+    "Messages",
+    "MultiTurnEnvironment",
+    "RewardResult",
+    "RolloutState",
+    "Rubric",
+    "Sample",
+    "ScoreOutcome",
+    "SingleTurnEnvironment",
+    "ToolCallRecord",
+    "ToolEnvironment",
+    "TrajectoryStep",
+    "discover",
+    "get_environment",
+    "info_turn",
+    "list_environments",
+    "load_environment_class",
+    "run_blocking",
+    "score_rollout",
+    "strip_eos",
 ]
-

@@ -60,13 +60,16 @@ class Environment(ABC):
     # Built-ins set this: an unknown constructor kwarg is then an error instead of a silent attribute.
     strict_kwargs: ClassVar[bool] = False
 
-    def __init__(self, eos_token: str | None = None, add_thinking_prefix: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, eos_token: str | None = None, add_thinking_prefix: bool = False, **kwargs: Any
+    ) -> None:
         if eos_token is not None:
             self.eos_token = eos_token
         self.add_thinking_prefix = add_thinking_prefix
         if self.strict_kwargs and kwargs:
             raise TypeError(
-                f"{type(self).__name__} got unknown kwargs {sorted(kwargs)}; accepted: {self.accepted_kwargs()}")
+                f"{type(self).__name__} got unknown kwargs {sorted(kwargs)}; accepted: {self.accepted_kwargs()}"
+            )
         for key, value in kwargs.items():  # reference behaviour: extra kwargs become attributes
             setattr(self, key, value)
         self._samples: list[Sample] | None = None
@@ -114,13 +117,19 @@ class Environment(ABC):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
-    def render_prompt(self, messages: Messages, tokenizer: Any, chat_template_kwargs: dict | None = None) -> str:
+    def render_prompt(
+        self, messages: Messages, tokenizer: Any, chat_template_kwargs: dict | None = None
+    ) -> str:
         """Apply the chat template. A trailing assistant message (thinking prefix) is continued."""
         continue_final = bool(messages) and messages[-1].get("role") == "assistant"
         clean = [{k: v for k, v in m.items() if k != "turn_type"} for m in messages]
         return tokenizer.apply_chat_template(
-            clean, tokenize=False, add_generation_prompt=not continue_final,
-            continue_final_message=continue_final, **(chat_template_kwargs or {}))
+            clean,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **(chat_template_kwargs or {}),
+        )
 
     # ----- turn protocol -----------------------------------------------------------------------
     def create_initial_state(self, sample: Sample) -> RolloutState:
@@ -173,8 +182,11 @@ class Environment(ABC):
 
     def describe(self) -> dict[str, Any]:
         """Summary for run metadata and the dashboard (reference ``env_details`` entry)."""
-        info: dict[str, Any] = {"name": self.name, "is_multi_turn": self.is_multi_turn,
-                                "dataset_size": len(self._samples) if self._samples is not None else None}
+        info: dict[str, Any] = {
+            "name": self.name,
+            "is_multi_turn": self.is_multi_turn,
+            "dataset_size": len(self._samples) if self._samples is not None else None,
+        }
         if self.is_multi_turn:
             info["max_turns"] = self.max_turns
         if self.metrics_ranges:
@@ -187,7 +199,9 @@ class Environment(ABC):
 class SingleTurnEnvironment(Environment):
     """One model answer per sample; user content = ``instruction_prompt + "\\n\\n" + question``."""
 
-    def __init__(self, system_prompt: str | None = None, instruction_prompt: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, system_prompt: str | None = None, instruction_prompt: str | None = None, **kwargs: Any
+    ) -> None:
         self.system_prompt = system_prompt
         self.instruction_prompt = instruction_prompt
         super().__init__(**kwargs)
@@ -204,8 +218,13 @@ class SingleTurnEnvironment(Environment):
             messages.append({"role": "assistant", "content": THINK_PREFIX})
         return messages
 
-    def format_prompt(self, question: str, tokenizer: Any, add_thinking_prefix: bool | None = None,
-                      chat_template_kwargs: dict | None = None) -> str:
+    def format_prompt(
+        self,
+        question: str,
+        tokenizer: Any,
+        add_thinking_prefix: bool | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> str:
         """Reference helper: the rendered first prompt for a question string."""
         thinking = self.add_thinking_prefix if add_thinking_prefix is None else add_thinking_prefix
         saved, self.add_thinking_prefix = self.add_thinking_prefix, thinking
@@ -216,8 +235,7 @@ class SingleTurnEnvironment(Environment):
         return self.render_prompt(messages, tokenizer, chat_template_kwargs)
 
     @abstractmethod
-    async def compute_reward(self, completion: str, sample: Sample, eos_token: str = "") -> RewardResult:
-        ...
+    async def compute_reward(self, completion: str, sample: Sample, eos_token: str = "") -> RewardResult: ...
 
 
 class MultiTurnEnvironment(Environment):
@@ -236,8 +254,7 @@ class MultiTurnEnvironment(Environment):
         raise NotImplementedError(f"{type(self).__name__} must implement env_response(messages, state)")
 
     @abstractmethod
-    async def compute_reward(self, state: RolloutState, eos_token: str = "") -> RewardResult:
-        ...
+    async def compute_reward(self, state: RolloutState, eos_token: str = "") -> RewardResult: ...
 
 
 def strip_eos(text: str, eos_token: str) -> str:
@@ -247,6 +264,17 @@ def strip_eos(text: str, eos_token: str) -> str:
     return text
 
 
-__all__ = ["Environment", "SingleTurnEnvironment", "MultiTurnEnvironment", "Sample", "RewardResult",
-           "EvalMetricsResult", "RolloutState", "TrajectoryStep", "ChatMessage", "Messages", "strip_eos",
-           "call_maybe_async"]
+__all__ = [
+    "Environment",
+    "SingleTurnEnvironment",
+    "MultiTurnEnvironment",
+    "Sample",
+    "RewardResult",
+    "EvalMetricsResult",
+    "RolloutState",
+    "TrajectoryStep",
+    "ChatMessage",
+    "Messages",
+    "strip_eos",
+    "call_maybe_async",
+]

@@ -14,7 +14,7 @@ class EnvironmentStatus:
     name: str
     source: str
     available: bool
-    kind: str = "?"             # single-turn | multi-turn | tool
+    kind: str = "?"  # single-turn | multi-turn | tool
     dataset_size: int | None = None
     missing: str = ""
     note: str = ""
@@ -25,8 +25,9 @@ def environment_status(name: str, spec, load_sizes: bool) -> EnvironmentStatus:
     from refractor.envs.registry import get_environment, load_environment_class
     from refractor.envs.tool_env import ToolEnvironment
 
-    status = EnvironmentStatus(name, spec.source, available=not spec.missing_packages,
-                               missing=", ".join(spec.missing_packages))
+    status = EnvironmentStatus(
+        name, spec.source, available=not spec.missing_packages, missing=", ".join(spec.missing_packages)
+    )
     if not status.available:
         status.note = "pip install " + " ".join(spec.missing_packages)
         return status
@@ -35,7 +36,9 @@ def environment_status(name: str, spec, load_sizes: bool) -> EnvironmentStatus:
     except Exception as err:  # a broken user environment is reported, not fatal for the listing
         status.available, status.note = False, f"{type(err).__name__}: {err}"[:200]
         return status
-    status.kind = "tool" if issubclass(cls, ToolEnvironment) else "multi-turn" if cls.is_multi_turn else "single-turn"
+    status.kind = (
+        "tool" if issubclass(cls, ToolEnvironment) else "multi-turn" if cls.is_multi_turn else "single-turn"
+    )
     if load_sizes or getattr(cls, "dataset_is_generated", False):
         try:
             status.dataset_size = len(get_environment(name).load_dataset())
@@ -47,13 +50,19 @@ def environment_status(name: str, spec, load_sizes: bool) -> EnvironmentStatus:
         if not BwrapProvider().available():
             status.note = (status.note + "; " if status.note else "") + "no isolated sandbox here (see bwrap)"
     if spec.missing_optional_packages:
-        status.note = (status.note + "; " if status.note else "") + "optional: " + ", ".join(spec.missing_optional_packages)
+        status.note = (
+            (status.note + "; " if status.note else "")
+            + "optional: "
+            + ", ".join(spec.missing_optional_packages)
+        )
     return status
 
 
 def envs_command(
     sizes: bool = typer.Option(False, "--sizes", help="Load every dataset to show its size (may be slow)."),
-    path: list[str] = typer.Option(None, "--path", "-p", help="Extra folder(s) holding <name>/environment.py."),
+    path: list[str] = typer.Option(
+        None, "--path", "-p", help="Extra folder(s) holding <name>/environment.py."
+    ),
 ) -> None:
     """List environments: source, availability, type, dataset size (generated datasets, or all with --sizes)."""
     from refractor.envs.registry import discover
@@ -63,8 +72,15 @@ def envs_command(
         table.add_column(column, overflow="fold")
     for name, spec in sorted(discover(path or None).items()):
         s = environment_status(name, spec, sizes)
-        table.add_row(s.name, s.source, "yes" if s.available else "no", s.kind,
-                      "-" if s.dataset_size is None else str(s.dataset_size), s.missing or "-", s.note)
+        table.add_row(
+            s.name,
+            s.source,
+            "yes" if s.available else "no",
+            s.kind,
+            "-" if s.dataset_size is None else str(s.dataset_size),
+            s.missing or "-",
+            s.note,
+        )
     Console(width=200).print(table)
 
 

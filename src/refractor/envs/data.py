@@ -33,7 +33,9 @@ def load_rows(dataset_name: str, subset: str | None = None, split: str = "train"
         if path.is_file():
             fmt = _FORMATS.get(path.suffix.lower())
             if fmt is None:
-                raise DatasetLoadError(f"unsupported dataset file type {path.suffix!r} ({path}); use one of {sorted(_FORMATS)}")
+                raise DatasetLoadError(
+                    f"unsupported dataset file type {path.suffix!r} ({path}); use one of {sorted(_FORMATS)}"
+                )
             ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
         elif path.is_dir() and (path / "dataset_info.json").exists():
             ds = datasets.load_from_disk(str(path))

@@ -15,7 +15,7 @@ MAX_MATH_ANSWER_CHARS = 500
 def strip_think_tags(text: str) -> str:
     """The text after the last ``</think>``; unchanged when there is none."""
     idx = text.rfind("</think>")
-    return text[idx + len("</think>"):] if idx >= 0 else text
+    return text[idx + len("</think>") :] if idx >= 0 else text
 
 
 def extract_boxed_answer(text: str) -> str | None:
@@ -34,7 +34,7 @@ def extract_boxed_answer(text: str) -> str | None:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[start + opener:i]
+                return text[start + opener : i]
         i += 1
     return None  # unbalanced
 
@@ -86,7 +86,9 @@ def _math_verify_inline(prediction: str, ground_truth: str, timeout_s: float | N
     return bool(verify(gold, pred, timeout_seconds=seconds))
 
 
-def verify_math_answer_local(prediction: str | None, ground_truth: str | None, timeout_s: float = 5.0) -> bool:
+def verify_math_answer_local(
+    prediction: str | None, ground_truth: str | None, timeout_s: float = 5.0
+) -> bool:
     """math-verify in the calling thread: signal timeouts in the main thread, none elsewhere.
     Worker processes of ``ProcessRunner`` call this (there it is always the main thread)."""
     if not prediction or not ground_truth or len(prediction) > MAX_MATH_ANSWER_CHARS:
@@ -115,8 +117,11 @@ def verify_math_answer(prediction: str | None, ground_truth: str | None, timeout
     from refractor.envs.scoring import shared_process_runner
 
     try:
-        return bool(shared_process_runner().run_sync(
-            verify_math_answer_local, prediction, ground_truth, timeout_s, timeout_s=4 * timeout_s + 10))
+        return bool(
+            shared_process_runner().run_sync(
+                verify_math_answer_local, prediction, ground_truth, timeout_s, timeout_s=4 * timeout_s + 10
+            )
+        )
     except ImportError:
         raise
     except Exception as err:
@@ -124,15 +129,20 @@ def verify_math_answer(prediction: str | None, ground_truth: str | None, timeout
         return verify_exact_match(prediction, ground_truth)
 
 
-async def verify_math_answer_async(prediction: str | None, ground_truth: str | None, timeout_s: float = 5.0) -> bool:
+async def verify_math_answer_async(
+    prediction: str | None, ground_truth: str | None, timeout_s: float = 5.0
+) -> bool:
     """``verify_math_answer`` for async rewards: runs in a worker process, never blocks the loop."""
     if not prediction or not ground_truth or len(prediction) > MAX_MATH_ANSWER_CHARS:
         return False
     from refractor.envs.scoring import shared_process_runner
 
     try:
-        return bool(await shared_process_runner().run(
-            verify_math_answer_local, prediction, ground_truth, timeout_s, timeout_s=4 * timeout_s + 10))
+        return bool(
+            await shared_process_runner().run(
+                verify_math_answer_local, prediction, ground_truth, timeout_s, timeout_s=4 * timeout_s + 10
+            )
+        )
     except ImportError:
         raise
     except Exception as err:

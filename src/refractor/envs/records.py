@@ -26,7 +26,9 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def info_turn(key: str, value: Any, info_type: str = "text", turn_order: int = 0, **extra: Any) -> dict[str, Any]:
+def info_turn(
+    key: str, value: Any, info_type: str = "text", turn_order: int = 0, **extra: Any
+) -> dict[str, Any]:
     """One ``info_turns`` row: extra text shown next to a rollout (code, stderr, test summaries...)."""
     return {"turn_order": turn_order, "info_key": key, "info_value": value, "info_type": info_type, **extra}
 
@@ -53,8 +55,12 @@ class EvalMetricsResult:
 
     @classmethod
     def from_reward(cls, result: RewardResult) -> EvalMetricsResult:
-        return cls(dict(result.sample_metrics), dict(result.golden_answers), list(result.info_turns),
-                   dict(result.sample_tags))
+        return cls(
+            dict(result.sample_metrics),
+            dict(result.golden_answers),
+            list(result.info_turns),
+            dict(result.sample_tags),
+        )
 
 
 @dataclass

@@ -93,7 +93,13 @@ def declared_packages(path: Path | None) -> tuple[list[str], list[str]]:
         return [], []
     found: dict[str, list[str]] = {"REQUIRED_PACKAGES": [], "OPTIONAL_PACKAGES": []}
     for node in ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
         for target in targets:
             if isinstance(target, ast.Name) and target.id in found and node.value is not None:
                 try:
@@ -139,7 +145,8 @@ def find_spec(name: str, extra_paths: list[str | Path] | None = None) -> Environ
         where = ", ".join(str(p) for p in search_paths(extra_paths))
         raise EnvironmentNotFoundError(
             f"unknown environment {name!r}. Known: {sorted(specs)}. Folders searched: {where} "
-            f"(add one with ${ENV_PATH_VAR}); packages can register entry points in group {ENTRY_POINT_GROUP!r}.")
+            f"(add one with ${ENV_PATH_VAR}); packages can register entry points in group {ENTRY_POINT_GROUP!r}."
+        )
     return specs[name]
 
 
@@ -152,7 +159,9 @@ def _import_folder(spec: EnvironmentSpec) -> Any:
     if package not in sys.modules:
         init = folder / "__init__.py"
         if init.exists():
-            pkg_spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(folder)])
+            pkg_spec = importlib.util.spec_from_file_location(
+                package, init, submodule_search_locations=[str(folder)]
+            )
         else:
             pkg_spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
             pkg_spec.submodule_search_locations = [str(folder)]
@@ -164,11 +173,21 @@ def _import_folder(spec: EnvironmentSpec) -> Any:
 
 
 def _concrete_env_class(obj: Any) -> bool:
-    return inspect.isclass(obj) and issubclass(obj, Environment) and obj not in _BASES and not inspect.isabstract(obj)
+    return (
+        inspect.isclass(obj)
+        and issubclass(obj, Environment)
+        and obj not in _BASES
+        and not inspect.isabstract(obj)
+    )
 
 
-def select_class(module: Any, origin: str, is_candidate: Any = None, marker: str = "ENVIRONMENT_CLASS",
-                 kind: str = "Environment") -> type:
+def select_class(
+    module: Any,
+    origin: str,
+    is_candidate: Any = None,
+    marker: str = "ENVIRONMENT_CLASS",
+    kind: str = "Environment",
+) -> type:
     """The module's ``marker`` attribute (a class or its name), else its only class that ``is_candidate``
     accepts (defined in the module itself, not imported: an import must never change the choice)."""
     is_candidate = is_candidate or _concrete_env_class
@@ -178,10 +197,16 @@ def select_class(module: Any, origin: str, is_candidate: Any = None, marker: str
         if not is_candidate(cls):
             raise TypeError(f"{origin}: {marker}={chosen!r} is not a concrete {kind} subclass")
         return cls
-    candidates = [obj for obj in vars(module).values() if is_candidate(obj) and obj.__module__ == module.__name__]
+    candidates = [
+        obj for obj in vars(module).values() if is_candidate(obj) and obj.__module__ == module.__name__
+    ]
     if len(candidates) != 1:
         names = sorted(c.__name__ for c in candidates)
-        problem = f"defines no concrete {kind} subclass" if not candidates else f"defines several {kind} subclasses {names}"
+        problem = (
+            f"defines no concrete {kind} subclass"
+            if not candidates
+            else f"defines several {kind} subclasses {names}"
+        )
         raise TypeError(f"{origin} {problem}; set {marker} = <the class> in that module")
     return candidates[0]
 
@@ -193,8 +218,10 @@ def load_environment_class(name: str, extra_paths: list[str | Path] | None = Non
         return _CLASS_CACHE[key]
     missing = spec.missing_packages
     if missing:
-        raise ImportError(f"environment {name!r} needs packages that are not installed: {missing}. "
-                          f"Install them with: pip install {' '.join(missing)}")
+        raise ImportError(
+            f"environment {name!r} needs packages that are not installed: {missing}. "
+            f"Install them with: pip install {' '.join(missing)}"
+        )
     if spec.source == "folder":
         cls = select_class(_import_folder(spec), str(spec.source_file()))
     else:

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from refractor.envs.base import Environment
 
 _REWARD_THREADS = ThreadPoolExecutor(
-    max_workers=int(os.environ.get("REFRACTOR_REWARD_THREADS", "16")), thread_name_prefix="refractor-reward")
+    max_workers=int(os.environ.get("REFRACTOR_REWARD_THREADS", "16")), thread_name_prefix="refractor-reward"
+)
 
 
 async def run_blocking(fn, *args: Any, **kwargs: Any) -> Any:
@@ -58,8 +59,10 @@ class ScoreOutcome:
         if isinstance(self.result, RewardResult):
             return self.result
         return RewardResult(
-            total_reward=0.0, sample_metrics={"reward_failed": 1.0},
-            info_turns=[info_turn("reward_failure", self.failure_reason or "", "stderr")])
+            total_reward=0.0,
+            sample_metrics={"reward_failed": 1.0},
+            info_turns=[info_turn("reward_failure", self.failure_reason or "", "stderr")],
+        )
 
 
 def _validate(result: Any, eval_mode: bool) -> str | None:
@@ -82,8 +85,14 @@ def _validate(result: Any, eval_mode: bool) -> str | None:
     return None
 
 
-async def score_rollout(env: Environment, state: RolloutState, *, eos_token: str = "",
-                        timeout_s: float = 120.0, eval_mode: bool = False) -> ScoreOutcome:
+async def score_rollout(
+    env: Environment,
+    state: RolloutState,
+    *,
+    eos_token: str = "",
+    timeout_s: float = 120.0,
+    eval_mode: bool = False,
+) -> ScoreOutcome:
     """Score a finished rollout with ``env.score`` (or ``env.score_eval``) under a timeout.
 
     Never raises for reward problems: exceptions, timeouts and malformed results come back as
@@ -96,12 +105,15 @@ async def score_rollout(env: Environment, state: RolloutState, *, eos_token: str
     try:
         result = await asyncio.wait_for(scorer(state, eos_token=eos_token), timeout_s)
     except TimeoutError:
-        return ScoreOutcome(None, f"reward_timeout: {env.name} took longer than {timeout_s:g}s",
-                            time.perf_counter() - start)
+        return ScoreOutcome(
+            None, f"reward_timeout: {env.name} took longer than {timeout_s:g}s", time.perf_counter() - start
+        )
     except asyncio.CancelledError:
         raise
     except Exception as err:  # any user-code failure becomes a recorded failure
-        return ScoreOutcome(None, f"reward_error: {type(err).__name__}: {err}"[:2000], time.perf_counter() - start)
+        return ScoreOutcome(
+            None, f"reward_error: {type(err).__name__}: {err}"[:2000], time.perf_counter() - start
+        )
     problem = _validate(result, eval_mode)
     elapsed = time.perf_counter() - start
     return ScoreOutcome(None, problem, elapsed) if problem else ScoreOutcome(result, None, elapsed)
@@ -111,8 +123,12 @@ class _Worker:
     """One ``refractor.envs.worker`` subprocess, used by one call at a time."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "refractor.envs.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "refractor.envs.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
 
     def _read_exact(self, count: int, deadline: float) -> bytes:
         fd, chunks, size = self.proc.stdout.fileno(), [], 0

@@ -35,10 +35,18 @@ def default_error_formatter(err: BaseException) -> str:
 class ToolEnvironment(MultiTurnEnvironment):
     """Subclasses implement ``load_dataset`` and ``compute_reward(state, eos_token)``."""
 
-    def __init__(self, tools: list[Callable[..., Any]] | None = None, max_turns: int = 10,
-                 tool_call_format: ToolCallFormat = "xml", include_tool_schemas_in_prompt: bool = True,
-                 error_formatter: Callable[[BaseException], str] | None = None, system_prompt: str | None = None,
-                 tool_timeout_s: float = 60.0, max_tool_result_chars: int = 10_000, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tools: list[Callable[..., Any]] | None = None,
+        max_turns: int = 10,
+        tool_call_format: ToolCallFormat = "xml",
+        include_tool_schemas_in_prompt: bool = True,
+        error_formatter: Callable[[BaseException], str] | None = None,
+        system_prompt: str | None = None,
+        tool_timeout_s: float = 60.0,
+        max_tool_result_chars: int = 10_000,
+        **kwargs: Any,
+    ) -> None:
         if tool_call_format not in ("xml", "function"):
             raise ValueError(f"tool_call_format must be 'xml' or 'function', got {tool_call_format!r}")
         super().__init__(max_turns=max_turns, system_prompt=system_prompt, **kwargs)
@@ -67,8 +75,11 @@ class ToolEnvironment(MultiTurnEnvironment):
         return f"{self.system_prompt}\n\n{section}" if self.system_prompt else section
 
     def get_initial_prompt(self, sample: Sample, tokenizer: Any = None) -> Messages:
-        messages = [dict(m) for m in sample.prompt] if isinstance(sample.prompt, list) else [
-            {"role": "user", "content": sample.prompt}]
+        messages = (
+            [dict(m) for m in sample.prompt]
+            if isinstance(sample.prompt, list)
+            else [{"role": "user", "content": sample.prompt}]
+        )
         system = self.full_system_prompt()
         if system and not (messages and messages[0].get("role") == "system"):
             messages.insert(0, {"role": "system", "content": system})
@@ -84,12 +95,15 @@ class ToolEnvironment(MultiTurnEnvironment):
         return not self.parse_tool_calls(completion)
 
     async def execute_tool(self, call: ParsedToolCall) -> ToolCallRecord:
-        record = ToolCallRecord(tool_name=call.name, arguments=json.dumps(call.arguments, default=str),
-                                raw_text=call.raw_text)
+        record = ToolCallRecord(
+            tool_name=call.name, arguments=json.dumps(call.arguments, default=str), raw_text=call.raw_text
+        )
         tool = self.tools.get(call.name)
         if tool is None:
             record.success, record.error = False, "unknown_tool"
-            record.result = f"Unknown tool '{call.name}'. Available tools: {', '.join(self.tools) or '(none)'}"
+            record.result = (
+                f"Unknown tool '{call.name}'. Available tools: {', '.join(self.tools) or '(none)'}"
+            )
             return record
         positional = [call.arguments[k] for k in sorted((k for k in call.arguments if k.isdigit()), key=int)]
         keywords = {k: v for k, v in call.arguments.items() if not k.isdigit()}
@@ -97,11 +111,15 @@ class ToolEnvironment(MultiTurnEnvironment):
             if inspect.iscoroutinefunction(tool):
                 value = await asyncio.wait_for(tool(*positional, **keywords), self.tool_timeout_s)
             else:
-                value = await asyncio.wait_for(run_blocking(tool, *positional, **keywords), self.tool_timeout_s)
+                value = await asyncio.wait_for(
+                    run_blocking(tool, *positional, **keywords), self.tool_timeout_s
+                )
             record.result = value if isinstance(value, str) else json.dumps(value, default=str)
         except TimeoutError:
             record.success, record.error = False, "timeout"
-            record.result = self.error_formatter(TimeoutError(f"{call.name} took longer than {self.tool_timeout_s:g}s"))
+            record.result = self.error_formatter(
+                TimeoutError(f"{call.name} took longer than {self.tool_timeout_s:g}s")
+            )
         except TypeError as err:
             record.success, record.error, record.result = False, "argument_error", self.error_formatter(err)
         except Exception as err:  # a tool failure is reported to the model, not raised
@@ -148,8 +166,12 @@ class ToolEnvironment(MultiTurnEnvironment):
         errors = state.custom.get("tool_error_count", 0)
         total = success + errors
         by_name = Counter(state.custom.get("tools_by_name", {}))
-        metrics = {"total_tool_calls": float(total), "tool_success_count": float(success),
-                   "tool_error_count": float(errors), "tool_success_rate": success / total if total else 0.0,
-                   "unique_tools_used": float(len(by_name))}
+        metrics = {
+            "total_tool_calls": float(total),
+            "tool_success_count": float(success),
+            "tool_error_count": float(errors),
+            "tool_success_rate": success / total if total else 0.0,
+            "unique_tools_used": float(len(by_name)),
+        }
         metrics.update({f"{name}_calls": float(by_name.get(name, 0)) for name in self.tools})
         return metrics

@@ -90,9 +90,14 @@ def func_to_tool_schema(func: Callable[..., Any]) -> dict[str, Any]:
         properties[name] = schema
         if param.default is inspect.Parameter.empty:
             required.append(name)
-    return {"type": "function", "function": {
-        "name": func.__name__, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": func.__name__,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 def format_tool_section(schemas: list[dict[str, Any]], call_format: ToolCallFormat) -> str:
@@ -110,13 +115,17 @@ def format_tool_section(schemas: list[dict[str, Any]], call_format: ToolCallForm
         parts.append("")
     parts += ["# Tool Call Format", ""]
     if call_format == "xml":
-        parts += ["To call a tool, write a JSON object inside tool_call tags:",
-                  '<tool_call>{"name": "tool_name", "arguments": {"arg": "value"}}</tool_call>',
-                  "You may make several calls in one message; results come back in the next message."]
+        parts += [
+            "To call a tool, write a JSON object inside tool_call tags:",
+            '<tool_call>{"name": "tool_name", "arguments": {"arg": "value"}}</tool_call>',
+            "You may make several calls in one message; results come back in the next message.",
+        ]
     else:
-        parts += ["To call a tool, write a Python-style call with literal arguments:",
-                  'tool_name(arg="value", other=3)',
-                  "You may make several calls in one message; results come back in the next message."]
+        parts += [
+            "To call a tool, write a Python-style call with literal arguments:",
+            'tool_name(arg="value", other=3)',
+            "You may make several calls in one message; results come back in the next message.",
+        ]
     parts.append("When you are done, answer normally without any tool call.")
     return "\n".join(parts)
 
@@ -141,7 +150,9 @@ def parse_xml_tool_calls(text: str) -> list[ParsedToolCall]:
                     args = json.loads(args)
                 except json.JSONDecodeError:
                     args = {"0": args}
-            calls.append(ParsedToolCall(body["name"], args if isinstance(args, dict) else {"0": args}, match.group(0)))
+            calls.append(
+                ParsedToolCall(body["name"], args if isinstance(args, dict) else {"0": args}, match.group(0))
+            )
     return calls
 
 
@@ -151,7 +162,13 @@ def _literal(node: ast.AST) -> Any:
         return node.value
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         items = [_literal(e) for e in node.elts]
-        return items if isinstance(node, ast.List) else tuple(items) if isinstance(node, ast.Tuple) else set(items)
+        return (
+            items
+            if isinstance(node, ast.List)
+            else tuple(items)
+            if isinstance(node, ast.Tuple)
+            else set(items)
+        )
     if isinstance(node, ast.Dict):
         return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)}
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
@@ -192,7 +209,7 @@ def parse_function_tool_calls(text: str, tool_names: list[str]) -> list[ParsedTo
         end = _call_end(text, match.end() - 1)
         if end is None:
             break
-        raw = text[match.start():end]
+        raw = text[match.start() : end]
         pos = end
         try:
             node = ast.parse(raw, mode="eval").body

@@ -14,5 +14,16 @@ from refractor.evals.base import DatasetEval, Eval
 from refractor.evals.passk import PassKSpec, aggregate, parse_pass_k, pass_at_k, pass_pow_k
 from refractor.evals.registry import EVAL_PATH_VAR, discover_evals, list_evals, resolve_eval
 
-__all__ = ["EVAL_PATH_VAR", "DatasetEval", "Eval", "PassKSpec", "aggregate", "discover_evals", "list_evals",
-           "parse_pass_k", "pass_at_k", "pass_pow_k", "resolve_eval"]
+__all__ = [
+    "EVAL_PATH_VAR",
+    "DatasetEval",
+    "Eval",
+    "PassKSpec",
+    "aggregate",
+    "discover_evals",
+    "list_evals",
+    "parse_pass_k",
+    "pass_at_k",
+    "pass_pow_k",
+    "resolve_eval",
+]

@@ -27,10 +27,27 @@ from refractor.envs.data import DatasetLoadError, load_rows, take
 from refractor.envs.records import EvalMetricsResult, Sample
 
 # Protocol members taken from the wrapped environment unless the Eval subclass defines them.
-_WRAPPED_METHODS = ("load_dataset", "get_initial_prompt", "create_initial_state", "env_response", "is_done",
-                    "get_next_prompt_messages", "compute_reward", "compute_eval_metrics", "prepare_resources", "close")
-_WRAPPED_ATTRS = ("is_multi_turn", "max_turns", "system_prompt", "eos_token", "metrics_ranges", "tags_options",
-                  "add_thinking_prefix")
+_WRAPPED_METHODS = (
+    "load_dataset",
+    "get_initial_prompt",
+    "create_initial_state",
+    "env_response",
+    "is_done",
+    "get_next_prompt_messages",
+    "compute_reward",
+    "compute_eval_metrics",
+    "prepare_resources",
+    "close",
+)
+_WRAPPED_ATTRS = (
+    "is_multi_turn",
+    "max_turns",
+    "system_prompt",
+    "eos_token",
+    "metrics_ranges",
+    "tags_options",
+    "add_thinking_prefix",
+)
 
 
 class Eval(Environment):
@@ -38,8 +55,13 @@ class Eval(Environment):
     environment_kwargs: ClassVar[dict[str, Any]] = {}
     use_chat_template: bool = True
 
-    def __init__(self, environment_name: str | None = None, environment_kwargs: dict[str, Any] | None = None,
-                 use_chat_template: bool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        environment_name: str | None = None,
+        environment_kwargs: dict[str, Any] | None = None,
+        use_chat_template: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         if use_chat_template is not None:
             self.use_chat_template = bool(use_chat_template)
         self.env: Environment | None = None
@@ -50,7 +72,9 @@ class Eval(Environment):
         from refractor.envs.registry import get_environment
 
         self._name = None  # set before the base __init__, which would otherwise read the env's name
-        self.env = get_environment(wrapped, **{**type(self).environment_kwargs, **(environment_kwargs or {}), **kwargs})
+        self.env = get_environment(
+            wrapped, **{**type(self).environment_kwargs, **(environment_kwargs or {}), **kwargs}
+        )
         super().__init__()
         own = {name for klass in type(self).__mro__[: type(self).__mro__.index(Eval)] for name in vars(klass)}
         for name in (*_WRAPPED_METHODS, *_WRAPPED_ATTRS):
@@ -64,17 +88,24 @@ class Eval(Environment):
         return getattr(env, name)
 
     def load_dataset(self, num_samples: int = -1, **kwargs: Any) -> list[Sample]:
-        raise NotImplementedError(f"{type(self).__name__}: a standalone eval implements load_dataset(num_samples) "
-                                  "(or set environment_name to evaluate an environment)")
+        raise NotImplementedError(
+            f"{type(self).__name__}: a standalone eval implements load_dataset(num_samples) "
+            "(or set environment_name to evaluate an environment)"
+        )
 
-    async def compute_eval_metrics(self, completion: Any, sample: Sample | None = None,
-                                   eos_token: str = "") -> EvalMetricsResult:
-        raise NotImplementedError(f"{type(self).__name__}: a standalone eval implements "
-                                  "async compute_eval_metrics(completion, sample, eos_token) -> EvalMetricsResult")
+    async def compute_eval_metrics(
+        self, completion: Any, sample: Sample | None = None, eos_token: str = ""
+    ) -> EvalMetricsResult:
+        raise NotImplementedError(
+            f"{type(self).__name__}: a standalone eval implements "
+            "async compute_eval_metrics(completion, sample, eos_token) -> EvalMetricsResult"
+        )
 
     async def compute_reward(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"{type(self).__name__} is an eval: it has no training reward "
-                        "(list it under `evals:`, not `environments:`)")
+        raise TypeError(
+            f"{type(self).__name__} is an eval: it has no training reward "
+            "(list it under `evals:`, not `environments:`)"
+        )
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()
@@ -96,12 +127,21 @@ class DatasetEval(Eval):
     default_split: ClassVar[str] = "test"
     columns: ClassVar[Sequence[str]] = ()  # what parse_row reads (named in the offline-copy hint)
 
-    def __init__(self, dataset_name: str | None = None, dataset_subset: str | None = None,
-                 dataset_split: str | None = None, verify_timeout_s: float = 5.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset_name: str | None = None,
+        dataset_subset: str | None = None,
+        dataset_split: str | None = None,
+        verify_timeout_s: float = 5.0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.dataset_name = dataset_name or self.dataset_id
-        self.dataset_subsets = [dataset_subset] if dataset_subset is not None else (
-            list(self.dataset_subsets) if self.dataset_name == self.dataset_id else [None])
+        self.dataset_subsets = (
+            [dataset_subset]
+            if dataset_subset is not None
+            else (list(self.dataset_subsets) if self.dataset_name == self.dataset_id else [None])
+        )
         self.dataset_split = dataset_split or self.default_split
         self.verify_timeout_s = verify_timeout_s
 
@@ -114,8 +154,10 @@ class DatasetEval(Eval):
             rows += self._rows(subset)
         samples = [s for i, row in enumerate(rows) if (s := self.parse_row(row, i)) is not None]
         if not samples:
-            raise DatasetLoadError(f"eval {self.name!r}: no usable rows in {self.dataset_name!r} "
-                                   f"(expected columns {list(self.columns)})")
+            raise DatasetLoadError(
+                f"eval {self.name!r}: no usable rows in {self.dataset_name!r} "
+                f"(expected columns {list(self.columns)})"
+            )
         self._samples = take(samples, num_samples)
         return self._samples
 
@@ -124,14 +166,19 @@ class DatasetEval(Eval):
             return load_rows(self.dataset_name, subset, self.dataset_split)
         except DatasetLoadError as err:
             cause = err.__cause__ or err
-            where = f"{self.dataset_name!r}" + (f" (subset {subset!r})" if subset else "") + f", split {self.dataset_split!r}"
+            where = (
+                f"{self.dataset_name!r}"
+                + (f" (subset {subset!r})" if subset else "")
+                + f", split {self.dataset_split!r}"
+            )
             raise DatasetLoadError(
                 f"eval {self.name!r}: could not load dataset {where}: {type(cause).__name__}: {cause}\n"
                 f"Offline, either copy the HF datasets cache of a machine that ran "
                 f"`datasets.load_dataset({self.dataset_id!r}, ...)`, or give a local copy: "
                 f"`evals: [{{name: {self.name}, kwargs: {{dataset_name: /path/to/{self.name}.jsonl}}}}]` "
                 f"(a .jsonl/.json/.parquet/.csv file or a save_to_disk folder with the columns "
-                f"{list(self.columns)})") from None
+                f"{list(self.columns)})"
+            ) from None
 
     def answer_text(self, completion: str, eos_token: str = "") -> str:
         """The completion without a trailing end-of-sequence string."""

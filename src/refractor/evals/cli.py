@@ -20,7 +20,9 @@ def evals_command(
         available, dataset, note = "yes", "-", ""
         try:
             cls = load_eval_class(spec)
-            dataset = getattr(cls, "dataset_id", "") or (f"env {cls.environment_name}" if cls.environment_name else "-")
+            dataset = getattr(cls, "dataset_id", "") or (
+                f"env {cls.environment_name}" if cls.environment_name else "-"
+            )
         except Exception as err:  # a broken user eval is reported, not fatal for the listing
             available, note = "no", f"{type(err).__name__}: {err}"[:200]
         table.add_row(name, spec.source, available, dataset, note or str(spec.folder))

@@ -61,7 +61,9 @@ def parse_pass_k(raw: Mapping[str, Any] | None, where: str = "pass_k") -> PassKS
     sections: dict[str, PassKSection] = {}
     for key, value in (raw or {}).items():
         if key not in SECTIONS:
-            raise ValueError(f"{where}: unknown key {key!r}; expected 'at_k' (pass@k) and/or 'pow_k' (pass^k)")
+            raise ValueError(
+                f"{where}: unknown key {key!r}; expected 'at_k' (pass@k) and/or 'pow_k' (pass^k)"
+            )
         if not isinstance(value, Mapping):
             sections[key] = PassKSection(_parse_ks(value, f"{where}.{key}"))
             continue

@@ -91,15 +91,21 @@ def _import(spec: EvalSpec) -> Any:
 
 
 def _concrete_eval(obj: Any) -> bool:
-    return inspect.isclass(obj) and issubclass(obj, Eval) and obj not in _BASES and not inspect.isabstract(obj)
+    return (
+        inspect.isclass(obj) and issubclass(obj, Eval) and obj not in _BASES and not inspect.isabstract(obj)
+    )
 
 
 def load_eval_class(spec: EvalSpec) -> type[Eval]:
     missing = spec.missing_packages
     if missing:
-        raise ImportError(f"eval {spec.name!r} needs packages that are not installed: {missing}. "
-                          f"Install them with: pip install {' '.join(missing)}")
-    return select_class(_import(spec), str(spec.source_file), _concrete_eval, marker="EVAL_CLASS", kind="Eval")
+        raise ImportError(
+            f"eval {spec.name!r} needs packages that are not installed: {missing}. "
+            f"Install them with: pip install {' '.join(missing)}"
+        )
+    return select_class(
+        _import(spec), str(spec.source_file), _concrete_eval, marker="EVAL_CLASS", kind="Eval"
+    )
 
 
 def resolve_eval(name: str, extra_paths: list[str | Path] | None = None, **kwargs: Any) -> Environment:
@@ -113,7 +119,8 @@ def resolve_eval(name: str, extra_paths: list[str | Path] | None = None, **kwarg
             where = ", ".join(str(p) for p in eval_search_paths(extra_paths))
             raise EnvironmentNotFoundError(
                 f"unknown eval {name!r}: no dedicated eval (known: {sorted(specs)}; folders searched: {where}, "
-                f"add one with ${EVAL_PATH_VAR}) and no environment of that name ({err})") from None
+                f"add one with ${EVAL_PATH_VAR}) and no environment of that name ({err})"
+            ) from None
     cls = load_eval_class(spec)
     try:
         instance = cls(**kwargs)

@@ -42,8 +42,14 @@ class Sampling:
     logprobs: int = 0  # 0: the sampled token's log-prob only
 
     def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
-                                "n": self.n, "logprobs": self.logprobs, "ignore_eos": self.ignore_eos}
+        body: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+            "n": self.n,
+            "logprobs": self.logprobs,
+            "ignore_eos": self.ignore_eos,
+        }
         if self.top_k > 0:
             body["top_k"] = self.top_k
         if self.seed is not None:
@@ -82,24 +88,39 @@ def parse_generate_choice(choice: dict[str, Any]) -> GenerateResult:
         token_ids=list(choice.get("token_ids") or []),
         logprobs=[float(c["logprob"]) for c in content],
         finish_reason=choice.get("finish_reason") or "stop",
-        weight_versions=[WeightVersionSpan(_version(s["version"]), s["start"], s["end"])
-                         for s in choice.get("weight_versions") or []],
+        weight_versions=[
+            WeightVersionSpan(_version(s["version"]), s["start"], s["end"])
+            for s in choice.get("weight_versions") or []
+        ],
         stop_reason=choice.get("stop_reason"),
         index=choice.get("index", 0),
     )
 
 
 class InferenceClient:
-    def __init__(self, base_url: str, *, name: str | None = None, model: str | None = None, timeout_s: float | None = 600.0,
-                 connect_timeout_s: float = 10.0, max_retries: int = 3, retry_backoff_s: float = 0.5,
-                 max_connections: int = 1024):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str | None = None,
+        model: str | None = None,
+        timeout_s: float | None = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        max_connections: int = 1024,
+    ):
         self.base_url = base_url.rstrip("/")
-        self.name = name or self.base_url  # how the orchestrator, lanes and the run store refer to this server
+        self.name = (
+            name or self.base_url
+        )  # how the orchestrator, lanes and the run store refer to this server
         self.model = model
         self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -117,13 +138,15 @@ class InferenceClient:
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as err:
                 if attempt == self.max_retries:
-                    raise InferenceServerError(f"inference server {self.base_url} unreachable after "
-                                               f"{attempt + 1} attempts: {err!r}") from err
+                    raise InferenceServerError(
+                        f"inference server {self.base_url} unreachable after {attempt + 1} attempts: {err!r}"
+                    ) from err
                 await asyncio.sleep(self.retry_backoff_s * 2**attempt)
         if response.status_code >= 400:
             raise InferenceServerError(
                 f"inference server {self.base_url}{path} returned {response.status_code}: {_error_text(response)}",
-                response.status_code)
+                response.status_code,
+            )
         return response
 
     async def _post_json(self, path: str, body: dict[str, Any] | None = None, **params) -> dict[str, Any]:
@@ -131,10 +154,14 @@ class InferenceClient:
         return response.json() if response.content else {}
 
     # ---- generation ----------------------------------------------------------------------------
-    async def generate_choices(self, token_ids: list[int], sampling: Sampling, *, request_id: str | None = None,
-                               priority: int = 0) -> list[GenerateResult]:
-        body: dict[str, Any] = {"token_ids": list(token_ids), "sampling_params": sampling.to_json(),
-                                "priority": priority}
+    async def generate_choices(
+        self, token_ids: list[int], sampling: Sampling, *, request_id: str | None = None, priority: int = 0
+    ) -> list[GenerateResult]:
+        body: dict[str, Any] = {
+            "token_ids": list(token_ids),
+            "sampling_params": sampling.to_json(),
+            "priority": priority,
+        }
         if request_id is not None:
             body["request_id"] = request_id
         if self.model is not None:
@@ -142,8 +169,9 @@ class InferenceClient:
         data = await self._post_json("/inference/v1/generate", body)
         return sorted((parse_generate_choice(c) for c in data["choices"]), key=lambda r: r.index)
 
-    async def generate(self, token_ids: list[int], sampling: Sampling, *, request_id: str | None = None,
-                       priority: int = 0) -> GenerateResult:
+    async def generate(
+        self, token_ids: list[int], sampling: Sampling, *, request_id: str | None = None, priority: int = 0
+    ) -> GenerateResult:
         """One sample (``sampling.n`` must be 1; use ``generate_choices`` for n > 1)."""
         if sampling.n != 1:
             raise ValueError("generate() returns one sample; use generate_choices() for n > 1")

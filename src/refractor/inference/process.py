@@ -50,8 +50,16 @@ class ServerProcess:
         self.process, self.url, self.log_path, self.what = process, url, Path(log_path), what
 
     @classmethod
-    def spawn(cls, argv: list[str], *, url: str, log_path: str | Path, what: str,
-              env: dict[str, str] | None = None, die_with_parent: bool = False) -> ServerProcess:
+    def spawn(
+        cls,
+        argv: list[str],
+        *,
+        url: str,
+        log_path: str | Path,
+        what: str,
+        env: dict[str, str] | None = None,
+        die_with_parent: bool = False,
+    ) -> ServerProcess:
         """Start ``argv`` in its own session (process group), appending its output to ``log_path``.
 
         ``die_with_parent`` ties the server's life to the calling *thread* (Linux semantics): use it
@@ -60,9 +68,15 @@ class ServerProcess:
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:  # the child keeps its own descriptor
-            process = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True,
-                                       preexec_fn=_die_with_parent if die_with_parent else None)
+            process = subprocess.Popen(
+                argv,
+                env={**os.environ, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if die_with_parent else None,
+            )
         return cls(process, url, log_path, what)
 
     def __enter__(self) -> ServerProcess:
@@ -85,15 +99,19 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.alive():
-                raise ServerStartError(f"{self.what} at {self.url} exited with code {self.process.returncode} while "
-                                       f"starting; last log lines ({self.log_path}):\n{self.log_tail()}")
+                raise ServerStartError(
+                    f"{self.what} at {self.url} exited with code {self.process.returncode} while "
+                    f"starting; last log lines ({self.log_path}):\n{self.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return self
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerStartError(f"{self.what} at {self.url} was not healthy after {timeout_s:.0f} s; "
-                                       f"last log lines ({self.log_path}):\n{self.log_tail()}")
+                raise ServerStartError(
+                    f"{self.what} at {self.url} was not healthy after {timeout_s:.0f} s; "
+                    f"last log lines ({self.log_path}):\n{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 15.0) -> None:

@@ -37,17 +37,25 @@ class _SamplingFields(_Body):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ValueError(f"{name} is not supported by the native engine (use inference_engine: vllm)")
         if self.repetition_penalty not in (None, 1, 1.0):
-            raise ValueError("repetition_penalty is not supported by the native engine (use inference_engine: vllm)")
+            raise ValueError(
+                "repetition_penalty is not supported by the native engine (use inference_engine: vllm)"
+            )
         return self
 
     def sampling_params(self, logprobs: int | None, default_max_tokens: int | None = 16) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            stop_token_ids=list(self.stop_token_ids or []), stop=stop, ignore_eos=self.ignore_eos,
-            seed=self.seed, logprobs=logprobs)
+            stop_token_ids=list(self.stop_token_ids or []),
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            logprobs=logprobs,
+        )
 
 
 class CompletionRequest(_SamplingFields):

@@ -27,8 +27,10 @@ def _state(request: Request) -> ServerState:
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model and model != state.model_name:
-        raise BadRequest(f"The model `{model}` does not exist (this server serves `{state.model_name}`).",
-                         HTTPStatus.NOT_FOUND)
+        raise BadRequest(
+            f"The model `{model}` does not exist (this server serves `{state.model_name}`).",
+            HTTPStatus.NOT_FOUND,
+        )
 
 
 def _check_prompt(state: ServerState, ids: list[int]) -> None:
@@ -36,8 +38,10 @@ def _check_prompt(state: ServerState, ids: list[int]) -> None:
     if not ids:
         raise BadRequest("the prompt is empty")
     if len(ids) >= state.max_model_len:
-        raise BadRequest(f"the prompt has {len(ids)} tokens but max_model_len is {state.max_model_len}: it must "
-                         "leave room for at least one generated token")
+        raise BadRequest(
+            f"the prompt has {len(ids)} tokens but max_model_len is {state.max_model_len}: it must "
+            "leave room for at least one generated token"
+        )
     if min(ids) < 0 or max(ids) >= vocab:
         raise BadRequest(f"prompt token ids must be in [0, {vocab})")
 
@@ -49,8 +53,9 @@ def _sampling(body, logprobs: int | None, default_max_tokens: int | None) -> Sam
         raise BadRequest(str(err)) from None
 
 
-async def _run(request: Request, state: ServerState, jobs: list[tuple[str, list[int], SamplingParams, int]]
-               ) -> list[RequestOutput] | None:
+async def _run(
+    request: Request, state: ServerState, jobs: list[tuple[str, list[int], SamplingParams, int]]
+) -> list[RequestOutput] | None:
     """Generate every job concurrently; None if the client went away (everything aborted)."""
     for rid, ids, _, _ in jobs:
         _check_prompt(state, ids)
@@ -58,8 +63,10 @@ async def _run(request: Request, state: ServerState, jobs: list[tuple[str, list[
             raise BadRequest(f"request id {rid!r} is already in flight")
 
     async def all_jobs() -> list[RequestOutput]:
-        tasks = [asyncio.ensure_future(state.engine.generate(ids, params, rid, priority))
-                 for rid, ids, params, priority in jobs]
+        tasks = [
+            asyncio.ensure_future(state.engine.generate(ids, params, rid, priority))
+            for rid, ids, params, priority in jobs
+        ]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -114,7 +121,12 @@ def _completion_logprobs(text: _Text, choice, k: int) -> dict[str, Any]:
         for alt_id, alt_logprob in (choice.top_logprobs[i] if k and choice.top_logprobs else [])[:k]:
             entry.setdefault(text.token(alt_id), alt_logprob)
         top.append(entry)
-    return {"text_offset": offsets, "token_logprobs": list(choice.logprobs), "tokens": tokens, "top_logprobs": top}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": list(choice.logprobs),
+        "tokens": tokens,
+        "top_logprobs": top,
+    }
 
 
 @router.post("/v1/completions")
@@ -132,25 +144,41 @@ async def completions(body: CompletionRequest, request: Request) -> dict[str, An
     choices = []
     for p, output in enumerate(outputs):
         for choice in output.outputs:
-            choices.append({
-                "index": p * params.n + choice.index,
-                "text": text.completion(choice.token_ids, choice.stop_reason),
-                "logprobs": _completion_logprobs(text, choice, body.logprobs) if body.logprobs is not None else None,
-                "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason,
-                "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None,
-                "token_ids": choice.token_ids if body.return_token_ids else None,
-            })
-    return {"id": f"cmpl-{base}", "object": "text_completion", "created": state.created,
-            "model": state.model_name, "choices": choices, "usage": _usage(outputs)}
+            choices.append(
+                {
+                    "index": p * params.n + choice.index,
+                    "text": text.completion(choice.token_ids, choice.stop_reason),
+                    "logprobs": _completion_logprobs(text, choice, body.logprobs)
+                    if body.logprobs is not None
+                    else None,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                    "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None,
+                    "token_ids": choice.token_ids if body.return_token_ids else None,
+                }
+            )
+    return {
+        "id": f"cmpl-{base}",
+        "object": "text_completion",
+        "created": state.created,
+        "model": state.model_name,
+        "choices": choices,
+        "usage": _usage(outputs),
+    }
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest, kwargs: dict | None) -> list[int]:
+def _chat_prompt(
+    state: ServerState, body: ChatCompletionRequest | TokenizeRequest, kwargs: dict | None
+) -> list[int]:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
         rendered = state.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-            chat_template=state.chat_template, **(kwargs or {}))
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template=state.chat_template,
+            **(kwargs or {}),
+        )
     except Exception as err:  # a template error is the caller's messages or the configured template
         raise BadRequest(f"could not apply the chat template: {err}") from None
     return state.tokenizer(rendered, add_special_tokens=False).input_ids
@@ -180,19 +208,40 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     for choice in output.outputs:
         logprobs = None
         if body.logprobs:
-            logprobs = {"content": [
-                {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in
-                                                  (choice.top_logprobs[i] if choice.top_logprobs else [])[:top]]}
-                for i, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs, strict=True))]}
-        choices.append({
-            "index": choice.index,
-            "message": {"role": "assistant", "content": text.completion(choice.token_ids, choice.stop_reason)},
-            "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
-            "token_ids": choice.token_ids if body.return_token_ids else None,
-        })
-    return {"id": rid, "object": "chat.completion", "created": state.created, "model": state.model_name,
-            "choices": choices, "usage": _usage(outputs),
-            "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None}
+            logprobs = {
+                "content": [
+                    {
+                        **entry(t, lp),
+                        "top_logprobs": [
+                            entry(a, alp)
+                            for a, alp in (choice.top_logprobs[i] if choice.top_logprobs else [])[:top]
+                        ],
+                    }
+                    for i, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs, strict=True))
+                ]
+            }
+        choices.append(
+            {
+                "index": choice.index,
+                "message": {
+                    "role": "assistant",
+                    "content": text.completion(choice.token_ids, choice.stop_reason),
+                },
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+                "token_ids": choice.token_ids if body.return_token_ids else None,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": state.created,
+        "model": state.model_name,
+        "choices": choices,
+        "usage": _usage(outputs),
+        "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None,
+    }
 
 
 @router.post("/inference/v1/generate")
@@ -203,7 +252,9 @@ async def generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
     sp = body.sampling_params
     params = _sampling(sp, sp.logprobs, sp.max_tokens)
     request_id = body.request_id or uuid.uuid4().hex
-    outputs = await _run(request, state, [(f"generate-tokens-{request_id}", body.token_ids, params, body.priority)])
+    outputs = await _run(
+        request, state, [(f"generate-tokens-{request_id}", body.token_ids, params, body.priority)]
+    )
     if outputs is None:
         return {}
     (output,) = outputs
@@ -215,28 +266,57 @@ async def generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
             for i, (token_id, logprob) in enumerate(zip(choice.token_ids, choice.logprobs, strict=True)):
                 rank = choice.ranks[i] if choice.ranks else None
                 sampled = {"token_id": token_id, "logprob": logprob, "rank": rank}
-                alternatives = [{"token_id": a, "logprob": alp, "rank": r + 1} for r, (a, alp) in
-                                enumerate((choice.top_logprobs[i] if choice.top_logprobs else [])[: sp.logprobs])]
+                alternatives = [
+                    {"token_id": a, "logprob": alp, "rank": r + 1}
+                    for r, (a, alp) in enumerate(
+                        (choice.top_logprobs[i] if choice.top_logprobs else [])[: sp.logprobs]
+                    )
+                ]
                 content.append({**sampled, "top_logprobs": [sampled, *alternatives]})
             logprobs = {"content": content}
-        choices.append({
-            "index": choice.index, "token_ids": choice.token_ids, "logprobs": logprobs,
-            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
-            "routed_experts": None, "sampling_mask": None,
-            "weight_versions": [{"version": str(s.version), "start": s.start, "end": s.end}
-                                for s in choice.weight_versions],
-        })
-    return {"request_id": request_id, "model": state.model_name, "created": state.created, "output_mode": "tokens",
-            "choices": choices, "usage": _usage(outputs),
-            "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None}
+        choices.append(
+            {
+                "index": choice.index,
+                "token_ids": choice.token_ids,
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+                "routed_experts": None,
+                "sampling_mask": None,
+                "weight_versions": [
+                    {"version": str(s.version), "start": s.start, "end": s.end}
+                    for s in choice.weight_versions
+                ],
+            }
+        )
+    return {
+        "request_id": request_id,
+        "model": state.model_name,
+        "created": state.created,
+        "output_mode": "tokens",
+        "choices": choices,
+        "usage": _usage(outputs),
+        "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None,
+    }
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     state = _state(request)
-    return {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "refractor",
-        "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "refractor",
+                "root": state.model_name,
+                "parent": None,
+                "max_model_len": state.max_model_len,
+            }
+        ],
+    }
 
 
 @router.post("/tokenize")

@@ -52,17 +52,44 @@ class _EngineCollector:
         s = self.engine.stats()
         names = ["model_name", "engine"]
         for cls, name, doc, value in (
-            (GaugeMetricFamily, "vllm:num_requests_running", "Sequences in the running batch.", s.num_running),
-            (GaugeMetricFamily, "vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
-            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-             s.kv_cache_usage),
+            (
+                GaugeMetricFamily,
+                "vllm:num_requests_running",
+                "Sequences in the running batch.",
+                s.num_running,
+            ),
+            (
+                GaugeMetricFamily,
+                "vllm:num_requests_waiting",
+                "Sequences waiting to be scheduled.",
+                s.num_waiting,
+            ),
+            (
+                GaugeMetricFamily,
+                "vllm:kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (0-1).",
+                s.kv_cache_usage,
+            ),
             (CounterMetricFamily, "vllm:prompt_tokens", "Prefilled tokens.", s.prompt_tokens_total),
             (CounterMetricFamily, "vllm:generation_tokens", "Generated tokens.", s.generation_tokens_total),
-            (CounterMetricFamily, "vllm:num_preemptions", "Sequences preempted (KV recomputed).",
-             s.num_preemptions_total),
-            (CounterMetricFamily, "refractor:engine_steps", "Engine steps (prefill or decode).", s.steps_total),
-            (CounterMetricFamily, "refractor:engine_busy_seconds", "Wall time the engine thread spent in steps.",
-             s.busy_seconds_total),
+            (
+                CounterMetricFamily,
+                "vllm:num_preemptions",
+                "Sequences preempted (KV recomputed).",
+                s.num_preemptions_total,
+            ),
+            (
+                CounterMetricFamily,
+                "refractor:engine_steps",
+                "Engine steps (prefill or decode).",
+                s.steps_total,
+            ),
+            (
+                CounterMetricFamily,
+                "refractor:engine_busy_seconds",
+                "Wall time the engine thread spent in steps.",
+                s.busy_seconds_total,
+            ),
         ):
             family = cls(name, doc, labels=names)
             family.add_metric(self.labels, value)
@@ -74,12 +101,26 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.labels = [model_name, "0"]
         names = ["model_name", "engine"]
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", names,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to the first generated token.", names,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.finished = Counter("vllm:request_success", "Finished sequences by reason.",
-                                [*names, "finished_reason"], registry=self.registry)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to the first generated token.",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "vllm:request_success",
+            "Finished sequences by reason.",
+            [*names, "finished_reason"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine, self.labels))
 
     def observe(self, output: RequestOutput) -> None:
@@ -106,8 +147,11 @@ class ServerState:
         found = []
         for rid in external_ids:
             for active in list(self.active_request_ids):
-                if active == rid or active in (f"chatcmpl-{rid}", f"generate-tokens-{rid}") \
-                        or active.startswith(f"cmpl-{rid}-"):
+                if (
+                    active == rid
+                    or active in (f"chatcmpl-{rid}", f"generate-tokens-{rid}")
+                    or active.startswith(f"cmpl-{rid}-")
+                ):
                     found.append(active)
         return found
 
@@ -122,8 +166,10 @@ class BadRequest(ValueError):
 
 def error_response(message: str, status: HTTPStatus) -> JSONResponse:
     kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status.value, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status.value}},
-                        status_code=status.value)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": status.value}},
+        status_code=status.value,
+    )
 
 
 async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -159,20 +205,34 @@ def _weight_transfer_router(engine: AsyncLLMEngine) -> APIRouter | None:
     return factory(engine) if factory is not None else None
 
 
-def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, *, chat_template: str | None = None,
-               extra_routers: Iterable[APIRouter] = (), include_weight_transfer: bool = True) -> FastAPI:
+def create_app(
+    engine: AsyncLLMEngine,
+    tokenizer: Any,
+    model_name: str,
+    *,
+    chat_template: str | None = None,
+    extra_routers: Iterable[APIRouter] = (),
+    include_weight_transfer: bool = True,
+) -> FastAPI:
     from refractor.inference.routes_openai import router as openai_router
 
     app = FastAPI(title="refractor native inference server")
-    state = ServerState(engine, tokenizer, model_name, engine.engine.config.max_model_len, chat_template,
-                        ServerMetrics(engine, model_name))
+    state = ServerState(
+        engine,
+        tokenizer,
+        model_name,
+        engine.engine.config.max_model_len,
+        chat_template,
+        ServerMetrics(engine, model_name),
+    )
     app.state.refractor = state
     app.state.engine = engine  # what control routers (weight transfer) act on
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-                             for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
+        )
         return error_response(f"invalid request: {problems}", HTTPStatus.BAD_REQUEST)
 
     @app.exception_handler(BadRequest)
@@ -230,9 +290,16 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, model_name: str, *, chat_
 
 
 # ---- processes ---------------------------------------------------------------------------------
-def run_native_server(model: str, host: str = "0.0.0.0", port: int = 8000, *, engine_config=None,
-                      served_model_name: str | None = None, chat_template: str | None = None,
-                      log_level: str = "warning") -> None:
+def run_native_server(
+    model: str,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    *,
+    engine_config=None,
+    served_model_name: str | None = None,
+    chat_template: str | None = None,
+    log_level: str = "warning",
+) -> None:
     """Load the model, start the engine thread and serve until SIGTERM/SIGINT (foreground)."""
     import uvicorn
     from transformers import AutoTokenizer
@@ -248,19 +315,30 @@ def run_native_server(model: str, host: str = "0.0.0.0", port: int = 8000, *, en
     engine = AsyncLLMEngine(core)
     app = create_app(engine, tokenizer, served_model_name or str(model), chat_template=chat_template)
     cfg = core.config
-    print(f"refractor native server (pid {os.getpid()}): {path} on {core.device}, max_model_len {cfg.max_model_len}, "
-          f"serving http://{host}:{port}", flush=True)  # the first line of the server's log
+    print(
+        f"refractor native server (pid {os.getpid()}): {path} on {core.device}, max_model_len {cfg.max_model_len}, "
+        f"serving http://{host}:{port}",
+        flush=True,
+    )  # the first line of the server's log
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
 
 
-def start_native_server(model: str, host: str = "127.0.0.1", port: int | None = None, *,
-                        engine_args: dict[str, Any] | None = None, served_model_name: str | None = None,
-                        chat_template: str | None = None, env: dict[str, str] | None = None,
-                        startup_timeout_s: float = 180.0, log_path: str | None = None,
-                        die_with_parent: bool = False) -> ServerProcess:
+def start_native_server(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    *,
+    engine_args: dict[str, Any] | None = None,
+    served_model_name: str | None = None,
+    chat_template: str | None = None,
+    env: dict[str, str] | None = None,
+    startup_timeout_s: float = 180.0,
+    log_path: str | None = None,
+    die_with_parent: bool = False,
+) -> ServerProcess:
     """Run ``refractor serve --engine native`` in a subprocess and wait for ``/health``.
 
     ``engine_args``: ``EngineConfig`` fields as CLI options (max_model_len, kv_cache_memory_gb,
@@ -268,8 +346,20 @@ def start_native_server(model: str, host: str = "127.0.0.1", port: int | None = 
     """
 
     port = port or free_port(client_host(host))
-    argv = [sys.executable, "-m", "refractor.cli", "serve", "--model", str(model), "--engine", "native",
-            "--host", host, "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "refractor.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--engine",
+        "native",
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     for key, value in (engine_args or {}).items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
@@ -283,6 +373,12 @@ def start_native_server(model: str, host: str = "127.0.0.1", port: int | None = 
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="refractor-native-", suffix=".log")
         os.close(fd)
-    server = ServerProcess.spawn(argv, url=f"http://{client_host(host)}:{port}", log_path=log_path, env=env,
-                                 what=f"native server for {model}", die_with_parent=die_with_parent)
+    server = ServerProcess.spawn(
+        argv,
+        url=f"http://{client_host(host)}:{port}",
+        log_path=log_path,
+        env=env,
+        what=f"native server for {model}",
+        die_with_parent=die_with_parent,
+    )
     return server.wait_healthy(startup_timeout_s)

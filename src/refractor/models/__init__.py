@@ -52,7 +52,16 @@ from refractor.models.loading import (
 from refractor.models.model import CausalLM
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES", "AttentionBackend", "CausalAttention", "CausalLM", "ModelConfig",
-    "PackedAttention", "UnsupportedModelError", "build_model", "iter_safetensors", "load_model",
-    "read_hf_config", "resolve_model_path",
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionBackend",
+    "CausalAttention",
+    "CausalLM",
+    "ModelConfig",
+    "PackedAttention",
+    "UnsupportedModelError",
+    "build_model",
+    "iter_safetensors",
+    "load_model",
+    "read_hf_config",
+    "resolve_model_path",
 ]

@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor: ...
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int
+    ) -> torch.Tensor: ...
 
 
 _compiled_flex: Any = None
@@ -84,7 +86,9 @@ class PackedAttention:
             if self.backend == "flex":
                 raise
             _flex_broken = True
-            log.warning("FlexAttention block mask failed (%s); falling back to SDPA with a block-causal mask", err)
+            log.warning(
+                "FlexAttention block mask failed (%s); falling back to SDPA with a block-causal mask", err
+            )
             return None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
@@ -102,7 +106,9 @@ class PackedAttention:
                     raise
                 _flex_broken = True
                 log.warning("FlexAttention failed (%s); falling back to SDPA with a block-causal mask", err)
-        out = block_causal_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.document_ids)
+        out = block_causal_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.document_ids
+        )
         return out.transpose(0, 1)
 
     def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -121,8 +127,13 @@ def _raw_flex_attention():
 
 def _flex_call(flex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
     """[T, H, D] tensors -> FlexAttention over one row ([1, H, T, D]) -> [T, H, D]."""
-    out = flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-               block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    out = flex(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=block_mask,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
     return out[0].transpose(0, 1)
 
 
@@ -132,7 +143,10 @@ class CausalAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
             enable_gqa=k.shape[1] != q.shape[1],
         )
         return out.transpose(0, 1)

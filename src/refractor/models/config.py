@@ -59,10 +59,13 @@ class ModelConfig:
         if raw.get("use_sliding_window") or (model_type == "llama" and raw.get("sliding_window")):
             raise UnsupportedModelError(
                 f"{arch} with sliding-window attention is not implemented by refractor's native model; "
-                "serve it with vLLM (inference_engine: vllm); the trainer falls back to HF AutoModelForCausalLM")
+                "serve it with vLLM (inference_engine: vllm); the trainer falls back to HF AutoModelForCausalLM"
+            )
         act = raw.get("hidden_act", "silu")
         if act != "silu":
-            raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported natively (only silu)")
+            raise UnsupportedModelError(
+                f"{arch} with hidden_act={act!r} is not supported natively (only silu)"
+            )
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -98,7 +101,8 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise UnsupportedModelError(
         f"architecture {name} is not implemented by refractor's native model "
         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); serve it with vLLM "
-        "(inference_engine: vllm); the trainer falls back to HF AutoModelForCausalLM")
+        "(inference_engine: vllm); the trainer falls back to HF AutoModelForCausalLM"
+    )
 
 
 def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -109,7 +113,8 @@ def _rope_parameters(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"{arch} uses rope_type={rope_type!r}, which refractor's native model does not implement "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); serve it with vLLM (inference_engine: vllm)")
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); serve it with vLLM (inference_engine: vllm)"
+        )
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"{arch} with partial_rotary_factor != 1 is not supported natively")
     return params

@@ -31,7 +31,11 @@ class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
         bias = config.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
@@ -43,7 +47,12 @@ class SelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionBackend, layer_index: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+        layer_index: int,
     ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)

@@ -21,7 +21,9 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> CausalLM:
+def build_model(
+    hf_config: Any, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+) -> CausalLM:
     """An uninitialized-by-checkpoint model (torch's default init) from an HF config.
 
     Friendly to meta-device construction: ``with torch.device("meta"): build_model(cfg)``,
@@ -42,7 +44,9 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
     root = resolve_model_path(str(path))
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{root} has no *.safetensors files (only safetensors checkpoints load natively)")
+        raise FileNotFoundError(
+            f"{root} has no *.safetensors files (only safetensors checkpoints load natively)"
+        )
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
@@ -66,8 +70,10 @@ def load_model(
                 continue  # old checkpoints saved rope buffers; we recompute them
             raise ValueError(f"{root}: unexpected tensor {name!r} for {model.config.architecture}")
         if tuple(tensor.shape) != tuple(wanted[name].shape):
-            raise ValueError(f"{root}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the config implies {tuple(wanted[name].shape)}")
+            raise ValueError(
+                f"{root}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the config implies {tuple(wanted[name].shape)}"
+            )
         loaded[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(wanted) - set(loaded))
     if missing:

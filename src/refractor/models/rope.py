@@ -82,7 +82,9 @@ def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(torch.float) / dim)
     extrapolation_factor = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (
+        1.0 / pos_freqs
+    ) * extrapolation_factor
     return inv_freq, float(attention_factor)
 
 

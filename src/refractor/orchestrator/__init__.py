@@ -23,5 +23,15 @@ from refractor.orchestrator.orchestrator import Orchestrator, StepSink, Trainer
 from refractor.orchestrator.records import DiscardReason, Group, Rollout, RolloutStatus, to_train_samples
 from refractor.orchestrator.rollout import InferenceServer
 
-__all__ = ["DiscardReason", "Group", "InferenceServer", "Orchestrator", "Rollout", "RolloutStatus", "Sampling",
-           "StepSink", "Trainer", "to_train_samples"]
+__all__ = [
+    "DiscardReason",
+    "Group",
+    "InferenceServer",
+    "Orchestrator",
+    "Rollout",
+    "RolloutStatus",
+    "Sampling",
+    "StepSink",
+    "Trainer",
+    "to_train_samples",
+]

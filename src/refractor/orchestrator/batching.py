@@ -47,9 +47,15 @@ class Batch:
 
 
 class BatchAssembler:
-    def __init__(self, prompts_batch_size_for_trainer: int, max_async_rollout: int,
-                 discard_group_zero_advantage: bool, is_zero_advantage: Callable[[list[float]], bool],
-                 number_of_steps: int | None = None, pins: VersionPins | None = None) -> None:
+    def __init__(
+        self,
+        prompts_batch_size_for_trainer: int,
+        max_async_rollout: int,
+        discard_group_zero_advantage: bool,
+        is_zero_advantage: Callable[[list[float]], bool],
+        number_of_steps: int | None = None,
+        pins: VersionPins | None = None,
+    ) -> None:
         self.batch_size = prompts_batch_size_for_trainer
         self.number_of_steps = number_of_steps  # no batch is cut past the last step
         self.max_async_rollout = max_async_rollout
@@ -74,7 +80,9 @@ class BatchAssembler:
         if not self.in_stream_order:
             return self._judge(group, counters)
         if group.ordinal < self.next_ordinal or group.ordinal in self.waiting:
-            raise ValueError(f"group {group.group_id}: stream ordinal {group.ordinal} was already judged or is waiting")
+            raise ValueError(
+                f"group {group.group_id}: stream ordinal {group.ordinal} was already judged or is waiting"
+            )
         self.waiting[group.ordinal] = group
         return self._judge_in_order(counters)
 
@@ -113,7 +121,11 @@ class BatchAssembler:
             group.mark(RolloutStatus.DISCARDED, DiscardReason.GROUP_MEMBER_FAILED)
         elif not within_async_limit(counters, self.max_async_rollout):
             group.mark(RolloutStatus.DISCARDED, DiscardReason.MAX_ASYNC)
-        elif self.discard_zero_advantage and len(group.rollouts) > 1 and self.is_zero_advantage(group.advantages):
+        elif (
+            self.discard_zero_advantage
+            and len(group.rollouts) > 1
+            and self.is_zero_advantage(group.advantages)
+        ):
             group.mark(RolloutStatus.DISCARDED, DiscardReason.ZERO_ADVANTAGE)
         else:
             group.mark(RolloutStatus.KEPT)
@@ -125,14 +137,19 @@ class BatchAssembler:
     def add_cancelled(self, group: Group) -> None:
         """A cancelled group; in stream order a requeued group keeps its ordinal's turn, others give it up."""
         self.cancelled += group.rollouts
-        if self.in_stream_order and group.reason != DiscardReason.REQUEUED and group.ordinal >= self.next_ordinal:
+        if (
+            self.in_stream_order
+            and group.reason != DiscardReason.REQUEUED
+            and group.ordinal >= self.next_ordinal
+        ):
             self._skipped.add(group.ordinal)
 
     def _cut(self, counters: StepCounters) -> list[Batch]:
         batches = []
         while len(self.bucket) >= self.batch_size and (
-                self.number_of_steps is None or counters.inference_step < self.number_of_steps):
-            groups, self.bucket = self.bucket[: self.batch_size], self.bucket[self.batch_size:]
+            self.number_of_steps is None or counters.inference_step < self.number_of_steps
+        ):
+            groups, self.bucket = self.bucket[: self.batch_size], self.bucket[self.batch_size :]
             step = counters.inference_step
             for g in groups:
                 g.step = step

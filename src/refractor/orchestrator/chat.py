@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-_PROBE = [{"role": "system", "content": "You are a helpful assistant."},
-          {"role": "user", "content": "I am a user."},
-          {"role": "assistant", "content": "World!"}]
+_PROBE = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "I am a user."},
+    {"role": "assistant", "content": "World!"},
+]
 
 
 def _clean(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -35,7 +37,7 @@ class ChatTokens:
         if end < 0:  # a template that drops assistant content cannot be interleaved at all
             self.turn_suffix_ids: list[int] | None = None
         else:
-            self.turn_suffix_ids = self.encode(probe_text[end + len("World!"):])
+            self.turn_suffix_ids = self.encode(probe_text[end + len("World!") :])
         self._probe_text = probe_text
 
     # --- plain rendering ---
@@ -47,14 +49,19 @@ class ChatTokens:
 
     def _render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            _clean(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **self.kwargs)
+            _clean(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **self.kwargs
+        )
 
     def render(self, messages: list[dict[str, Any]]) -> list[int]:
         """Full prompt for ``messages`` (a trailing assistant message is continued, not closed)."""
         continue_final = bool(messages) and messages[-1].get("role") == "assistant"
         text = self.tokenizer.apply_chat_template(
-            _clean(messages), tokenize=False, add_generation_prompt=not continue_final,
-            continue_final_message=continue_final, **self.kwargs)
+            _clean(messages),
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **self.kwargs,
+        )
         return self.encode(text)
 
     # --- interleaving ---
@@ -63,10 +70,11 @@ class ChatTokens:
         full = self._render_text([*_PROBE, *env_messages], add_generation_prompt=True)
         if not full.startswith(self._probe_text):
             return None
-        return self.encode(full[len(self._probe_text):])
+        return self.encode(full[len(self._probe_text) :])
 
-    def next_turn_ids(self, running_ids: list[int], completion_ids: list[int],
-                      env_messages: list[dict[str, Any]]) -> list[int] | None:
+    def next_turn_ids(
+        self, running_ids: list[int], completion_ids: list[int], env_messages: list[dict[str, Any]]
+    ) -> list[int] | None:
         """``running_ids`` (prompt + completion of the last turn) extended for the next turn, or None
         when the template cannot be interleaved (the caller re-renders)."""
         if self.turn_suffix_ids is None:

@@ -33,8 +33,11 @@ class StepCounters:
         return self.inference_step - self.loaded_version
 
     def state_dict(self) -> dict[str, int]:
-        return {"inference_step": self.inference_step, "trainer_step": self.trainer_step,
-                "loaded_version": self.loaded_version}
+        return {
+            "inference_step": self.inference_step,
+            "trainer_step": self.trainer_step,
+            "loaded_version": self.loaded_version,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.trainer_step = int(state["trainer_step"])
@@ -56,8 +59,9 @@ class GeneratingRollout:
     first_start_version: int  # version when its first turn started
 
 
-def off_policy_groups(generating: Iterable[GeneratingRollout], loaded_version: int,
-                      max_off_policy_steps: int) -> list[int]:
+def off_policy_groups(
+    generating: Iterable[GeneratingRollout], loaded_version: int, max_off_policy_steps: int
+) -> list[int]:
     """Groups to cancel after an update to ``loaded_version`` (sorted ids; -1 disables).
 
     A rollout's staleness is counted from its *first* turn's start, so updates that land during
@@ -85,8 +89,13 @@ class VersionPins:
     (``may_push``), so no update ever lands while a kept rollout is generating.
     """
 
-    def __init__(self, max_async_rollout: int, checkpoint_every: int | bool, number_of_steps: int,
-                 resumed_version: int = 0) -> None:
+    def __init__(
+        self,
+        max_async_rollout: int,
+        checkpoint_every: int | bool,
+        number_of_steps: int,
+        resumed_version: int = 0,
+    ) -> None:
         self.lag = max_async_rollout
         self.every = 0 if checkpoint_every is False else int(checkpoint_every)
         self.number_of_steps = number_of_steps
@@ -104,8 +113,10 @@ class VersionPins:
         return self.lag == 0 or version <= 0 or (self.every > 0 and version % self.every == 0)
 
     def may_dispatch(self, counters: StepCounters) -> bool:
-        return (counters.inference_step < self.number_of_steps
-                and counters.loaded_version == self.required_version(counters.inference_step))
+        return (
+            counters.inference_step < self.number_of_steps
+            and counters.loaded_version == self.required_version(counters.inference_step)
+        )
 
     def may_push(self, version: int, inference_step: int) -> bool:
         """Whether the weights after ``version`` steps may replace the servers' weights now."""

@@ -126,11 +126,17 @@ def hold_out(name: str, training_env: Environment, eval_samples: Sequence[Sample
     before = training_env.samples
     kept = [s for s in before if sample_key(s) not in keys]
     if not kept:
-        raise EvalSetupError(f"eval `{name}`: `separate_eval_samples` would remove every one of the {len(before)} "
-                             f"samples of the training environment `{name}`; lower `num_samples`")
+        raise EvalSetupError(
+            f"eval `{name}`: `separate_eval_samples` would remove every one of the {len(before)} "
+            f"samples of the training environment `{name}`; lower `num_samples`"
+        )
     if len(kept) == len(before):
-        log.warning("eval `%s`: separate_eval_samples removed nothing: none of its %d prompts is in the training "
-                    "dataset (different kwargs?)", name, len(eval_samples))
+        log.warning(
+            "eval `%s`: separate_eval_samples removed nothing: none of its %d prompts is in the training "
+            "dataset (different kwargs?)",
+            name,
+            len(eval_samples),
+        )
     training_env._samples = kept
     return len(before) - len(kept)
 
@@ -147,7 +153,9 @@ def load_evals(entries: Sequence[Any], training_envs: Mapping[str, Environment])
             env = resolve_eval(entry.name, **entry.kwargs)
             samples = env.samples
         except Exception as err:  # noqa: BLE001 - user evals raise anything; report it with the entry
-            raise EvalSetupError(f"eval `{entry.name}` could not be loaded: {type(err).__name__}: {err}") from None
+            raise EvalSetupError(
+                f"eval `{entry.name}` could not be loaded: {type(err).__name__}: {err}"
+            ) from None
         n = len(samples) if entry.num_samples < 0 else min(entry.num_samples, len(samples))
         if n == 0:
             raise EvalSetupError(f"eval `{entry.name}` has no samples (check its dataset kwargs)")
@@ -156,8 +164,10 @@ def load_evals(entries: Sequence[Any], training_envs: Mapping[str, Environment])
             if entry.name in training_envs:
                 held_out = hold_out(entry.name, training_envs[entry.name], samples[:n])
             else:
-                log.warning("eval `%s`: separate_eval_samples has no effect: no training environment has that name",
-                            entry.name)
+                log.warning(
+                    "eval `%s`: separate_eval_samples has no effect: no training environment has that name",
+                    entry.name,
+                )
         loaded.append(LoadedEval(entry, env, n, spec, held_out))
     return loaded
 
@@ -169,22 +179,27 @@ def prepare_eval_prompt(env: Environment, index: int, chat: ChatTokens) -> Prepa
     if getattr(env, "use_chat_template", True):
         return prepare_prompt(env, index, chat, ordinal=index)
     if env.is_multi_turn:
-        raise EvalSetupError(f"eval `{env.name}`: use_chat_template: false is only possible for single-turn evals")
+        raise EvalSetupError(
+            f"eval `{env.name}`: use_chat_template: false is only possible for single-turn evals"
+        )
     sample = env.get_sample(index)
     messages = env.get_initial_prompt(sample, chat.tokenizer)
     text = "\n\n".join(str(m.get("content", "")) for m in messages)
     system = next((str(m.get("content", "")) for m in messages if m.get("role") == "system"), "")
-    return PreparedPrompt(env.name, index, sample, messages, list(chat.tokenizer.encode(text)), text, system,
-                          ordinal=index)
+    return PreparedPrompt(
+        env.name, index, sample, messages, list(chat.tokenizer.encode(text)), text, system, ordinal=index
+    )
 
 
 def build_task(loaded: LoadedEval, chat: ChatTokens, base: RolloutSettings) -> EvalTask:
     """Render the prompts once and apply the entry's sampling overrides (None inherits training's)."""
     entry = loaded.entry
     settings = replace(
-        base, max_tokens=entry.max_tokens if entry.max_tokens is not None else base.max_tokens,
+        base,
+        max_tokens=entry.max_tokens if entry.max_tokens is not None else base.max_tokens,
         temperature=entry.temperature if entry.temperature is not None else base.temperature,
-        top_p=entry.top_p if entry.top_p is not None else base.top_p)
+        top_p=entry.top_p if entry.top_p is not None else base.top_p,
+    )
     prompts = [prepare_eval_prompt(loaded.env, i, chat) for i in range(loaded.num_prompts)]
     return EvalTask(entry.name, loaded.env, prompts, settings, loaded.pass_k, entry.eval_every)
 
@@ -202,12 +217,19 @@ class _ScoredWithEvalMetrics:
 
     async def score(self, state, eos_token: str = "") -> RewardResult:
         result = await self._env.score_eval(state, eos_token=eos_token)
-        return RewardResult(0.0, dict(result.metrics), dict(result.golden_answers), list(result.info_turns),
-                            dict(result.sample_tags))
+        return RewardResult(
+            0.0,
+            dict(result.metrics),
+            dict(result.golden_answers),
+            list(result.info_turns),
+            dict(result.sample_tags),
+        )
 
 
 class EvalRunner:
-    def __init__(self, chat: ChatTokens, lanes_per_server: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, chat: ChatTokens, lanes_per_server: int, clock: Callable[[], float] = time.time
+    ) -> None:
         if lanes_per_server < 1:
             raise ValueError(f"lanes_per_server must be >= 1, got {lanes_per_server}")
         self.chat, self.lanes_per_server, self.clock = chat, lanes_per_server, clock
@@ -221,21 +243,30 @@ class EvalRunner:
                 ids.next_group_id += 1
                 completions = []
                 for c in range(task.pass_k.num_completions):
-                    completions.append(EvalRollout(ids.next_rollout_id, group, c, task.name, step=step,
-                                                   prompt_index=prompt.index))
+                    completions.append(
+                        EvalRollout(
+                            ids.next_rollout_id, group, c, task.name, step=step, prompt_index=prompt.index
+                        )
+                    )
                     ids.next_rollout_id += 1
                 per_prompt.append(completions)
             rollouts.append(per_prompt)
         return EvalPlan(step, list(tasks), rollouts)
 
-    async def execute(self, plan: EvalPlan, servers: Sequence[InferenceServer], version: int) -> list[EvalResult]:
+    async def execute(
+        self, plan: EvalPlan, servers: Sequence[InferenceServer], version: int
+    ) -> list[EvalResult]:
         """Run every completion of ``plan`` on ``servers`` (which hold weights ``version``)."""
         if not servers:
             raise ValueError("evals need at least one inference server")
         start = self.clock()
         finished = [start] * len(plan.tasks)
-        jobs = deque((t, plan.tasks[t].prompts[p], r) for t, per_prompt in enumerate(plan.rollouts)
-                     for p, completions in enumerate(per_prompt) for r in completions)
+        jobs = deque(
+            (t, plan.tasks[t].prompts[p], r)
+            for t, per_prompt in enumerate(plan.rollouts)
+            for p, completions in enumerate(per_prompt)
+            for r in completions
+        )
 
         async def worker(server: InferenceServer, lane: int) -> None:
             while jobs:
@@ -244,33 +275,61 @@ class EvalRunner:
                 finished[t] = max(finished[t], self.clock())
 
         await asyncio.gather(*(worker(s, lane) for s in servers for lane in range(self.lanes_per_server)))
-        return [self._result(task, plan.step, version, per_prompt, finished[t] - start)
-                for t, (task, per_prompt) in enumerate(zip(plan.tasks, plan.rollouts, strict=True))]
+        return [
+            self._result(task, plan.step, version, per_prompt, finished[t] - start)
+            for t, (task, per_prompt) in enumerate(zip(plan.tasks, plan.rollouts, strict=True))
+        ]
 
-    async def _complete(self, task: EvalTask, prompt: PreparedPrompt, rollout: EvalRollout, server: InferenceServer,
-                        lane: int, version: int) -> None:
+    async def _complete(
+        self,
+        task: EvalTask,
+        prompt: PreparedPrompt,
+        rollout: EvalRollout,
+        server: InferenceServer,
+        lane: int,
+        version: int,
+    ) -> None:
         rollout.server, rollout.lane, rollout.dispatch_time = server.name, lane, self.clock()
         hooks = SampleHooks(current_version=lambda: version, clock=self.clock)
         try:
-            await run_rollout(rollout, prompt, _ScoredWithEvalMetrics(task.env), server, self.chat,  # type: ignore[arg-type]
-                              task.settings, hooks)
+            await run_rollout(
+                rollout,
+                prompt,
+                _ScoredWithEvalMetrics(task.env),
+                server,
+                self.chat,  # type: ignore[arg-type]
+                task.settings,
+                hooks,
+            )
         except asyncio.CancelledError:
             raise
         except Exception as err:  # a bug, not a user error: record it on the row, keep evaluating
             log.exception("eval %s: completion %d failed", task.name, rollout.rollout_id)
-            rollout.mark(RolloutStatus.DISCARDED, DiscardReason.GENERATION_ERROR, f"{type(err).__name__}: {err}")
+            rollout.mark(
+                RolloutStatus.DISCARDED, DiscardReason.GENERATION_ERROR, f"{type(err).__name__}: {err}"
+            )
         rollout.status = RolloutStatus.EVAL  # a failed completion keeps its reason and error
         rollout.reward = None  # type: ignore[assignment]  # evals have metrics, no reward
 
-    def _result(self, task: EvalTask, step: int, version: int, per_prompt: list[list[EvalRollout]],
-                seconds: float) -> EvalResult:
-        metrics = [[None if r.reason else dict(r.sample_metrics) for r in completions] for completions in per_prompt]
+    def _result(
+        self, task: EvalTask, step: int, version: int, per_prompt: list[list[EvalRollout]], seconds: float
+    ) -> EvalResult:
+        metrics = [
+            [None if r.reason else dict(r.sample_metrics) for r in completions] for completions in per_prompt
+        ]
         agg = aggregate(metrics, task.pass_k)
         for completions, extra in zip(per_prompt, agg.per_prompt, strict=True):
             for r in completions:  # the prompt's pass values on each of its rows (reference eval tables)
                 if not r.reason:
                     r.sample_metrics.update(extra)
         out = dict(agg.metrics)
-        out |= {"num_prompts": float(agg.num_prompts), "num_completions": float(agg.num_completions),
-                "num_failed": float(agg.num_failed), "policy_version": float(version), "timing_total": seconds}
-        return EvalResult(task.name, step, version, out, [r for completions in per_prompt for r in completions])
+        out |= {
+            "num_prompts": float(agg.num_prompts),
+            "num_completions": float(agg.num_completions),
+            "num_failed": float(agg.num_failed),
+            "policy_version": float(version),
+            "timing_total": seconds,
+        }
+        return EvalResult(
+            task.name, step, version, out, [r for completions in per_prompt for r in completions]
+        )

@@ -58,7 +58,7 @@ def eval_server_names(cfg: Any, server_names: Sequence[str]) -> list[str]:
     """The dedicated eval servers: the last ``eval_num_servers`` (none without evals)."""
     if not cfg.evals or cfg.eval_num_servers <= 0:
         return []
-    return list(server_names[-cfg.eval_num_servers:])
+    return list(server_names[-cfg.eval_num_servers :])
 
 
 class EvalScheduler:
@@ -70,7 +70,9 @@ class EvalScheduler:
         unknown = set(self.eval_servers) - set(orch.servers)
         if unknown:
             raise ValueError(f"eval servers {sorted(unknown)} are not among the servers {list(orch.servers)}")
-        self.runner = EvalRunner(orch.chat, cfg.max_concurrent_prompts_per_server * cfg.group_size, orch.clock)
+        self.runner = EvalRunner(
+            orch.chat, cfg.max_concurrent_prompts_per_server * cfg.group_size, orch.clock
+        )
         self.ids = EvalIds()
         self.before, self.after = cfg.eval_before_training, cfg.eval_after_training
         self.use_all_servers = cfg.eval_start_end_use_all_servers
@@ -149,8 +151,12 @@ class EvalScheduler:
 
     def start_step_eval(self, tasks: list[EvalTask], version: int) -> None:
         servers = [self.orch.servers[n] for n in self.eval_servers]
-        plan = self.runner.plan(tasks, version, self.ids)  # ids taken now: a checkpoint right after counts them
-        self.active = asyncio.create_task(self._run_planned(plan, servers, version, "step"), name="refractor-step-eval")
+        plan = self.runner.plan(
+            tasks, version, self.ids
+        )  # ids taken now: a checkpoint right after counts them
+        self.active = asyncio.create_task(
+            self._run_planned(plan, servers, version, "step"), name="refractor-step-eval"
+        )
         self.active.add_done_callback(self._step_eval_finished)
 
     def _step_eval_finished(self, task: asyncio.Task) -> None:
@@ -175,11 +181,16 @@ class EvalScheduler:
     def _start_end_servers(self, label: str) -> list[Any]:
         names = list(self.orch.servers) if self.use_all_servers else self.eval_servers
         if not names:
-            log.warning("%s eval skipped: `eval_start_end_use_all_servers` is false and there are no eval servers "
-                        "(`eval_num_servers` is 0)", label)
+            log.warning(
+                "%s eval skipped: `eval_start_end_use_all_servers` is false and there are no eval servers "
+                "(`eval_num_servers` is 0)",
+                label,
+            )
         return [self.orch.servers[n] for n in names]
 
-    async def _run(self, tasks: list[EvalTask], servers: list[Any], step: int, version: int, label: str) -> None:
+    async def _run(
+        self, tasks: list[EvalTask], servers: list[Any], step: int, version: int, label: str
+    ) -> None:
         await self._run_planned(self.runner.plan(tasks, step, self.ids), servers, version, label)
 
     async def _run_planned(self, plan, servers: list[Any], version: int, label: str) -> None:
@@ -201,8 +212,12 @@ class EvalScheduler:
 
     def _event(self, name: str, step: int, version: int, servers: list[str]) -> None:
         now = self.orch.clock()
-        self.orch.store.log_event(TimelineEvent(name, now, now, "orchestrator",
-                                                {"step": step, "version": version, "servers": servers}), step=step)
+        self.orch.store.log_event(
+            TimelineEvent(
+                name, now, now, "orchestrator", {"step": step, "version": version, "servers": servers}
+            ),
+            step=step,
+        )
 
 
 class EvalTrainer:
@@ -244,7 +259,9 @@ class EvalTrainer:
         return events
 
 
-def attach_evals(orch: Any, loaded: Sequence[LoadedEval], eval_servers: Sequence[str]) -> EvalScheduler | None:
+def attach_evals(
+    orch: Any, loaded: Sequence[LoadedEval], eval_servers: Sequence[str]
+) -> EvalScheduler | None:
     """Give ``orch`` its evals (``orch.evals``) and, with eval servers, the step-eval trainer wrapper."""
     if not loaded:
         return None
@@ -252,8 +269,11 @@ def attach_evals(orch: Any, loaded: Sequence[LoadedEval], eval_servers: Sequence
     orch.evals = scheduler
     periodic = [t.name for t in scheduler.tasks if t.eval_every <= orch.number_of_steps]
     if periodic and not scheduler.eval_servers:
-        log.warning("evals %s will not run every `eval_every` steps: that needs `eval_num_servers` >= 1 (dedicated "
-                    "eval servers); only the baseline and final evals run", periodic)
+        log.warning(
+            "evals %s will not run every `eval_every` steps: that needs `eval_num_servers` >= 1 (dedicated "
+            "eval servers); only the baseline and final evals run",
+            periodic,
+        )
     if scheduler.eval_servers:
         orch.trainer = EvalTrainer(orch.trainer, scheduler)
     return scheduler

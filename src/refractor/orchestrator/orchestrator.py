@@ -77,14 +77,32 @@ class StepSink(Protocol):
 
 
 def summarize(r: Rollout) -> RolloutSummary:
-    return RolloutSummary(r.group_id, str(r.status), r.reason, r.reward, r.advantage, len(r.prompt_ids),
-                          r.num_completion_tokens, r.stop_reason, r.off_policy_steps, dict(r.sample_metrics))
+    return RolloutSummary(
+        r.group_id,
+        str(r.status),
+        r.reason,
+        r.reward,
+        r.advantage,
+        len(r.prompt_ids),
+        r.num_completion_tokens,
+        r.stop_reason,
+        r.off_policy_steps,
+        dict(r.sample_metrics),
+    )
 
 
 class Orchestrator:
-    def __init__(self, cfg: Any, envs: Sequence[Environment], servers: Sequence[InferenceServer], trainer: Trainer,
-                 store: Any, tokenizer: Any, sinks: Sequence[StepSink] = (),
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        envs: Sequence[Environment],
+        servers: Sequence[InferenceServer],
+        trainer: Trainer,
+        store: Any,
+        tokenizer: Any,
+        sinks: Sequence[StepSink] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.cfg = cfg
         self.envs = {e.name: e for e in envs}
         if len(self.envs) != len(envs):
@@ -93,9 +111,16 @@ class Orchestrator:
         if not self.servers:
             raise ValueError("the orchestrator needs at least one inference server")
         self.trainer, self.store, self.sinks, self.clock = trainer, store, list(sinks), clock
-        scraped = [s for s in servers if hasattr(s, "metrics")]  # real clients (fakes in unit tests have none)
-        self.server_metrics = ServerMetricsScraper(scraped, store.log_system_metrics,
-                                                   cfg.metrics_logger_interval_seconds, clock) if scraped else None
+        scraped = [
+            s for s in servers if hasattr(s, "metrics")
+        ]  # real clients (fakes in unit tests have none)
+        self.server_metrics = (
+            ServerMetricsScraper(
+                scraped, store.log_system_metrics, cfg.metrics_logger_interval_seconds, clock
+            )
+            if scraped
+            else None
+        )
         self.evals: Any = None  # EvalScheduler, set by refractor.orchestrator.evals.attach_evals
         self.individual = cfg.enable_individual_sample_lanes
         self.free_after_generation = cfg.free_lane_after_generation and self.individual
@@ -103,23 +128,43 @@ class Orchestrator:
         self.number_of_steps = cfg.number_of_steps
         self.lanes = LaneManager(list(self.servers), cfg.max_concurrent_prompts_per_server * cfg.group_size)
         self.counters = StepCounters()
-        self.pins = (VersionPins(cfg.max_async_rollout, cfg.checkpoint_every, cfg.number_of_steps)
-                     if cfg.deterministic_rollouts else None)
-        self.assembler = BatchAssembler(cfg.prompts_batch_size_for_trainer, cfg.max_async_rollout,
-                                        cfg.discard_group_zero_advantage, is_zero_advantage_group, cfg.number_of_steps,
-                                        self.pins)
+        self.pins = (
+            VersionPins(cfg.max_async_rollout, cfg.checkpoint_every, cfg.number_of_steps)
+            if cfg.deterministic_rollouts
+            else None
+        )
+        self.assembler = BatchAssembler(
+            cfg.prompts_batch_size_for_trainer,
+            cfg.max_async_rollout,
+            cfg.discard_group_zero_advantage,
+            is_zero_advantage_group,
+            cfg.number_of_steps,
+            self.pins,
+        )
         self.stall_watch = ZeroAdvantageWatch(4 * cfg.prompts_batch_size_for_trainer)
-        self.cap_dispatch = cfg.dispatch_only_needed_groups and not cfg.deterministic_rollouts  # that mode has its own
-        self.keep_rate = 1.0  # moving average of the fraction of finished groups kept (sizes the dispatch cap)
-        self.ckpt_gate: CheckpointGate[Batch] = CheckpointGate(CheckpointSchedule(cfg.checkpoint_every, cfg.number_of_steps))
+        self.cap_dispatch = (
+            cfg.dispatch_only_needed_groups and not cfg.deterministic_rollouts
+        )  # that mode has its own
+        self.keep_rate = (
+            1.0  # moving average of the fraction of finished groups kept (sizes the dispatch cap)
+        )
+        self.ckpt_gate: CheckpointGate[Batch] = CheckpointGate(
+            CheckpointSchedule(cfg.checkpoint_every, cfg.number_of_steps)
+        )
         self.adv_settings = AdvantageSettings.from_config(cfg)
         self.filter_settings = FilterSettings.from_config(cfg)
         self.reward_ranges = {e.name: (e.reward_min, e.reward_max) for e in cfg.environments}
         self.chat = ChatTokens(tokenizer, {"enable_thinking": True} if cfg.enable_thinking else None)
         self.rollout_settings = RolloutSettings(
-            max_tokens=cfg.max_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature, top_p=cfg.top_p,
-            interleaved=cfg.interleaved_rollouts, reward_timeout_s=cfg.reward_timeout_s,
-            eos_token=tokenizer.eos_token or "", seed=cfg.seed if cfg.deterministic_rollouts else None)
+            max_tokens=cfg.max_tokens,
+            max_model_len=cfg.max_model_len,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            interleaved=cfg.interleaved_rollouts,
+            reward_timeout_s=cfg.reward_timeout_s,
+            eos_token=tokenizer.eos_token or "",
+            seed=cfg.seed if cfg.deterministic_rollouts else None,
+        )
         weights = {e.name: e.weight for e in cfg.environments if e.name in self.envs}
         self.stream = PromptStream({n: len(e) for n, e in self.envs.items()}, weights, seed=cfg.seed)
         buffer = cfg.prompt_prefetch_buffer_size if cfg.enable_prompt_prefetch else 0
@@ -154,7 +199,9 @@ class Orchestrator:
             telemetry.append(asyncio.create_task(self.server_metrics.run(), name="refractor-server-metrics"))
         completed = False
         try:
-            done, _ = await asyncio.wait({dispatch, train, self._failure}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {dispatch, train, self._failure}, return_when=asyncio.FIRST_COMPLETED
+            )
             for task in done:
                 task.result()  # re-raise the first failure
             completed = True
@@ -177,9 +224,13 @@ class Orchestrator:
         unconsumed += [ig.group.prompt_ref for ig in self.in_flight.values()]
         if self._held_prompt is not None:
             unconsumed.append(self._held_prompt[0])
-        return {"counters": self.counters.state_dict(), "next_group_id": self.next_group_id,
-                "next_rollout_id": self.next_rollout_id, "prompts": self.prompts.state_dict(in_flight=unconsumed),
-                "evals": self.evals.state_dict() if self.evals is not None else None}
+        return {
+            "counters": self.counters.state_dict(),
+            "next_group_id": self.next_group_id,
+            "next_rollout_id": self.next_rollout_id,
+            "prompts": self.prompts.state_dict(in_flight=unconsumed),
+            "evals": self.evals.state_dict() if self.evals is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters.load_state_dict(state["counters"])
@@ -190,10 +241,13 @@ class Orchestrator:
         if self.pins is not None:  # the version schedule and the stream order continue from the checkpoint
             self.pins.resumed_version = self.counters.loaded_version
             if not self.pins.drains_at(self.pins.resumed_version):
-                log.warning("deterministic_rollouts: resuming from version %d, which `checkpoint_every` does not save "
-                            "(the last step of a shorter run?); with `max_async_rollout` %d an uninterrupted run "
-                            "generated the next batches with older weights, so this run will differ from it",
-                            self.pins.resumed_version, self.pins.lag)
+                log.warning(
+                    "deterministic_rollouts: resuming from version %d, which `checkpoint_every` does not save "
+                    "(the last step of a shorter run?); with `max_async_rollout` %d an uninterrupted run "
+                    "generated the next batches with older weights, so this run will differ from it",
+                    self.pins.resumed_version,
+                    self.pins.lag,
+                )
             self.assembler.next_ordinal = self.prompts.lowest_unconsumed_ordinal()
 
     # ------------------------------------------------------------------ dispatch
@@ -217,7 +271,10 @@ class Orchestrator:
         if self.pins is None:
             allowed = within_async_limit(self.counters, self.cfg.max_async_rollout)
         else:  # the pinned version is loaded, and at most a batch of finished groups waits on a slower earlier one
-            allowed = self.pins.may_dispatch(self.counters) and len(self.assembler.waiting) < self.assembler.batch_size
+            allowed = (
+                self.pins.may_dispatch(self.counters)
+                and len(self.assembler.waiting) < self.assembler.batch_size
+            )
         if allowed == self._paused_by_async:  # log transitions only
             self._paused_by_async = not allowed
             self._event("rollout_resumed_max_async" if allowed else "rollout_paused_max_async")
@@ -227,7 +284,11 @@ class Orchestrator:
         """``dispatch_only_needed_groups``: groups the batches open under the async gate still lack, beyond those
         in flight; divided by the recent keep rate so that expected discards are replaced ahead of time."""
         c = self.counters
-        open_batches = min(c.loaded_version + self.cfg.max_async_rollout, self.number_of_steps - 1) - c.inference_step + 1
+        open_batches = (
+            min(c.loaded_version + self.cfg.max_async_rollout, self.number_of_steps - 1)
+            - c.inference_step
+            + 1
+        )
         missing = open_batches * self.cfg.prompts_batch_size_for_trainer - len(self.assembler.bucket)
         return missing / max(self.keep_rate, 0.1) - len(self.in_flight)
 
@@ -251,11 +312,27 @@ class Orchestrator:
         self.next_group_id += 1
         rollouts = []
         for i in range(self.group_size):
-            rollouts.append(Rollout(self.next_rollout_id, gid, i, prompt.env_name, prompt_index=prompt.index,
-                                    prompt_ordinal=prompt.ordinal, server=server))
+            rollouts.append(
+                Rollout(
+                    self.next_rollout_id,
+                    gid,
+                    i,
+                    prompt.env_name,
+                    prompt_index=prompt.index,
+                    prompt_ordinal=prompt.ordinal,
+                    server=server,
+                )
+            )
             self.next_rollout_id += 1
-        group = Group(gid, prompt.env_name, (prompt.env_name, prompt.index), rollouts, ordinal=prompt.ordinal,
-                      server=server, dispatch_version=self.counters.loaded_version)
+        group = Group(
+            gid,
+            prompt.env_name,
+            (prompt.env_name, prompt.index),
+            rollouts,
+            ordinal=prompt.ordinal,
+            server=server,
+            dispatch_version=self.counters.loaded_version,
+        )
         ig = InFlightGroup(group, prompt, server)
         self.in_flight[gid] = ig
         self._event("inference_call", group_id=gid, server=server)
@@ -289,12 +366,22 @@ class Orchestrator:
     # ------------------------------------------------------------------ one sample
     async def _run_sample(self, ig: InFlightGroup, i: int) -> None:
         r = ig.group.rollouts[i]
-        hooks = SampleHooks(current_version=lambda: self.counters.loaded_version, clock=self.clock,
-                            generating=self.generating,
-                            on_generation_end=lambda _: self._release(ig, i) if self.free_after_generation else None)
+        hooks = SampleHooks(
+            current_version=lambda: self.counters.loaded_version,
+            clock=self.clock,
+            generating=self.generating,
+            on_generation_end=lambda _: self._release(ig, i) if self.free_after_generation else None,
+        )
         try:
-            await run_rollout(r, ig.prompt, self.envs[ig.group.env_name], self.servers[ig.server], self.chat,
-                              self.rollout_settings, hooks)
+            await run_rollout(
+                r,
+                ig.prompt,
+                self.envs[ig.group.env_name],
+                self.servers[ig.server],
+                self.chat,
+                self.rollout_settings,
+                hooks,
+            )
         except asyncio.CancelledError:
             if not ig.cancelled:
                 raise
@@ -324,8 +411,13 @@ class Orchestrator:
             self._release(ig, i)
         if all(r.status == RolloutStatus.IN_FLIGHT for r in group.rollouts):
             lo, hi = self.reward_ranges.get(group.env_name, (None, None))
-            scores = score_group(group.rewards, [r.num_completion_tokens for r in group.rollouts], self.adv_settings,
-                                 reward_min=lo, reward_max=hi)
+            scores = score_group(
+                group.rewards,
+                [r.num_completion_tokens for r in group.rollouts],
+                self.adv_settings,
+                reward_min=lo,
+                reward_max=hi,
+            )
             for r, adv in zip(group.rollouts, scores.advantages, strict=True):
                 r.advantage = adv
         self._event("rollouts_group_done", group_id=group.group_id)
@@ -337,8 +429,9 @@ class Orchestrator:
             self._warn(warning, "zero_advantage_stall", streak=self.stall_watch.streak)
         for batch in batches:
             self.store.log_rollouts(batch.rollouts, self.counters.trainer_step, batch.step)
-            self.store.log_rollouts(batch.discarded_rollouts + batch.cancelled_rollouts,
-                                    self.counters.trainer_step, batch.step)
+            self.store.log_rollouts(
+                batch.discarded_rollouts + batch.cancelled_rollouts, self.counters.trainer_step, batch.step
+            )
             self._event("save_batch", step=batch.step)
             for item in self.ckpt_gate.on_batch(batch.step, batch):
                 self.train_queue.put_nowait(item)
@@ -389,9 +482,12 @@ class Orchestrator:
     def on_weights_updated(self, version: int) -> list[int]:
         """Servers now hold ``version``: cancel rollouts that became too stale; return their group ids."""
         self.counters.loaded_version = version
-        generating = [GeneratingRollout(ig.group.group_id, r.first_start_version)
-                      for ig in self.in_flight.values() for r in ig.group.rollouts
-                      if r.rollout_id in self.generating and r.first_start_version is not None]
+        generating = [
+            GeneratingRollout(ig.group.group_id, r.first_start_version)
+            for ig in self.in_flight.values()
+            for r in ig.group.rollouts
+            if r.rollout_id in self.generating and r.first_start_version is not None
+        ]
         stale = off_policy_groups(generating, version, self.cfg.max_off_policy_steps)
         for gid in stale:
             self._cancel_group(self.in_flight[gid], DiscardReason.OFF_POLICY)
@@ -443,9 +539,15 @@ class Orchestrator:
         metrics |= {k: float(v) for k, v in result.metrics.items()}
         step_total = t2 - (self._last_step_end if self._last_step_end is not None else t0 - waited)
         tokens = sum(r.num_completion_tokens for r in batch.rollouts)
-        metrics |= {"timing_waiting_for_data": waited, "timing_train_step": t1 - t0, "timing_weight_sync_total": t2 - t1 - held,
-                    "timing_step_total": step_total, "tokens_per_second": tokens / step_total if step_total > 0 else 0.0,
-                    "async_level": float(self.counters.async_level()), "policy_version": float(step + 1)}
+        metrics |= {
+            "timing_waiting_for_data": waited,
+            "timing_train_step": t1 - t0,
+            "timing_weight_sync_total": t2 - t1 - held,
+            "timing_step_total": step_total,
+            "tokens_per_second": tokens / step_total if step_total > 0 else 0.0,
+            "async_level": float(self.counters.async_level()),
+            "policy_version": float(step + 1),
+        }
         for e in events:  # the trainer side's own account of the sync (reference §8 names)
             if e.name == "weight_sync" and "trainer_seconds" in e.attrs:
                 metrics["timing_weight_sync_trainer_total"] = float(e.attrs["trainer_seconds"])
@@ -483,5 +585,7 @@ class Orchestrator:
 
     def _event(self, name: str, **attrs: Any) -> None:
         now = self.clock()
-        self.store.log_event(TimelineEvent(name, now, now, "orchestrator", attrs),
-                             step=attrs.get("step", self.counters.inference_step))
+        self.store.log_event(
+            TimelineEvent(name, now, now, "orchestrator", attrs),
+            step=attrs.get("step", self.counters.inference_step),
+        )

@@ -36,7 +36,9 @@ class PromptRef:
 
 
 class PromptStream:
-    def __init__(self, dataset_sizes: dict[str, int], weights: dict[str, float] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, dataset_sizes: dict[str, int], weights: dict[str, float] | None = None, seed: int = 0
+    ) -> None:
         if not dataset_sizes:
             raise ValueError("the prompt stream needs at least one environment")
         empty = [name for name, n in dataset_sizes.items() if n <= 0]
@@ -50,7 +52,9 @@ class PromptStream:
         self.sizes = dict(dataset_sizes)
         w = np.array([float(weights.get(n, 1.0)) for n in self.names], dtype=np.float64)
         if (w <= 0).any():
-            raise ValueError(f"environment weights must be > 0, got {dict(zip(self.names, w.tolist(), strict=True))}")
+            raise ValueError(
+                f"environment weights must be > 0, got {dict(zip(self.names, w.tolist(), strict=True))}"
+            )
         self.probs = w / w.sum()
         self.seed = seed
         self._rng = np.random.Generator(np.random.PCG64(seed))
@@ -79,7 +83,9 @@ class PromptStream:
         cached = self._perms.get(name)
         if cached is None or cached[0] != epoch:
             env_idx = self.names.index(name)
-            perm = np.random.Generator(np.random.PCG64([self.seed, env_idx, epoch])).permutation(self.sizes[name])
+            perm = np.random.Generator(np.random.PCG64([self.seed, env_idx, epoch])).permutation(
+                self.sizes[name]
+            )
             cached = (epoch, perm)
             self._perms[name] = cached
         return cached[1]
@@ -98,8 +104,10 @@ class PromptStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["sizes"] != self.sizes:
-            raise ValueError(f"prompt stream state was saved for dataset sizes {state['sizes']}, "
-                             f"but the environments now have {self.sizes}; resuming would replay other prompts")
+            raise ValueError(
+                f"prompt stream state was saved for dataset sizes {state['sizes']}, "
+                f"but the environments now have {self.sizes}; resuming would replay other prompts"
+            )
         self.seed = int(state["seed"])
         self._rng.bit_generator.state = state["rng"]
         self._cursors = {k: int(v) for k, v in state["cursors"].items()}
@@ -128,8 +136,13 @@ class PromptPrefetcher(Generic[P]):
     prompts are prepared on demand. Order is always the stream's order.
     """
 
-    def __init__(self, stream: PromptStream, prepare: Callable[[PromptRef], P], buffer_size: int,
-                 run_blocking: Callable[[Callable[[], P]], Awaitable[P]] | None = None) -> None:
+    def __init__(
+        self,
+        stream: PromptStream,
+        prepare: Callable[[PromptRef], P],
+        buffer_size: int,
+        run_blocking: Callable[[Callable[[], P]], Awaitable[P]] | None = None,
+    ) -> None:
         self.stream = stream
         self.prepare = prepare
         self.buffer_size = max(0, buffer_size)

@@ -203,15 +203,17 @@ def append_turn_tokens(rollout: Rollout, turn: Turn) -> None:
     else:
         running = rollout.prompt_ids + rollout.completion_ids
         if turn.prompt_ids[: len(running)] == running:
-            glue = turn.prompt_ids[len(running):]
+            glue = turn.prompt_ids[len(running) :]
             rollout.completion_ids += glue
             rollout.loss_mask += [0] * len(glue)
             rollout.logprobs += [0.0] * len(glue)
         else:
             rollout.retokenized = True
     if len(turn.logprobs) != len(turn.completion_ids):
-        raise ValueError(f"rollout {rollout.rollout_id} turn {turn.index}: {len(turn.completion_ids)} tokens but "
-                         f"{len(turn.logprobs)} logprobs from the server")
+        raise ValueError(
+            f"rollout {rollout.rollout_id} turn {turn.index}: {len(turn.completion_ids)} tokens but "
+            f"{len(turn.logprobs)} logprobs from the server"
+        )
     rollout.completion_ids += turn.completion_ids
     rollout.loss_mask += [1] * len(turn.completion_ids)
     rollout.logprobs += list(turn.logprobs)
@@ -227,17 +229,23 @@ def to_train_samples(rollout: Rollout, sample_id: int | None = None) -> list[Tra
     sid = rollout.rollout_id if sample_id is None else sample_id
     if not rollout.retokenized:
         n_prompt = len(rollout.prompt_ids)
-        return [TrainSample(
-            input_ids=rollout.prompt_ids + rollout.completion_ids,
-            loss_mask=[0] * n_prompt + list(rollout.loss_mask),
+        return [
+            TrainSample(
+                input_ids=rollout.prompt_ids + rollout.completion_ids,
+                loss_mask=[0] * n_prompt + list(rollout.loss_mask),
+                advantage=rollout.advantage,
+                rollout_logprobs=[0.0] * n_prompt + list(rollout.logprobs),
+                sample_id=sid,
+            )
+        ]
+    return [
+        TrainSample(
+            input_ids=t.prompt_ids + t.completion_ids,
+            loss_mask=[0] * len(t.prompt_ids) + [1] * len(t.completion_ids),
             advantage=rollout.advantage,
-            rollout_logprobs=[0.0] * n_prompt + list(rollout.logprobs),
+            rollout_logprobs=[0.0] * len(t.prompt_ids) + list(t.logprobs),
             sample_id=sid,
-        )]
-    return [TrainSample(
-        input_ids=t.prompt_ids + t.completion_ids,
-        loss_mask=[0] * len(t.prompt_ids) + [1] * len(t.completion_ids),
-        advantage=rollout.advantage,
-        rollout_logprobs=[0.0] * len(t.prompt_ids) + list(t.logprobs),
-        sample_id=sid,
-    ) for t in rollout.turns if t.completion_ids]
+        )
+        for t in rollout.turns
+        if t.completion_ids
+    ]

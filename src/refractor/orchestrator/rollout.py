@@ -46,7 +46,9 @@ class InferenceServer(Protocol):
 
     name: str
 
-    async def generate(self, token_ids: list[int], sampling: Sampling, *, priority: int = 0) -> GenerateResult:
+    async def generate(
+        self, token_ids: list[int], sampling: Sampling, *, priority: int = 0
+    ) -> GenerateResult:
         """``priority``: lower is served first (later turns get lower values)."""
 
 
@@ -69,8 +71,16 @@ def prepare_prompt(env: Environment, index: int, chat: ChatTokens, ordinal: int 
     messages = env.get_initial_prompt(sample, chat.tokenizer)
     user = next((m for m in messages if m.get("role") == "user"), {})
     system = next((m for m in messages if m.get("role") == "system"), {})
-    return PreparedPrompt(env.name, index, sample, messages, chat.render(messages),
-                          str(user.get("content", "")), str(system.get("content", "")), ordinal)
+    return PreparedPrompt(
+        env.name,
+        index,
+        sample,
+        messages,
+        chat.render(messages),
+        str(user.get("content", "")),
+        str(system.get("content", "")),
+        ordinal,
+    )
 
 
 def sampling_seed(run_seed: int, ordinal: int, sample_idx: int, turn: int) -> int:
@@ -103,7 +113,9 @@ class SerialServer:
             raise AttributeError(name)
         return getattr(self.server, name)
 
-    async def generate(self, token_ids: list[int], sampling: Sampling, *, priority: int = 0) -> GenerateResult:
+    async def generate(
+        self, token_ids: list[int], sampling: Sampling, *, priority: int = 0
+    ) -> GenerateResult:
         await self._turn.acquire()
         try:
             request = asyncio.ensure_future(self.server.generate(token_ids, sampling, priority=priority))
@@ -143,18 +155,31 @@ class SampleHooks:
 
 def _reason_of(failure: str) -> str:
     head = failure.split(":", 1)[0].strip()
-    return head if head in (DiscardReason.REWARD_ERROR, DiscardReason.REWARD_TIMEOUT) else DiscardReason.REWARD_ERROR
+    return (
+        head
+        if head in (DiscardReason.REWARD_ERROR, DiscardReason.REWARD_TIMEOUT)
+        else DiscardReason.REWARD_ERROR
+    )
 
 
-async def run_rollout(rollout: Rollout, prompt: PreparedPrompt, env: Environment, server: InferenceServer,
-                      chat: ChatTokens, settings: RolloutSettings, hooks: SampleHooks) -> Rollout:
+async def run_rollout(
+    rollout: Rollout,
+    prompt: PreparedPrompt,
+    env: Environment,
+    server: InferenceServer,
+    chat: ChatTokens,
+    settings: RolloutSettings,
+    hooks: SampleHooks,
+) -> Rollout:
     """Generate every turn, then score. Fills ``rollout`` in place; never raises for user errors."""
     rollout.prompt_text, rollout.system_prompt = prompt.prompt_text, prompt.system_prompt
     state = env.create_initial_state(prompt.sample)
     messages, prompt_ids = list(prompt.messages), list(prompt.prompt_ids)
     hooks.generating.add(rollout.rollout_id)
     try:
-        await _generate_turns(rollout, state, messages, prompt_ids, env, server, chat, settings, hooks, prompt.ordinal)
+        await _generate_turns(
+            rollout, state, messages, prompt_ids, env, server, chat, settings, hooks, prompt.ordinal
+        )
     finally:
         hooks.generating.discard(rollout.rollout_id)
         rollout.generation_end_time = hooks.clock()
@@ -163,10 +188,14 @@ async def run_rollout(rollout: Rollout, prompt: PreparedPrompt, env: Environment
     hooks.on_generation_end(rollout)
     if rollout.status == RolloutStatus.DISCARDED:
         return rollout
-    outcome = await score_rollout(env, state, eos_token=settings.eos_token, timeout_s=settings.reward_timeout_s)
+    outcome = await score_rollout(
+        env, state, eos_token=settings.eos_token, timeout_s=settings.reward_timeout_s
+    )
     rollout.reward_time = outcome.elapsed_s
     if not outcome.ok:
-        rollout.mark(RolloutStatus.DISCARDED, _reason_of(outcome.failure_reason or ""), outcome.failure_reason or "")
+        rollout.mark(
+            RolloutStatus.DISCARDED, _reason_of(outcome.failure_reason or ""), outcome.failure_reason or ""
+        )
     else:
         result = outcome.result
         rollout.reward = float(result.total_reward)
@@ -176,45 +205,77 @@ async def run_rollout(rollout: Rollout, prompt: PreparedPrompt, env: Environment
     return rollout
 
 
-async def _generate_turns(rollout, state, messages, prompt_ids, env, server, chat, settings, hooks, ordinal) -> None:
-    base = Sampling(max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p or 1.0)
+async def _generate_turns(
+    rollout, state, messages, prompt_ids, env, server, chat, settings, hooks, ordinal
+) -> None:
+    base = Sampling(
+        max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p or 1.0
+    )
     index = 0
     while True:
         budget = min(settings.max_tokens, settings.max_model_len - len(prompt_ids))
         if budget <= 0:
             if index == 0:
-                rollout.mark(RolloutStatus.DISCARDED, DiscardReason.PROMPT_TOO_LONG,
-                             f"prompt of {len(prompt_ids)} tokens leaves no room below max_model_len "
-                             f"{settings.max_model_len}")
+                rollout.mark(
+                    RolloutStatus.DISCARDED,
+                    DiscardReason.PROMPT_TOO_LONG,
+                    f"prompt of {len(prompt_ids)} tokens leaves no room below max_model_len "
+                    f"{settings.max_model_len}",
+                )
             else:
                 rollout.stop_reason = "context_exhausted"
             return
-        turn = Turn(index, prompt_ids, max_tokens=budget, start_version=hooks.current_version(),
-                    start_time=hooks.clock())
+        turn = Turn(
+            index,
+            prompt_ids,
+            max_tokens=budget,
+            start_version=hooks.current_version(),
+            start_time=hooks.clock(),
+        )
         if index == 0:
             rollout.first_start_version = turn.start_version
         try:
-            seed = None if settings.seed is None else sampling_seed(settings.seed, ordinal, rollout.sample_idx, index)
-            result = await server.generate(prompt_ids, replace(base, max_tokens=budget, seed=seed), priority=-index)
+            seed = (
+                None
+                if settings.seed is None
+                else sampling_seed(settings.seed, ordinal, rollout.sample_idx, index)
+            )
+            result = await server.generate(
+                prompt_ids, replace(base, max_tokens=budget, seed=seed), priority=-index
+            )
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            rollout.mark(RolloutStatus.DISCARDED, DiscardReason.GENERATION_ERROR,
-                         f"server {server.name}: {type(err).__name__}: {err}"[:2000])
+            rollout.mark(
+                RolloutStatus.DISCARDED,
+                DiscardReason.GENERATION_ERROR,
+                f"server {server.name}: {type(err).__name__}: {err}"[:2000],
+            )
             return
         turn.end_version, turn.end_time = hooks.current_version(), hooks.clock()
         if result.finish_reason == "abort":  # the server dropped the request (restart, abort route)
-            rollout.mark(RolloutStatus.DISCARDED, DiscardReason.GENERATION_ERROR, f"server {server.name} aborted the request")
+            rollout.mark(
+                RolloutStatus.DISCARDED,
+                DiscardReason.GENERATION_ERROR,
+                f"server {server.name} aborted the request",
+            )
             return
         turn.completion_ids, turn.logprobs = list(result.token_ids), list(result.logprobs)
         turn.finish_reason = str(result.finish_reason or "")
         turn.server_weight_versions = list(result.weight_versions or [])
         turn.completion_text = strip_eos(chat.decode(turn.completion_ids), settings.eos_token)
         assistant = {"role": "assistant", "content": turn.completion_text}
-        state.add_step(TrajectoryStep(prompt=list(messages), completion=[assistant], prompt_token_ids=list(prompt_ids),
-                                      completion_token_ids=list(turn.completion_ids),
-                                      completion_logprobs=list(turn.logprobs),
-                                      is_truncated=turn.finish_reason == "length", finish_reason=turn.finish_reason))
+        state.add_step(
+            TrajectoryStep(
+                prompt=list(messages),
+                completion=[assistant],
+                prompt_token_ids=list(prompt_ids),
+                completion_token_ids=list(turn.completion_ids),
+                completion_logprobs=list(turn.logprobs),
+                is_truncated=turn.finish_reason == "length",
+                finish_reason=turn.finish_reason,
+            )
+        )
         rollout.turns.append(turn)
         try:
             append_turn_tokens(rollout, turn)
@@ -226,10 +287,23 @@ async def _generate_turns(rollout, state, messages, prompt_ids, env, server, cha
             env_msgs = await env.env_response([*messages, assistant], state)
             turn.env_time = hooks.clock() - env_start
             done, reason = env.is_done(state)
-            turn.tool_calls = [ToolCall(c.tool_name, c.arguments, c.result, c.success, c.error or "",
-                                        {"raw_text": c.raw_text, "exit_code": c.exit_code, "truncated": c.truncated,
-                                         "result_tokens": c.result_tokens, "sandbox_id": c.sandbox_id})
-                               for c in state.pop_pending_tool_calls()]
+            turn.tool_calls = [
+                ToolCall(
+                    c.tool_name,
+                    c.arguments,
+                    c.result,
+                    c.success,
+                    c.error or "",
+                    {
+                        "raw_text": c.raw_text,
+                        "exit_code": c.exit_code,
+                        "truncated": c.truncated,
+                        "result_tokens": c.result_tokens,
+                        "sandbox_id": c.sandbox_id,
+                    },
+                )
+                for c in state.pop_pending_tool_calls()
+            ]
             if done:
                 if turn.finish_reason == "length" or not env.is_multi_turn:
                     rollout.stop_reason = turn.finish_reason or "stop"
@@ -241,10 +315,17 @@ async def _generate_turns(rollout, state, messages, prompt_ids, env, server, cha
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            rollout.mark(RolloutStatus.DISCARDED, DiscardReason.ENV_ERROR,
-                         f"environment {env.name}: {type(err).__name__}: {err}"[:2000])
+            rollout.mark(
+                RolloutStatus.DISCARDED,
+                DiscardReason.ENV_ERROR,
+                f"environment {env.name}: {type(err).__name__}: {err}"[:2000],
+            )
             return
         running = [*prompt_ids, *turn.completion_ids]
-        next_ids = chat.next_turn_ids(running, turn.completion_ids, turn.env_messages) if settings.interleaved else None
+        next_ids = (
+            chat.next_turn_ids(running, turn.completion_ids, turn.env_messages)
+            if settings.interleaved
+            else None
+        )
         prompt_ids = next_ids if next_ids is not None else chat.render(messages)
         index += 1

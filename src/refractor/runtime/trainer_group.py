@@ -43,8 +43,14 @@ class TrainerActor:
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         from refractor.trainer import Trainer
 
-        self.trainer = Trainer(self.cfg, self.rank, self.world_size, master_addr=master_addr,
-                               master_port=master_port, run_dir=self.run_dir)
+        self.trainer = Trainer(
+            self.cfg,
+            self.rank,
+            self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            run_dir=self.run_dir,
+        )
         return {"rank": self.rank, "device": str(self.trainer.device), "node": ray.util.get_node_ip_address()}
 
     def init_weight_sync(self, servers: list[tuple[str, str]], eval_servers: list[str]) -> None:
@@ -53,9 +59,13 @@ class TrainerActor:
         from refractor.inference.weight_transfer import ServerRef, WeightSender
 
         refs = [ServerRef(name, url) for name, url in servers]
-        self.sender = WeightSender.from_config(self.cfg, refs, eval_servers=eval_servers,
-                                               master_address=ray.util.get_node_ip_address(),
-                                               device=self.trainer.device)
+        self.sender = WeightSender.from_config(
+            self.cfg,
+            refs,
+            eval_servers=eval_servers,
+            master_address=ray.util.get_node_ip_address(),
+            device=self.trainer.device,
+        )
         self.sender.init()
 
     def train_step(self, batch) -> StepResult:
@@ -69,9 +79,14 @@ class TrainerActor:
                 pass
             return {}
         result = self.sender.push(buckets, version, target)
-        return {"start": start, "end": time.time(), "push_seconds": result.seconds,
-                "transfer_seconds": result.transfer_seconds, "trainer_seconds": result.trainer_seconds,
-                "paused_seconds": result.paused_seconds}
+        return {
+            "start": start,
+            "end": time.time(),
+            "push_seconds": result.seconds,
+            "transfer_seconds": result.transfer_seconds,
+            "trainer_seconds": result.trainer_seconds,
+            "paused_seconds": result.paused_seconds,
+        }
 
     def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> str:
         extra = {"orchestrator.json": json.dumps(orchestrator_state)}
@@ -102,8 +117,12 @@ class RayTrainerGroup:
         self.world_size = reservation.count
         self.actors = [
             TrainerActor.options(
-                num_cpus=reservation.cpus, num_gpus=reservation.gpus, name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(reservation.group, placement_group_bundle_index=rank),
+                num_cpus=reservation.cpus,
+                num_gpus=reservation.gpus,
+                name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    reservation.group, placement_group_bundle_index=rank
+                ),
             ).remote(cfg, rank, self.world_size, run_dir)
             for rank in range(self.world_size)
         ]
@@ -129,13 +148,23 @@ class RayTrainerGroup:
         from refractor.algorithms.packing import pack_train_batch
 
         batch = await asyncio.to_thread(
-            pack_train_batch, samples, step=step, seq_len=self.cfg.seq_len,
-            pad_to_multiple_of=self.cfg.pad_to_multiple_of, pad_token_id=self.pad_token_id,
-            num_dp_ranks=self.world_size, number_of_minibatches=self.cfg.number_of_minibatches,
-            aggregation=LossSettings.from_config(self.cfg).aggregation, max_tokens=self.cfg.max_tokens)
+            pack_train_batch,
+            samples,
+            step=step,
+            seq_len=self.cfg.seq_len,
+            pad_to_multiple_of=self.cfg.pad_to_multiple_of,
+            pad_token_id=self.pad_token_id,
+            num_dp_ranks=self.world_size,
+            number_of_minibatches=self.cfg.number_of_minibatches,
+            aggregation=LossSettings.from_config(self.cfg).aggregation,
+            max_tokens=self.cfg.max_tokens,
+        )
         batch_ref = ray.put(batch)
-        results = await await_ranks([a.train_step.remote(batch_ref) for a in self.actors], f"train_step (step {step})",
-                                    self.call_timeout_s)
+        results = await await_ranks(
+            [a.train_step.remote(batch_ref) for a in self.actors],
+            f"train_step (step {step})",
+            self.call_timeout_s,
+        )
         result = results[0]
         result.metrics.update(batch.metrics)
         for other in results[1:]:
@@ -143,19 +172,36 @@ class RayTrainerGroup:
         return result
 
     async def update_weights(self, version: int, target: str = "full") -> list[TimelineEvent]:
-        stats = await await_ranks([a.sync_weights.remote(version, target) for a in self.actors],
-                                  f"the weight sync to version {version}", self.call_timeout_s)
+        stats = await await_ranks(
+            [a.sync_weights.remote(version, target) for a in self.actors],
+            f"the weight sync to version {version}",
+            self.call_timeout_s,
+        )
         s = stats[0]
-        return [TimelineEvent("weight_sync", s["start"], s["end"], component="trainer",
-                              attrs={"version": version, "target": target, "push_seconds": s["push_seconds"],
-                                     "transfer_seconds": s["transfer_seconds"],
-                                     # the trainer's whole time in the sync, and how long the servers were paused
-                                     "trainer_seconds": s.get("trainer_seconds", s["end"] - s["start"]),
-                                     "paused_seconds": s.get("paused_seconds", s["push_seconds"])})]
+        return [
+            TimelineEvent(
+                "weight_sync",
+                s["start"],
+                s["end"],
+                component="trainer",
+                attrs={
+                    "version": version,
+                    "target": target,
+                    "push_seconds": s["push_seconds"],
+                    "transfer_seconds": s["transfer_seconds"],
+                    # the trainer's whole time in the sync, and how long the servers were paused
+                    "trainer_seconds": s.get("trainer_seconds", s["end"] - s["start"]),
+                    "paused_seconds": s.get("paused_seconds", s["push_seconds"]),
+                },
+            )
+        ]
 
     async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None:
-        await await_ranks([a.save_checkpoint.remote(step, orchestrator_state) for a in self.actors],
-                          f"the checkpoint of step {step}", self.call_timeout_s)
+        await await_ranks(
+            [a.save_checkpoint.remote(step, orchestrator_state) for a in self.actors],
+            f"the checkpoint of step {step}",
+            self.call_timeout_s,
+        )
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         with contextlib.suppress(Exception):  # best effort; the actors are killed next

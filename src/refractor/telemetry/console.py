@@ -43,8 +43,15 @@ def step_summary(metrics: dict[str, float]) -> dict[str, float | None]:
 
 
 class ConsoleSink:
-    def __init__(self, total_steps: int, quiet: bool = False, console: Console | None = None,
-                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic, first_step: int = 0) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        quiet: bool = False,
+        console: Console | None = None,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        first_step: int = 0,
+    ) -> None:
         self.total_steps = total_steps
         self.clock = clock
         self.stream = stream or sys.stdout
@@ -55,13 +62,22 @@ class ConsoleSink:
         self._progress: Progress | None = None
         if not self.quiet:
             self._progress = Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=24),
-                TextColumn("reward [cyan]{task.fields[reward]}[/]  KL [magenta]{task.fields[kl]}[/]  "
-                           "tok/s [green]{task.fields[tps]}[/]"),
-                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=self.console, transient=False)
-            self._task = self._progress.add_task("train", total=total_steps, completed=first_step,
-                                                 reward="-", kl="-", tps="-")
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(bar_width=24),
+                TextColumn(
+                    "reward [cyan]{task.fields[reward]}[/]  KL [magenta]{task.fields[kl]}[/]  "
+                    "tok/s [green]{task.fields[tps]}[/]"
+                ),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._progress.add_task(
+                "train", total=total_steps, completed=first_step, reward="-", kl="-", tps="-"
+            )
             self._progress.start()
 
     def eta_seconds(self, steps_done: int) -> float | None:
@@ -82,7 +98,9 @@ class ConsoleSink:
             if not metric.startswith(("num_", "timing_")) and metric != "policy_version":
                 by_eval.setdefault(name, []).append(f"{metric}={value:.3f}")
         for name, parts in by_eval.items():
-            self.console.print(f"eval {name} @ step {step}: " + " ".join(parts), highlight=False, soft_wrap=True)
+            self.console.print(
+                f"eval {name} @ step {step}: " + " ".join(parts), highlight=False, soft_wrap=True
+            )
 
     def log_step(self, step: int, metrics: dict[str, float], rollouts: list[Any] | None = None) -> None:
         s = step_summary(metrics)
@@ -90,8 +108,10 @@ class ConsoleSink:
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, reward=reward, kl=kl, tps=tps)
         else:
-            line = (f"step {step + 1}/{self.total_steps} reward={reward} kl={kl} tokens/s={tps} "
-                    f"eta={_eta(self.eta_seconds(step + 1))}")
+            line = (
+                f"step {step + 1}/{self.total_steps} reward={reward} kl={kl} tokens/s={tps} "
+                f"eta={_eta(self.eta_seconds(step + 1))}"
+            )
             self.stream.write(line + "\n")
             self.stream.flush()
 

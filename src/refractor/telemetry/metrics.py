@@ -71,7 +71,9 @@ def _population_metrics(rows: list[RolloutSummary], prefix: str) -> dict[str, fl
         return out
     out |= _stats(f"{prefix}reward_sum", [r.reward for r in rows])
     for name in sorted({m for r in rows for m in r.sample_metrics}):
-        out |= _stats(f"{prefix}reward_{name}", [r.sample_metrics[name] for r in rows if name in r.sample_metrics])
+        out |= _stats(
+            f"{prefix}reward_{name}", [r.sample_metrics[name] for r in rows if name in r.sample_metrics]
+        )
     out |= _stats(f"{prefix}advantage", [r.advantage for r in rows])
     out |= _stats(f"{prefix}length_prompt", [r.prompt_tokens for r in rows])
     out |= _stats(f"{prefix}length_completion", [r.completion_tokens for r in rows])
@@ -82,7 +84,9 @@ def _population_metrics(rows: list[RolloutSummary], prefix: str) -> dict[str, fl
     ginis = _mean_defined(gini(ls) for ls in lengths)
     if ginis is not None:
         out[f"{prefix}group_length_gini_mean"] = ginis
-    ratio = _mean_defined(max(ls) / statistics.median(ls) if statistics.median(ls) > 0 else None for ls in lengths)
+    ratio = _mean_defined(
+        max(ls) / statistics.median(ls) if statistics.median(ls) > 0 else None for ls in lengths
+    )
     if ratio is not None:
         out[f"{prefix}group_length_max_median_ratio_mean"] = ratio
     off = [float(r.off_policy_steps) for r in rows]
@@ -90,8 +94,11 @@ def _population_metrics(rows: list[RolloutSummary], prefix: str) -> dict[str, fl
     out[f"{prefix}off_policy_steps_std"] = statistics.stdev(off) if len(off) > 1 else 0.0
     if not prefix:
         cv = _mean_defined(
-            (statistics.stdev(ls) / statistics.fmean(ls)) if len(ls) > 1 and statistics.fmean(ls) > 0 else None
-            for ls in lengths)
+            (statistics.stdev(ls) / statistics.fmean(ls))
+            if len(ls) > 1 and statistics.fmean(ls) > 0
+            else None
+            for ls in lengths
+        )
         if cv is not None:
             out["group_length_cv_mean"] = cv
         rg = _mean_defined(gini([r.reward for r in g]) for g in groups.values())
@@ -121,8 +128,12 @@ def rollout_step_metrics(rows: Iterable[RolloutSummary]) -> dict[str, float]:
         zero_groups = list(_by_group(r for r in discarded if r.reason == "zero_advantage").values())
         if zero_groups:
             out["discarded_zero_advantage_all_zero_pct"] = (
-                100.0 * sum(all(r.reward == 0 for r in g) for g in zero_groups) / len(zero_groups))
+                100.0 * sum(all(r.reward == 0 for r in g) for g in zero_groups) / len(zero_groups)
+            )
             out["discarded_zero_advantage_all_positive_pct"] = (
-                100.0 * sum(all(r.reward > 0 for r in g) for g in zero_groups) / len(zero_groups))
-            out["discarded_zero_advantage_mean_reward"] = statistics.fmean(r.reward for g in zero_groups for r in g)
+                100.0 * sum(all(r.reward > 0 for r in g) for g in zero_groups) / len(zero_groups)
+            )
+            out["discarded_zero_advantage_mean_reward"] = statistics.fmean(
+                r.reward for g in zero_groups for r in g
+            )
     return out

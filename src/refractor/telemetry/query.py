@@ -32,8 +32,15 @@ def list_runs(runs_dir: str | Path) -> list[RunInfo]:
     for db in sorted(Path(runs_dir).glob("*/run.db")):
         with RunReader(db.parent) as r:
             meta = r.meta()
-            out.append(RunInfo(str(meta.get("run_name", db.parent.name)), db.parent, str(meta.get("status", "unknown")),
-                               float(meta.get("created_at", 0.0)), r.last_step()))
+            out.append(
+                RunInfo(
+                    str(meta.get("run_name", db.parent.name)),
+                    db.parent,
+                    str(meta.get("status", "unknown")),
+                    float(meta.get("created_at", 0.0)),
+                    r.last_step(),
+                )
+            )
     return sorted(out, key=lambda i: i.created_at, reverse=True)
 
 
@@ -84,10 +91,16 @@ class RunReader:
 
     def step_times(self) -> dict[int, float]:
         """When each step's metrics were logged (the end of its weight update), by step."""
-        return {r["step"]: r["t"] for r in self._rows(
-            "SELECT step, MAX(time) AS t FROM step_metrics WHERE name NOT LIKE 'eval/%' GROUP BY step")}
+        return {
+            r["step"]: r["t"]
+            for r in self._rows(
+                "SELECT step, MAX(time) AS t FROM step_metrics WHERE name NOT LIKE 'eval/%' GROUP BY step"
+            )
+        }
 
-    def rollouts(self, step: int | None = None, status: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    def rollouts(
+        self, step: int | None = None, status: str | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
         clauses, args = [], []
         if step is not None:
             clauses.append("step = ?")
@@ -95,7 +108,11 @@ class RunReader:
         if status is not None:
             clauses.append("status = ?")
             args.append(status)
-        sql = "SELECT * FROM rollouts" + (f" WHERE {' AND '.join(clauses)}" if clauses else "") + " ORDER BY rollout_id"
+        sql = (
+            "SELECT * FROM rollouts"
+            + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
+            + " ORDER BY rollout_id"
+        )
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         rows = self._rows(sql, tuple(args))
@@ -107,20 +124,35 @@ class RunReader:
 
     def rollout_summaries(self, step: int) -> list[RolloutSummary]:
         """Rows of one step in the shape :func:`refractor.telemetry.metrics.rollout_step_metrics` takes."""
-        return [RolloutSummary(r["group_id"], r["status"], r["reason"], r["reward"], r["advantage"], r["prompt_tokens"],
-                               r["completion_tokens"], r["stop_reason"], r["off_policy_steps"], r["sample_metrics"])
-                for r in self.rollouts(step=step)]
+        return [
+            RolloutSummary(
+                r["group_id"],
+                r["status"],
+                r["reason"],
+                r["reward"],
+                r["advantage"],
+                r["prompt_tokens"],
+                r["completion_tokens"],
+                r["stop_reason"],
+                r["off_policy_steps"],
+                r["sample_metrics"],
+            )
+            for r in self.rollouts(step=step)
+        ]
 
     def turns(self, rollout_id: int) -> list[dict[str, Any]]:
         rows = self._rows("SELECT * FROM turns WHERE rollout_id = ? ORDER BY turn_idx", (rollout_id,))
-        calls = self._rows("SELECT * FROM tool_calls WHERE rollout_id = ? ORDER BY turn_idx, call_idx", (rollout_id,))
+        calls = self._rows(
+            "SELECT * FROM tool_calls WHERE rollout_id = ? ORDER BY turn_idx, call_idx", (rollout_id,)
+        )
         for r in rows:
             r["env_messages"] = json.loads(r["env_messages"])
             r["tool_calls"] = [c for c in calls if c["turn_idx"] == r["turn_idx"]]
         return rows
 
-    def timeline(self, start: float | None = None, end: float | None = None,
-                 component: str | None = None) -> list[dict[str, Any]]:
+    def timeline(
+        self, start: float | None = None, end: float | None = None, component: str | None = None
+    ) -> list[dict[str, Any]]:
         """Events overlapping [start, end] (either bound optional), by start time."""
         clauses, args = [], []
         if start is not None:
@@ -132,7 +164,11 @@ class RunReader:
         if component is not None:
             clauses.append("component = ?")
             args.append(component)
-        sql = "SELECT * FROM events" + (f" WHERE {' AND '.join(clauses)}" if clauses else "") + " ORDER BY start, id"
+        sql = (
+            "SELECT * FROM events"
+            + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
+            + " ORDER BY start, id"
+        )
         rows = self._rows(sql, tuple(args))
         for r in rows:
             r["attrs"] = json.loads(r["attrs"])

@@ -22,24 +22,39 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-GAUGES = {"num_requests_running": "requests_running", "num_requests_waiting": "requests_waiting",
-          "kv_cache_usage_perc": "cache_usage"}
-COUNTERS = {"request_success_total": "requests_total", "prompt_tokens_total": "prompt_tokens_total",
-            "generation_tokens_total": "generation_tokens_total", "num_preemptions_total": "preemptions_total",
-            "prefix_cache_hits_total": "cache_hits_total", "prefix_cache_queries_total": "cache_queries_total",
-            "engine_steps_total": "engine_steps_total", "engine_busy_seconds_total": "engine_busy_seconds_total"}
-MEANS = {"time_to_first_token_seconds": "ttft_mean", "e2e_request_latency_seconds": "e2e_latency_mean",
-         "inter_token_latency_seconds": "itl_mean", "request_queue_time_seconds": "queue_time_mean",
-         "request_inference_time_seconds": "inference_time_mean", "request_prefill_time_seconds": "prefill_time_mean",
-         "request_decode_time_seconds": "decode_time_mean", "iteration_tokens_total": "iteration_tokens_mean",
-         "request_generation_tokens": "generation_tokens_per_request_mean",
-         "request_prompt_tokens": "prompt_tokens_per_request_mean"}
+GAUGES = {
+    "num_requests_running": "requests_running",
+    "num_requests_waiting": "requests_waiting",
+    "kv_cache_usage_perc": "cache_usage",
+}
+COUNTERS = {
+    "request_success_total": "requests_total",
+    "prompt_tokens_total": "prompt_tokens_total",
+    "generation_tokens_total": "generation_tokens_total",
+    "num_preemptions_total": "preemptions_total",
+    "prefix_cache_hits_total": "cache_hits_total",
+    "prefix_cache_queries_total": "cache_queries_total",
+    "engine_steps_total": "engine_steps_total",
+    "engine_busy_seconds_total": "engine_busy_seconds_total",
+}
+MEANS = {
+    "time_to_first_token_seconds": "ttft_mean",
+    "e2e_request_latency_seconds": "e2e_latency_mean",
+    "inter_token_latency_seconds": "itl_mean",
+    "request_queue_time_seconds": "queue_time_mean",
+    "request_inference_time_seconds": "inference_time_mean",
+    "request_prefill_time_seconds": "prefill_time_mean",
+    "request_decode_time_seconds": "decode_time_mean",
+    "iteration_tokens_total": "iteration_tokens_mean",
+    "request_generation_tokens": "generation_tokens_per_request_mean",
+    "request_prompt_tokens": "prompt_tokens_per_request_mean",
+}
 
 
 def _short(name: str) -> str:
     for prefix in ("vllm:", "refractor:"):
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return name
 
 
@@ -55,7 +70,9 @@ def server_metrics(samples: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def rates(previous: Mapping[str, float] | None, current: Mapping[str, float], seconds: float) -> dict[str, float]:
+def rates(
+    previous: Mapping[str, float] | None, current: Mapping[str, float], seconds: float
+) -> dict[str, float]:
     """Rates from counter deltas between two scrapes ``seconds`` apart (empty on the first scrape or a restart)."""
     if not previous or seconds <= 0:
         return {}
@@ -81,9 +98,20 @@ class ServerMetricsScraper:
     this loop, decides whether it is dead); the first failure per server is logged once.
     """
 
-    def __init__(self, servers: Sequence[Any], log_metrics: Callable[[str, dict[str, float], float], None],
-                 interval_s: float, clock: Callable[[], float] = time.time, timeout_s: float | None = None):
-        self.servers, self.log_metrics, self.interval_s, self.clock = list(servers), log_metrics, interval_s, clock
+    def __init__(
+        self,
+        servers: Sequence[Any],
+        log_metrics: Callable[[str, dict[str, float], float], None],
+        interval_s: float,
+        clock: Callable[[], float] = time.time,
+        timeout_s: float | None = None,
+    ):
+        self.servers, self.log_metrics, self.interval_s, self.clock = (
+            list(servers),
+            log_metrics,
+            interval_s,
+            clock,
+        )
         self.timeout_s = timeout_s if timeout_s is not None else max(interval_s, 1.0)
         self._last: dict[str, tuple[float, dict[str, float]]] = {}
         self._warned: set[str] = set()
@@ -97,12 +125,16 @@ class ServerMetricsScraper:
         except Exception as err:  # noqa: BLE001 - telemetry never stops a run
             if server.name not in self._warned:
                 self._warned.add(server.name)
-                log.warning("metrics of %s could not be read (%r); skipping it until it answers", server.name, err)
+                log.warning(
+                    "metrics of %s could not be read (%r); skipping it until it answers", server.name, err
+                )
             return
         now = self.clock()
         metrics = server_metrics(samples)
         previous = self._last.get(server.name)
-        metrics.update(rates(previous[1] if previous else None, metrics, now - previous[0] if previous else 0.0))
+        metrics.update(
+            rates(previous[1] if previous else None, metrics, now - previous[0] if previous else 0.0)
+        )
         self._last[server.name] = (now, metrics)
         if metrics:
             self.log_metrics(f"inference:{server.name}", metrics, now)

@@ -77,27 +77,86 @@ def _json(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
 
 
-def rollout_rows(rollouts: Iterable[Any], trainer_step: int, inference_step: int) -> list[tuple[str, list[tuple]]]:
+def rollout_rows(
+    rollouts: Iterable[Any], trainer_step: int, inference_step: int
+) -> list[tuple[str, list[tuple]]]:
     """(sql, rows) pairs that store each rollout with its turns, tool calls and sample metrics."""
     ro, tu, tc, sm = [], [], [], []
     for r in rollouts:
         status = str(r.status)
         step = r_step(r, inference_step)
-        ro.append((
-            r.rollout_id, r.group_id, r.sample_idx, r.env_name, status, r.reason, r.error, step, trainer_step,
-            inference_step, r.prompt_text, r.system_prompt, r.completion_text, len(r.prompt_ids),
-            r.num_completion_tokens, len(r.prompt_ids) + len(r.completion_ids), r.num_turns, r.stop_reason,
-            r.reward, r.advantage, _json(r.sample_metrics), _json(r.golden_answers), r.start_version,
-            r.end_version, r.off_policy_steps, r.lane, r.server, int(r.retokenized), r.dispatch_time,
-            r.generation_end_time, r.finish_time, r.reward_time, r.prompt_index, r.prompt_ordinal,
-            token_blob(r.completion_ids)))
+        ro.append(
+            (
+                r.rollout_id,
+                r.group_id,
+                r.sample_idx,
+                r.env_name,
+                status,
+                r.reason,
+                r.error,
+                step,
+                trainer_step,
+                inference_step,
+                r.prompt_text,
+                r.system_prompt,
+                r.completion_text,
+                len(r.prompt_ids),
+                r.num_completion_tokens,
+                len(r.prompt_ids) + len(r.completion_ids),
+                r.num_turns,
+                r.stop_reason,
+                r.reward,
+                r.advantage,
+                _json(r.sample_metrics),
+                _json(r.golden_answers),
+                r.start_version,
+                r.end_version,
+                r.off_policy_steps,
+                r.lane,
+                r.server,
+                int(r.retokenized),
+                r.dispatch_time,
+                r.generation_end_time,
+                r.finish_time,
+                r.reward_time,
+                r.prompt_index,
+                r.prompt_ordinal,
+                token_blob(r.completion_ids),
+            )
+        )
         sm += [(r.rollout_id, step, status, k, float(v)) for k, v in r.sample_metrics.items()]
         for t in r.turns:
-            tu.append((r.rollout_id, t.index, t.completion_text, len(t.prompt_ids), len(t.completion_ids),
-                       t.finish_reason, t.max_tokens, t.start_version, t.end_version, t.start_time, t.end_time,
-                       _json(t.env_messages), t.env_time))
-            tc += [(r.rollout_id, t.index, i, c.tool_name, c.arguments, c.result, int(c.success), c.error,
-                    _json(c.raw)) for i, c in enumerate(t.tool_calls)]
+            tu.append(
+                (
+                    r.rollout_id,
+                    t.index,
+                    t.completion_text,
+                    len(t.prompt_ids),
+                    len(t.completion_ids),
+                    t.finish_reason,
+                    t.max_tokens,
+                    t.start_version,
+                    t.end_version,
+                    t.start_time,
+                    t.end_time,
+                    _json(t.env_messages),
+                    t.env_time,
+                )
+            )
+            tc += [
+                (
+                    r.rollout_id,
+                    t.index,
+                    i,
+                    c.tool_name,
+                    c.arguments,
+                    c.result,
+                    int(c.success),
+                    c.error,
+                    _json(c.raw),
+                )
+                for i, c in enumerate(t.tool_calls)
+            ]
     return [
         ("INSERT OR REPLACE INTO rollouts VALUES (" + ",".join("?" * 35) + ")", ro),
         ("INSERT OR REPLACE INTO turns VALUES (" + ",".join("?" * 13) + ")", tu),
@@ -131,7 +190,9 @@ def r_step(rollout: Any, inference_step: int) -> int:
 class RunStore:
     """Single writer of one run's database. Safe to call from the event loop (never blocks on I/O)."""
 
-    def __init__(self, run_dir: str | Path, config: Mapping[str, Any] | None = None, run_name: str | None = None) -> None:
+    def __init__(
+        self, run_dir: str | Path, config: Mapping[str, Any] | None = None, run_name: str | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "run.db"
@@ -142,8 +203,14 @@ class RunStore:
         self._thread = threading.Thread(target=self._writer, name="refractor-run-store", daemon=True)
         self._thread.start()
         # first open creates the run; a resumed run keeps its creation time but is running again
-        self.set_meta({"schema_version": SCHEMA_VERSION, "run_name": run_name or self.run_dir.name,
-                       "created_at": time.time()}, replace_existing=False)
+        self.set_meta(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "run_name": run_name or self.run_dir.name,
+                "created_at": time.time(),
+            },
+            replace_existing=False,
+        )
         self.set_meta({"status": "running", **({"config": dict(config)} if config is not None else {})})
 
     # --- public API (enqueue only) ---
@@ -151,7 +218,9 @@ class RunStore:
         verb = "INSERT OR REPLACE" if replace_existing else "INSERT OR IGNORE"
         self._put(f"{verb} INTO meta VALUES (?, ?)", [(k, _json(v)) for k, v in items.items()])
 
-    def log_step_metrics(self, step: int, metrics: Mapping[str, float], timestamp: float | None = None) -> None:
+    def log_step_metrics(
+        self, step: int, metrics: Mapping[str, float], timestamp: float | None = None
+    ) -> None:
         ts = time.time() if timestamp is None else timestamp
         rows = [(step, k, None if v is None else float(v), ts) for k, v in metrics.items()]
         self._put("INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?)", rows)
@@ -164,12 +233,21 @@ class RunStore:
         self.log_events([event], step)
 
     def log_events(self, events: Iterable[TimelineEvent], step: int | None = None) -> None:
-        rows = [(e.name, e.component, e.attrs.get("step", step), e.start, e.end, _json(e.attrs)) for e in events]
-        self._put('INSERT INTO events (name, component, step, start, "end", attrs) VALUES (?,?,?,?,?,?)', rows)
+        rows = [
+            (e.name, e.component, e.attrs.get("step", step), e.start, e.end, _json(e.attrs)) for e in events
+        ]
+        self._put(
+            'INSERT INTO events (name, component, step, start, "end", attrs) VALUES (?,?,?,?,?,?)', rows
+        )
 
-    def log_system_metrics(self, source: str, metrics: Mapping[str, float], timestamp: float | None = None) -> None:
+    def log_system_metrics(
+        self, source: str, metrics: Mapping[str, float], timestamp: float | None = None
+    ) -> None:
         ts = time.time() if timestamp is None else timestamp
-        self._put("INSERT INTO system_metrics VALUES (?,?,?,?)", [(ts, source, k, float(v)) for k, v in metrics.items()])
+        self._put(
+            "INSERT INTO system_metrics VALUES (?,?,?,?)",
+            [(ts, source, k, float(v)) for k, v in metrics.items()],
+        )
 
     def flush(self, timeout: float | None = 30.0) -> None:
         """Block until everything enqueued so far is committed (not for the event loop's hot path)."""

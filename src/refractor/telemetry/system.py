@@ -41,7 +41,7 @@ class SystemSampler:
         self._last = now
         mem = _meminfo(self.proc)
         if "MemTotal" in mem and "MemAvailable" in mem:
-            gb = 1024 ** 3
+            gb = 1024**3
             used = mem["MemTotal"] - mem["MemAvailable"]
             out["system_memory_used_gb"] = used / gb
             out["system_memory_available_gb"] = mem["MemAvailable"] / gb

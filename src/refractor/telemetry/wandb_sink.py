@@ -11,22 +11,42 @@ import os
 from pathlib import Path
 from typing import Any
 
-TABLE_COLUMNS = ["step", "group_id", "rollout_id", "env", "prompt", "completion", "reward", "advantage",
-                 "num_turns", "stop_reason", "off_policy_steps"]
+TABLE_COLUMNS = [
+    "step",
+    "group_id",
+    "rollout_id",
+    "env",
+    "prompt",
+    "completion",
+    "reward",
+    "advantage",
+    "num_turns",
+    "stop_reason",
+    "off_policy_steps",
+]
 
 
 def import_wandb() -> Any:
     try:
         import wandb
     except ImportError:
-        raise RuntimeError("`use_wandb: true` needs the wandb package: pip install 'refractor[wandb]' "
-                           "(or set `use_wandb: false`; the local run store is always written)") from None
+        raise RuntimeError(
+            "`use_wandb: true` needs the wandb package: pip install 'refractor[wandb]' "
+            "(or set `use_wandb: false`; the local run store is always written)"
+        ) from None
     return wandb
 
 
 class WandbSink:
-    def __init__(self, project: str, run_name: str, tags: list[str], config: dict[str, Any] | None = None,
-                 run_dir: str | Path | None = None, table_rows: int = 16) -> None:
+    def __init__(
+        self,
+        project: str,
+        run_name: str,
+        tags: list[str],
+        config: dict[str, Any] | None = None,
+        run_dir: str | Path | None = None,
+        table_rows: int = 16,
+    ) -> None:
         self.wandb = import_wandb()
         project = os.environ.get("WANDB_PROJECT", project)
         run_name = os.environ.get("WANDB_RUN_NAME", run_name)
@@ -34,7 +54,12 @@ class WandbSink:
             tags = [t.strip() for t in os.environ["WANDB_TAGS"].split(",") if t.strip()]
         self.table_rows = table_rows
         self._eval_axis = False
-        kwargs: dict[str, Any] = {"project": project, "name": run_name, "tags": list(tags), "config": config or {}}
+        kwargs: dict[str, Any] = {
+            "project": project,
+            "name": run_name,
+            "tags": list(tags),
+            "config": config or {},
+        }
         if run_dir is not None:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             kwargs["dir"] = str(run_dir)
@@ -42,7 +67,9 @@ class WandbSink:
 
     @classmethod
     def from_config(cls, cfg: Any, run_dir: str | Path | None = None) -> WandbSink:
-        return cls(cfg.wandb_project, cfg.wandb_run_name, list(cfg.wandb_tags), cfg.model_dump(mode="json"), run_dir)
+        return cls(
+            cfg.wandb_project, cfg.wandb_run_name, list(cfg.wandb_tags), cfg.model_dump(mode="json"), run_dir
+        )
 
     def log_step(self, step: int, metrics: dict[str, float], rollouts: list[Any] | None = None) -> None:
         data: dict[str, Any] = dict(metrics)
@@ -51,8 +78,19 @@ class WandbSink:
         if rollouts:
             table = self.wandb.Table(columns=TABLE_COLUMNS)
             for r in rollouts[: self.table_rows]:
-                table.add_data(step, r.group_id, r.rollout_id, r.env_name, r.prompt_text, r.completion_text,
-                               r.reward, r.advantage, r.num_turns, r.stop_reason, r.off_policy_steps)
+                table.add_data(
+                    step,
+                    r.group_id,
+                    r.rollout_id,
+                    r.env_name,
+                    r.prompt_text,
+                    r.completion_text,
+                    r.reward,
+                    r.advantage,
+                    r.num_turns,
+                    r.stop_reason,
+                    r.off_policy_steps,
+                )
             data["rollouts"] = table
         self.run.log(data, step=step)
 

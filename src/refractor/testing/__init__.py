@@ -13,6 +13,13 @@ from refractor.testing.tiny_models import (
 )
 
 __all__ = [
-    "QWEN25_05B_SHAPE", "QWEN25_15B_SHAPE", "TinyModelSpec", "build_tiny_model", "build_tokenizer",
-    "qwen25_shaped", "tiny_llama", "tiny_qwen2", "tiny_qwen3",
+    "QWEN25_05B_SHAPE",
+    "QWEN25_15B_SHAPE",
+    "TinyModelSpec",
+    "build_tiny_model",
+    "build_tokenizer",
+    "qwen25_shaped",
+    "tiny_llama",
+    "tiny_qwen2",
+    "tiny_qwen3",
 ]

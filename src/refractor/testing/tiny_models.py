@@ -182,8 +182,13 @@ def tiny_llama(**overrides: Any) -> Path:
     overrides.setdefault("tie_word_embeddings", False)
     overrides.setdefault(
         "rope_scaling",
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 256},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
     )
     overrides.setdefault("rope_theta", 500000.0)
     return build_tiny_model(TinyModelSpec(arch="llama", **overrides))
@@ -194,14 +199,32 @@ def tiny_qwen3(**overrides: Any) -> Path:
 
 
 QWEN25_05B_SHAPE = TinyModelSpec(
-    arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
-    max_position_embeddings=32768, rope_theta=1000000.0, vocab_size=151936, torch_dtype="bfloat16",
+    arch="qwen2",
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    vocab_size=151936,
+    torch_dtype="bfloat16",
 )
 QWEN25_15B_SHAPE = TinyModelSpec(
-    arch="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-    num_attention_heads=12, num_key_value_heads=2, head_dim=128, tie_word_embeddings=True,
-    max_position_embeddings=32768, rope_theta=1000000.0, vocab_size=151936, torch_dtype="bfloat16",
+    arch="qwen2",
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    head_dim=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    vocab_size=151936,
+    torch_dtype="bfloat16",
 )
 
 

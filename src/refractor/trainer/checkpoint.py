@@ -75,14 +75,18 @@ def resolve_checkpoint_step(root: str | Path, which: int | str | bool) -> int:
     if which is True or which == "latest":
         step = latest_checkpoint(root)
         if step is None:
-            raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint (step_N with {META_FILE}) in {root}")
+            raise CheckpointError(
+                f"resume_from_checkpoint: no complete checkpoint (step_N with {META_FILE}) in {root}"
+            )
         return step
     if isinstance(which, bool) or not isinstance(which, int):
         raise CheckpointError(f"checkpoint selector must be 'latest', true or a step number, got {which!r}")
     if not is_complete_checkpoint(checkpoint_path(root, which)):
         have = list_checkpoints(root)
-        raise CheckpointError(f"resume_from_checkpoint: {checkpoint_path(root, which)} is missing or incomplete "
-                              f"(complete checkpoints: {have or 'none'})")
+        raise CheckpointError(
+            f"resume_from_checkpoint: {checkpoint_path(root, which)} is missing or incomplete "
+            f"(complete checkpoints: {have or 'none'})"
+        )
     return which
 
 
@@ -106,7 +110,9 @@ def retained_steps(steps: list[int], current: int, keep_last: int | None, keep_e
     return keep
 
 
-def apply_retention(root: str | Path, current: int, keep_last: int | None, keep_every: int | None) -> list[int]:
+def apply_retention(
+    root: str | Path, current: int, keep_last: int | None, keep_every: int | None
+) -> list[int]:
     """Delete complete checkpoints that retention does not keep; returns the deleted steps."""
     steps = list_checkpoints(root)
     doomed = sorted(set(steps) - retained_steps(steps, current, keep_last, keep_every))
@@ -166,8 +172,14 @@ def save_checkpoint(
             _check_extra_name(name)
             target = tmp / name
             target.write_bytes(content if isinstance(content, bytes) else content.encode())
-        full_meta = {"format": CHECKPOINT_FORMAT, "step": step, "backend": "fsdp",
-                     "world_size": dist.get_world_size(), "training_state": "optimizer" in state, **meta}
+        full_meta = {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "backend": "fsdp",
+            "world_size": dist.get_world_size(),
+            "training_state": "optimizer" in state,
+            **meta,
+        }
         _write_json_durably(tmp / META_FILE, full_meta)
         _replace_dir(tmp, final)
         if after_rename is not None:
@@ -182,8 +194,10 @@ def load_checkpoint_state(path: str | Path, state: dict[str, Any], *, restore_rn
     if restore_rng:
         rng_file = Path(path) / f"rng_state_rank_{dist.get_rank()}.pt"
         if not rng_file.is_file():
-            raise CheckpointError(f"{rng_file} is missing: the checkpoint was saved by a different number of "
-                                  "ranks or without training state")
+            raise CheckpointError(
+                f"{rng_file} is missing: the checkpoint was saved by a different number of "
+                "ranks or without training state"
+            )
         set_rng_state(torch.load(rng_file, weights_only=False))
 
 
@@ -200,8 +214,10 @@ def copy_hf_meta(model_dir: str | Path, out: Path) -> None:
 
 def _check_extra_name(name: str) -> None:
     if "/" in name or name.startswith(".") or name in (META_FILE, HF_META_DIR) or name.endswith(".distcp"):
-        raise ValueError(f"extra checkpoint file name {name!r} is not allowed (plain file names only, not "
-                         f"{META_FILE}, {HF_META_DIR}, .metadata or *.distcp)")
+        raise ValueError(
+            f"extra checkpoint file name {name!r} is not allowed (plain file names only, not "
+            f"{META_FILE}, {HF_META_DIR}, .metadata or *.distcp)"
+        )
 
 
 def _write_json_durably(path: Path, payload: dict[str, Any]) -> None:

@@ -17,8 +17,14 @@ from typing import Any
 
 import typer
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*$", re.IGNORECASE)
 
 
@@ -42,7 +48,7 @@ def read_checkpoint_weights(checkpoint: str | Path) -> dict[str, Any]:
     weights = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
-            weights[key[len("model."):]] = torch.empty(item.size, dtype=item.properties.dtype)
+            weights[key[len("model.") :]] = torch.empty(item.size, dtype=item.properties.dtype)
     if not weights:
         raise ValueError(f"{checkpoint}: the checkpoint holds no model weights")
     with warnings.catch_warnings():  # "no process group, assuming one process": exactly the intent
@@ -51,8 +57,14 @@ def read_checkpoint_weights(checkpoint: str | Path) -> dict[str, Any]:
     return weights
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "auto", max_shard_size: str = "5GB",
-              overwrite: bool = False) -> Path:
+def export_hf(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "auto",
+    max_shard_size: str = "5GB",
+    overwrite: bool = False,
+) -> Path:
     """Write an HF directory for ``checkpoint`` (a ``step_<N>`` directory) into ``out``; returns ``out``."""
     import torch
     from safetensors.torch import save_file
@@ -92,8 +104,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "auto", m
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(out / file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     for f in hf_meta.iterdir():
         if f.is_file() and f.name != "config.json":
@@ -122,7 +136,9 @@ def convert_command(
     checkpoint: str = typer.Argument(..., help="A checkpoint directory, e.g. runs/x/checkpoints/step_50."),
     out: str = typer.Argument(..., help="Output directory for the Hugging Face model."),
     dtype: str = typer.Option("auto", help="auto (the base model's dtype), float32, bfloat16 or float16."),
-    max_shard_size: str = typer.Option("5GB", help="Largest safetensors file; bigger models are split with an index."),
+    max_shard_size: str = typer.Option(
+        "5GB", help="Largest safetensors file; bigger models are split with an index."
+    ),
     overwrite: bool = typer.Option(False, help="Replace a model already in OUT."),
 ) -> None:
     """Convert a native checkpoint to an HF directory (safetensors + config + tokenizer)."""

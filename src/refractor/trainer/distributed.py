@@ -60,7 +60,9 @@ def init_distributed(
     if not 0 <= rank < world_size:
         raise ValueError(f"trainer rank {rank} is outside world_size {world_size}")
     addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = master_port or int(os.environ.get("MASTER_PORT", 0)) or (_free_port() if world_size == 1 else 29500)
+    port = (
+        master_port or int(os.environ.get("MASTER_PORT", 0)) or (_free_port() if world_size == 1 else 29500)
+    )
     backend = "nccl" if dev.type == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend,

@@ -48,6 +48,8 @@ def build_optimizer(
     return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=fused or None)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: LRSchedule
+) -> torch.optim.lr_scheduler.LambdaLR:
     # A LambdaLR even for "none": one code path, and its state (last_epoch) checkpoints uniformly.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule)

@@ -41,7 +41,7 @@ _WEIGHT_GLOBS = ("*.safetensors", "*.bin")
 
 def hf_name(name: str) -> str:
     """``lm.model.layers.0...`` -> ``model.layers.0...`` (the checkpoint / export name)."""
-    return name[len(LM_PREFIX):] if name.startswith(LM_PREFIX) else name
+    return name[len(LM_PREFIX) :] if name.startswith(LM_PREFIX) else name
 
 
 class PolicyModel(nn.Module):
@@ -61,8 +61,9 @@ class PolicyModel(nn.Module):
 
             # Built here, outside the checkpointed layers: on CUDA it makes the row's FlexAttention
             # block mask once (compiled kernel) for every layer and for the recompute.
-            attention = PackedAttention(document_ids=mb.document_ids, cu_seqlens=mb.cu_seqlens,
-                                        max_seqlen=mb.max_seqlen or None)
+            attention = PackedAttention(
+                document_ids=mb.document_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen or None
+            )
             return self.lm(mb.input_ids, mb.position_ids, attention=attention)
         out = self.lm.model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None], use_cache=False)
         return out.last_hidden_state[0]
@@ -72,11 +73,14 @@ class PolicyModel(nn.Module):
             return self.lm.lm_head_weight()
         return self.lm.get_output_embeddings().weight
 
-    def forward(self, mb: MicroBatch, temperature: float, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, mb: MicroBatch, temperature: float, chunk_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-prob, entropy), each [T] fp32, aligned with ``mb.input_ids`` (records.py)."""
         hidden = self.hidden_states(mb)
-        return token_logprobs_and_entropy(hidden, self.lm_head_weight(), mb.input_ids,
-                                          temperature=temperature, chunk_size=chunk_size)
+        return token_logprobs_and_entropy(
+            hidden, self.lm_head_weight(), mb.input_ids, temperature=temperature, chunk_size=chunk_size
+        )
 
 
 # ---------------------------------------------------------------- construction
@@ -95,18 +99,29 @@ def choose_impl(model_dir: Path, impl: ModelImpl) -> Literal["native", "hf"]:
         ModelConfig.from_hf(read_hf_config(model_dir))
         return "native"
     except (UnsupportedModelError, KeyError) as err:
-        log.info("trainer: %s is not covered by the native model (%s); using HF AutoModelForCausalLM", model_dir, err)
+        log.info(
+            "trainer: %s is not covered by the native model (%s); using HF AutoModelForCausalLM",
+            model_dir,
+            err,
+        )
         return "hf"
 
 
 def load_lm(
-    model_dir: Path, impl: Literal["native", "hf"], dtype: torch.dtype, device: torch.device,
-    *, random_init: bool = False, seed: int = 0,
+    model_dir: Path,
+    impl: Literal["native", "hf"],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    random_init: bool = False,
+    seed: int = 0,
 ) -> nn.Module:
     """Load the HF checkpoint at ``model_dir`` (or random weights from its config) on ``device``."""
     if not random_init and not _has_weights(model_dir):
-        raise FileNotFoundError(f"{model_dir} has no weights (*.safetensors / *.bin); "
-                                "pass random_init=True to initialize from config.json only")
+        raise FileNotFoundError(
+            f"{model_dir} has no weights (*.safetensors / *.bin); "
+            "pass random_init=True to initialize from config.json only"
+        )
     torch.manual_seed(seed)
     if impl == "native":
         from refractor.models import build_model, load_model, read_hf_config
@@ -170,8 +185,15 @@ def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool | str,
 def _saved_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps: matmuls and attention kernels."""
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
     ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
     if hasattr(torch.ops.higher_order, "flex_attention"):
         ops.add(torch.ops.higher_order.flex_attention)
@@ -190,6 +212,7 @@ def _checkpointed(forward, selective: bool = False):
     ``noop_context_fn`` when it is passed explicitly from a closure (it arrives as a lazy variable),
     so the compiled full-checkpoint layer failed to trace on the GPU while the selective one traced."""
     if not selective:
+
         def checkpointed_forward(*args, **kwargs):
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
@@ -202,8 +225,13 @@ def _checkpointed(forward, selective: bool = False):
     return selective_forward
 
 
-def shard_model(model: PolicyModel, *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype,
-                keep_unsharded: bool = False) -> None:
+def shard_model(
+    model: PolicyModel,
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype,
+    keep_unsharded: bool = False,
+) -> None:
     """FSDP2: one unit per decoder layer plus the root (embedding, final norm, LM head).
 
     Gradients are SUMMED over ranks (divide factor 1): the loss is already normalized by the

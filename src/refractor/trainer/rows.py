@@ -54,9 +54,14 @@ def concat_rows(rows: list[MicroBatch]) -> MicroBatch:
 
     return replace(
         first,
-        input_ids=cat("input_ids"), position_ids=cat("position_ids"), document_ids=torch.cat(documents),
-        cu_seqlens=torch.cat(cu), loss_mask=cat("loss_mask"), advantages=cat("advantages"),
-        rollout_logprobs=cat("rollout_logprobs"), sample_ids=[i for mb in rows for i in mb.sample_ids],
+        input_ids=cat("input_ids"),
+        position_ids=cat("position_ids"),
+        document_ids=torch.cat(documents),
+        cu_seqlens=torch.cat(cu),
+        loss_mask=cat("loss_mask"),
+        advantages=cat("advantages"),
+        rollout_logprobs=cat("rollout_logprobs"),
+        sample_ids=[i for mb in rows for i in mb.sample_ids],
         max_seqlen=max(mb.max_seqlen for mb in rows),
     )
 
@@ -80,11 +85,13 @@ def pad_row(mb: MicroBatch, multiple: int, pad_token_id: int) -> MicroBatch:
     return replace(
         mb,
         input_ids=extend(mb.input_ids, pad_token_id),
-        position_ids=torch.cat([mb.position_ids, torch.arange(pad, dtype=mb.position_ids.dtype,
-                                                              device=mb.position_ids.device)]),
+        position_ids=torch.cat(
+            [mb.position_ids, torch.arange(pad, dtype=mb.position_ids.dtype, device=mb.position_ids.device)]
+        ),
         document_ids=extend(mb.document_ids, -1),
         cu_seqlens=torch.cat([cu, cu.new_tensor([length + pad])]),
-        loss_mask=extend(mb.loss_mask, 0), advantages=extend(mb.advantages, 0),
+        loss_mask=extend(mb.loss_mask, 0),
+        advantages=extend(mb.advantages, 0),
         rollout_logprobs=extend(mb.rollout_logprobs, 0),
         max_seqlen=max(mb.max_seqlen, pad),
     )

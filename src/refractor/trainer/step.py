@@ -47,16 +47,23 @@ class StepSettings:
     pass_pad_multiple: int = 0  # every pass is padded to a multiple of this (static compiled shapes); 0 = off
 
     @classmethod
-    def from_config(cls, cfg, pad_token_id: int, on_cuda: bool = True, compiled: bool = False) -> StepSettings:
+    def from_config(
+        cls, cfg, pad_token_id: int, on_cuda: bool = True, compiled: bool = False
+    ) -> StepSettings:
         """Rows are merged only on CUDA: there the attention is FlexAttention (cost ~ the tokens of each
         sample), while the CPU path builds a dense [T, T] mask per pass. Passes are padded to static
         lengths only for compiled layers (eager kernels take any length at no cost)."""
         uses_ratio = cfg.use_ppo_clip or cfg.algorithm in RATIO_ALGORITHMS
-        return cls(temperature=cfg.temperature, chunk_size=cfg.entropy_chunk_size, grad_clip=cfg.grad_clip,
-                   batch_ref_logprobs=cfg.ppo_clip_ref_logprobs == "batch" and uses_ratio,
-                   pad_token_id=pad_token_id, pad_to_multiple_of=min(cfg.pad_to_multiple_of, 64),
-                   max_tokens_per_forward=getattr(cfg, "trainer_max_tokens_per_forward", 0) if on_cuda else 0,
-                   pass_pad_multiple=getattr(cfg, "trainer_pass_pad_multiple", 0) if compiled else 0)
+        return cls(
+            temperature=cfg.temperature,
+            chunk_size=cfg.entropy_chunk_size,
+            grad_clip=cfg.grad_clip,
+            batch_ref_logprobs=cfg.ppo_clip_ref_logprobs == "batch" and uses_ratio,
+            pad_token_id=pad_token_id,
+            pad_to_multiple_of=min(cfg.pad_to_multiple_of, 64),
+            max_tokens_per_forward=getattr(cfg, "trainer_max_tokens_per_forward", 0) if on_cuda else 0,
+            pass_pad_multiple=getattr(cfg, "trainer_pass_pad_multiple", 0) if compiled else 0,
+        )
 
 
 @dataclass
@@ -71,12 +78,24 @@ class StepOutcome:
 
 
 def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    move = {name: getattr(mb, name).to(device, non_blocking=True) for name in
-            ("input_ids", "position_ids", "document_ids", "cu_seqlens", "loss_mask", "advantages", "rollout_logprobs")}
+    move = {
+        name: getattr(mb, name).to(device, non_blocking=True)
+        for name in (
+            "input_ids",
+            "position_ids",
+            "document_ids",
+            "cu_seqlens",
+            "loss_mask",
+            "advantages",
+            "rollout_logprobs",
+        )
+    }
     return replace(mb, **move)
 
 
-def group_minibatches(rows: list[MicroBatch], settings: StepSettings, device: torch.device) -> list[list[MicroBatch]]:
+def group_minibatches(
+    rows: list[MicroBatch], settings: StepSettings, device: torch.device
+) -> list[list[MicroBatch]]:
     """Forward passes per minibatch (rows merged up to ``max_tokens_per_forward``, on the device),
     with the same number of minibatches and passes per minibatch on every rank."""
     local = max((mb.minibatch for mb in rows), default=-1) + 1
@@ -84,21 +103,37 @@ def group_minibatches(rows: list[MicroBatch], settings: StepSettings, device: to
     groups: list[list[MicroBatch]] = [[] for _ in range(num)]
     for mb in rows:
         groups[mb.minibatch].append(mb)
-    groups = [[to_device(pad_row(mb, settings.pass_pad_multiple, settings.pad_token_id), device)
-               for mb in merge_rows(group, settings.max_tokens_per_forward)] for group in groups]
+    groups = [
+        [
+            to_device(pad_row(mb, settings.pass_pad_multiple, settings.pad_token_id), device)
+            for mb in merge_rows(group, settings.max_tokens_per_forward)
+        ]
+        for group in groups
+    ]
     counts = all_reduce_(torch.tensor([len(g) for g in groups], device=device), dist.ReduceOp.MAX).tolist()
-    normalizers = all_reduce_(torch.tensor([g[0].loss_normalizer if g else 0.0 for g in groups],
-                                           dtype=torch.float64, device=device), dist.ReduceOp.MAX).tolist()
+    normalizers = all_reduce_(
+        torch.tensor(
+            [g[0].loss_normalizer if g else 0.0 for g in groups], dtype=torch.float64, device=device
+        ),
+        dist.ReduceOp.MAX,
+    ).tolist()
     for g, (group, count) in enumerate(zip(groups, counts, strict=True)):
         while len(group) < count:  # a rank without work still joins the collectives (loss exactly 0)
-            group.append(to_device(build_micro_batch([], settings.pad_to_multiple_of, settings.pad_token_id,
-                                                     g, normalizers[g]), device))
+            group.append(
+                to_device(
+                    build_micro_batch(
+                        [], settings.pad_to_multiple_of, settings.pad_token_id, g, normalizers[g]
+                    ),
+                    device,
+                )
+            )
     return groups
 
 
 @torch.no_grad()
-def reference_logprobs(model: PolicyModel, groups: list[list[MicroBatch]], settings: StepSettings,
-                       timer: StepTimer) -> list[list[torch.Tensor]]:
+def reference_logprobs(
+    model: PolicyModel, groups: list[list[MicroBatch]], settings: StepSettings, timer: StepTimer
+) -> list[list[torch.Tensor]]:
     """Pre-update log-probs of every row (the ratio reference with ``ppo_clip_ref_logprobs: batch``)."""
     out = []
     for g, group in enumerate(groups):
@@ -128,7 +163,9 @@ def run_step(
     with timer.span("data_to_device"):
         groups = group_minibatches(rows, settings, device)
     refs = reference_logprobs(model, groups, settings, timer) if settings.batch_ref_logprobs else None
-    outcome = StepOutcome(stats=LossStats.zeros(device), loss=torch.zeros((), dtype=torch.float64, device=device))
+    outcome = StepOutcome(
+        stats=LossStats.zeros(device), loss=torch.zeros((), dtype=torch.float64, device=device)
+    )
     params = [p for group in optimizer.param_groups for p in group["params"]]  # the sharded parameters
     for g, group in enumerate(groups):
         if not group:
@@ -140,9 +177,17 @@ def run_step(
             with timer.span("forward", minibatch=g, microbatch=i):
                 logprobs, entropy = model(mb, settings.temperature, settings.chunk_size)
             with timer.span("loss_computation", minibatch=g, microbatch=i):
-                out = policy_loss(logprobs, mb.rollout_logprobs, mb.advantages, mb.loss_mask, mb.document_ids,
-                                  loss_settings, mb.loss_normalizer, entropy=entropy,
-                                  ref_logprobs=None if refs is None else refs[g][i])
+                out = policy_loss(
+                    logprobs,
+                    mb.rollout_logprobs,
+                    mb.advantages,
+                    mb.loss_mask,
+                    mb.document_ids,
+                    loss_settings,
+                    mb.loss_normalizer,
+                    entropy=entropy,
+                    ref_logprobs=None if refs is None else refs[g][i],
+                )
             with timer.span("backward", minibatch=g, microbatch=i):
                 out.loss.backward()
             outcome.stats = outcome.stats + out.stats
@@ -196,14 +241,21 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 def _sharded_on_one_mesh(grad: torch.Tensor, first: torch.Tensor) -> bool:
     placements = getattr(grad, "placements", None)
-    return (placements is not None and grad.device_mesh == first.device_mesh and grad.device_mesh.ndim == 1
-            and all(pl.is_shard() for pl in placements))
+    return (
+        placements is not None
+        and grad.device_mesh == first.device_mesh
+        and grad.device_mesh.ndim == 1
+        and all(pl.is_shard() for pl in placements)
+    )
 
 
 def step_metrics(outcome: StepOutcome, loss_settings: LossSettings, device: torch.device) -> dict[str, float]:
     """Reference step metrics (token-weighted over micro-batches and ranks) plus trainer/... extras."""
-    counters = torch.tensor([outcome.loss.item(), outcome.rows, outcome.noop_rows, outcome.tokens],
-                            dtype=torch.float64, device=device)
+    counters = torch.tensor(
+        [outcome.loss.item(), outcome.rows, outcome.noop_rows, outcome.tokens],
+        dtype=torch.float64,
+        device=device,
+    )
     all_reduce_(outcome.stats.values)
     all_reduce_(counters)
     metrics = loss_metrics(outcome.stats, loss_settings)

@@ -59,7 +59,14 @@ class StepTimer:
         totals: dict[str, float] = defaultdict(float)
         for name, start, end, attrs in self._spans:
             s, e = self._offset(start), self._offset(end)
-            events.append(TimelineEvent(name=name, start=self._t0_wall + s, end=self._t0_wall + e,
-                                        component=self.component, attrs={**self.attrs, **attrs}))
+            events.append(
+                TimelineEvent(
+                    name=name,
+                    start=self._t0_wall + s,
+                    end=self._t0_wall + e,
+                    component=self.component,
+                    attrs={**self.attrs, **attrs},
+                )
+            )
             totals[f"timing_{name.replace('/', '_')}_total"] += e - s
         return events, dict(totals)

@@ -72,7 +72,9 @@ class Trainer:
         compile: bool | None = None,
     ):
         self.cfg = cfg
-        self.info = init_distributed(rank, world_size, master_addr=master_addr, master_port=master_port, device=device)
+        self.info = init_distributed(
+            rank, world_size, master_addr=master_addr, master_port=master_port, device=device
+        )
         self.rank, self.world_size, self.device = self.info.rank, self.info.world_size, self.info.device
         self.checkpoint_dir = checkpoint_root(cfg, run_dir)
 
@@ -81,38 +83,72 @@ class Trainer:
         self.hf_config = json.loads((source / "config.json").read_text())
         master, compute = _DTYPES[cfg.model_dtype], _DTYPES.get(cfg.mixed_precision_dtype or "")
         if not self.info.is_cuda and (master != torch.float32 or compute not in (None, torch.float32)):
-            log.info("trainer on CPU: mixed precision is slow or unsupported there; computing in float32 "
-                        "(model_dtype=%s, mixed_precision_dtype=%s ignored)", cfg.model_dtype, cfg.mixed_precision_dtype)
+            log.info(
+                "trainer on CPU: mixed precision is slow or unsupported there; computing in float32 "
+                "(model_dtype=%s, mixed_precision_dtype=%s ignored)",
+                cfg.model_dtype,
+                cfg.mixed_precision_dtype,
+            )
             master, compute = torch.float32, None
         self.master_dtype, self.compute_dtype = master, (None if compute == master else compute)
 
         self.impl = choose_impl(source, model_impl)
-        lm = load_lm(source, self.impl, master, self.device, random_init=random_init or init_checkpoint is not None,
-                     seed=cfg.seed)
+        lm = load_lm(
+            source,
+            self.impl,
+            master,
+            self.device,
+            random_init=random_init or init_checkpoint is not None,
+            seed=cfg.seed,
+        )
         self.model = PolicyModel(lm, self.impl)
         # ``trainer_compile`` applies on CUDA only (Inductor on CPU needs a C++ toolchain and gains little
         # there); an explicit ``compile=`` argument is obeyed on any device (tests trace on CPU).
-        self.compiled = (self.info.is_cuda and getattr(cfg, "trainer_compile", True)) if compile is None else compile
-        prepare_layers(self.model.layers, checkpoint_activations=cfg.activation_checkpointing, compile=self.compiled)
-        shard_model(self.model, param_dtype=self.compute_dtype, reduce_dtype=torch.float32,
-                    keep_unsharded=self.world_size == 1)
+        self.compiled = (
+            (self.info.is_cuda and getattr(cfg, "trainer_compile", True)) if compile is None else compile
+        )
+        prepare_layers(
+            self.model.layers, checkpoint_activations=cfg.activation_checkpointing, compile=self.compiled
+        )
+        shard_model(
+            self.model,
+            param_dtype=self.compute_dtype,
+            reduce_dtype=torch.float32,
+            keep_unsharded=self.world_size == 1,
+        )
         if init_checkpoint is not None:
             self.load_weights(init_checkpoint)
 
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.learning_rate, cfg.weight_decay,
-                                         fused=self.info.is_cuda)
-        self.scheduler = build_lr_scheduler(self.optimizer, LRSchedule(
-            cfg.lr_scheduler, cfg.warmup_steps, cfg.number_of_steps, cfg.min_lr_ratio))
+        self.optimizer = build_optimizer(
+            self.model.parameters(), cfg.learning_rate, cfg.weight_decay, fused=self.info.is_cuda
+        )
+        self.scheduler = build_lr_scheduler(
+            self.optimizer,
+            LRSchedule(cfg.lr_scheduler, cfg.warmup_steps, cfg.number_of_steps, cfg.min_lr_ratio),
+        )
         self.loss_settings = LossSettings.from_config(cfg)
         pad_id = self.hf_config.get("pad_token_id")
-        self.step_settings = StepSettings.from_config(cfg, pad_token_id=pad_id if isinstance(pad_id, int) else 0,
-                                                      on_cuda=self.info.is_cuda, compiled=self.compiled)
+        self.step_settings = StepSettings.from_config(
+            cfg,
+            pad_token_id=pad_id if isinstance(pad_id, int) else 0,
+            on_cuda=self.info.is_cuda,
+            compiled=self.compiled,
+        )
         self._step = 0
         self.skipped_updates = 0
-        log.info("trainer rank %d/%d on %s: %s model, master %s, compute %s, activation checkpointing %s, "
-                 "compiled layers %s, tokens per forward %s", self.rank, self.world_size, self.device, self.impl,
-                 master, self.compute_dtype or master, cfg.activation_checkpointing, self.compiled,
-                 self.step_settings.max_tokens_per_forward or "one row")
+        log.info(
+            "trainer rank %d/%d on %s: %s model, master %s, compute %s, activation checkpointing %s, "
+            "compiled layers %s, tokens per forward %s",
+            self.rank,
+            self.world_size,
+            self.device,
+            self.impl,
+            master,
+            self.compute_dtype or master,
+            cfg.activation_checkpointing,
+            self.compiled,
+            self.step_settings.max_tokens_per_forward or "one row",
+        )
 
     # ------------------------------------------------------------------ model source
     @staticmethod
@@ -138,8 +174,10 @@ class Trainer:
     def train_step(self, batch: TrainBatch) -> StepResult:
         """One step on this rank's micro-batches; every rank must call it with the same batch."""
         if len(batch.micro_batches) != self.world_size:
-            raise ValueError(f"TrainBatch for step {batch.step} has micro-batches for {len(batch.micro_batches)} "
-                             f"ranks; the trainer has {self.world_size} (pack with num_dp_ranks={self.world_size})")
+            raise ValueError(
+                f"TrainBatch for step {batch.step} has micro-batches for {len(batch.micro_batches)} "
+                f"ranks; the trainer has {self.world_size} (pack with num_dp_ranks={self.world_size})"
+            )
         if self.info.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         timer = StepTimer(self.device, attrs={"step": batch.step, "rank": self.rank})
@@ -147,10 +185,20 @@ class Trainer:
         wall = time.perf_counter()
         self.model.train()
         with timer.span("step"):
-            outcome = run_step(self.model, self.optimizer, batch, batch.micro_batches[self.rank],
-                               self.loss_settings, self.step_settings, timer, self.device)
+            outcome = run_step(
+                self.model,
+                self.optimizer,
+                batch,
+                batch.micro_batches[self.rank],
+                self.loss_settings,
+                self.step_settings,
+                timer,
+                self.device,
+            )
             with warnings.catch_warnings():  # a skipped (non-finite) first update is not a misuse
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+                warnings.filterwarnings(
+                    "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+                )
                 self.scheduler.step()
         metrics = step_metrics(outcome, self.loss_settings, self.device)
         events, timings = timer.finish()
@@ -158,13 +206,15 @@ class Trainer:
         self.skipped_updates += outcome.skipped_updates
         self._step += 1
         metrics.update(timings)
-        metrics.update({
-            "learning_rate": lr,
-            "timing_step_active": timings.get("timing_step_total", elapsed),
-            "timing_microbatch_count": float(outcome.rows),
-            "trainer/optimizer/skipped_updates_total": float(self.skipped_updates),
-            "trainer/throughput/tokens_per_s": metrics["trainer/batch/tokens"] / max(elapsed, 1e-9),
-        })
+        metrics.update(
+            {
+                "learning_rate": lr,
+                "timing_step_active": timings.get("timing_step_total", elapsed),
+                "timing_microbatch_count": float(outcome.rows),
+                "trainer/optimizer/skipped_updates_total": float(self.skipped_updates),
+                "trainer/throughput/tokens_per_s": metrics["trainer/batch/tokens"] / max(elapsed, 1e-9),
+            }
+        )
         if self.info.is_cuda:
             metrics["trainer/memory/peak_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return StepResult(step=batch.step, metrics=metrics, timeline=events)
@@ -174,8 +224,9 @@ class Trainer:
         name = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "bfloat16"
         return _DTYPES.get(name, torch.bfloat16)
 
-    def export_weight_buckets(self, bucket_mb: int | None = None, dtype: torch.dtype | None = None
-                              ) -> Iterator[WeightBucket]:
+    def export_weight_buckets(
+        self, bucket_mb: int | None = None, dtype: torch.dtype | None = None
+    ) -> Iterator[WeightBucket]:
         """Full weights with HF names in buckets of ``bucket_mb`` MiB (default ``weight_broadcast_bucket_mb``)
         cast to ``dtype`` (default: the checkpoint's dtype). Iterate on every rank; rank 0 gets the tensors."""
         mb = bucket_mb or self.cfg.weight_broadcast_bucket_mb
@@ -187,11 +238,15 @@ class Trainer:
 
     def _require_checkpoint_dir(self) -> Path:
         if self.checkpoint_dir is None:
-            raise ValueError("no checkpoint directory: set `checkpoint_dir` or `run_name` in the config, "
-                             "or pass run_dir= to Trainer")
+            raise ValueError(
+                "no checkpoint directory: set `checkpoint_dir` or `run_name` in the config, "
+                "or pass run_dir= to Trainer"
+            )
         return self.checkpoint_dir
 
-    def save_checkpoint(self, step: int | None = None, extra_files: Mapping[str, str | bytes] | None = None) -> Path:
+    def save_checkpoint(
+        self, step: int | None = None, extra_files: Mapping[str, str | bytes] | None = None
+    ) -> Path:
         """Save ``step_<step>`` (default: ``self.step``) atomically; call on every rank.
 
         With ``checkpoint_save_training_state`` the optimizer, LR scheduler and RNG states are
@@ -204,18 +259,33 @@ class Trainer:
         training_state = self.cfg.checkpoint_save_training_state
         if training_state:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": {hf_name(k): v for k, v in model_sd.items()}, "optimizer": optim_sd,
-                     "scheduler": self.scheduler.state_dict(),
-                     "trainer": {"step": self._step, "skipped_updates": self.skipped_updates}}
+            state = {
+                "model": {hf_name(k): v for k, v in model_sd.items()},
+                "optimizer": optim_sd,
+                "scheduler": self.scheduler.state_dict(),
+                "trainer": {"step": self._step, "skipped_updates": self.skipped_updates},
+            }
         else:
             state = {"model": self._hf_model_state(), "trainer": {"step": self._step}}
-        meta = {"base_model": self.cfg.model, "model_impl": self.impl, "model_dtype": str(self.master_dtype),
-                "trainer_step": self._step}
+        meta = {
+            "base_model": self.cfg.model,
+            "model_impl": self.impl,
+            "model_dtype": str(self.master_dtype),
+            "trainer_step": self._step,
+        }
         cfg = self.cfg
         return ckpt.save_checkpoint(
-            root, step, state, meta=meta, base_model_dir=self.model_dir, extra_files=extra_files,
+            root,
+            step,
+            state,
+            meta=meta,
+            base_model_dir=self.model_dir,
+            extra_files=extra_files,
             save_rng=training_state,
-            after_rename=lambda: ckpt.apply_retention(root, step, cfg.checkpoint_keep_last, cfg.checkpoint_keep_every))
+            after_rename=lambda: ckpt.apply_retention(
+                root, step, cfg.checkpoint_keep_last, cfg.checkpoint_keep_every
+            ),
+        )
 
     def load_checkpoint(self, which: int | str | bool = "latest") -> int:
         """Restore model, optimizer, scheduler, RNG and step from ``step_<N>`` (or the latest); returns N."""
@@ -223,15 +293,24 @@ class Trainer:
         step = ckpt.resolve_checkpoint_step(root, which)
         path = ckpt.checkpoint_path(root, step)
         if not ckpt.read_meta(path).get("training_state"):
-            raise ckpt.CheckpointError(f"{path} holds weights only (checkpoint_save_training_state was false) and "
-                                       f"cannot be resumed; start a new run from it with `model: {path}`")
+            raise ckpt.CheckpointError(
+                f"{path} holds weights only (checkpoint_save_training_state was false) and "
+                f"cannot be resumed; start a new run from it with `model: {path}`"
+            )
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": {hf_name(k): v for k, v in model_sd.items()}, "optimizer": optim_sd,
-                 "scheduler": self.scheduler.state_dict(), "trainer": {"step": 0, "skipped_updates": 0}}
+        state = {
+            "model": {hf_name(k): v for k, v in model_sd.items()},
+            "optimizer": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "trainer": {"step": 0, "skipped_updates": 0},
+        }
         ckpt.load_checkpoint_state(path, state, restore_rng=True)
-        set_state_dict(self.model, self.optimizer,
-                       model_state_dict={LM_PREFIX + k: v for k, v in state["model"].items()},
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict={LM_PREFIX + k: v for k, v in state["model"].items()},
+            optim_state_dict=state["optimizer"],
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         self._step = int(state["trainer"]["step"])
         self.skipped_updates = int(state["trainer"]["skipped_updates"])

@@ -53,8 +53,9 @@ class _Slot:
         return self.rows_per_rank * self.row_numel
 
 
-def _plan(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, world: int
-          ) -> Iterator[tuple[torch.dtype, list[_Slot]]]:
+def _plan(
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, world: int
+) -> Iterator[tuple[torch.dtype, list[_Slot]]]:
     """Buckets of slots, each with one dtype (a dtype change closes the bucket)."""
     slots: list[_Slot] = []
     size, offset, current = 0, 0, None
@@ -80,7 +81,9 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def iter_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+def iter_weight_buckets(
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[WeightBucket]:
     """Yield ``[(hf_name, full_tensor)]`` buckets; call on every rank, consume on rank 0.
 
     Tensors live on the training device; floating tensors are cast to ``dtype``. Every rank
@@ -90,17 +93,19 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype 
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    sharded = world > 1 and any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in model.parameters())
+    sharded = world > 1 and any(
+        isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in model.parameters()
+    )
     rank = dist.get_rank() if dist.is_initialized() else 0
     for target, slots in _plan(model, bucket_bytes, dtype, world if sharded else 1):
         device = _local(slots[0].param).device
         local = torch.zeros(sum(s.padded_numel for s in slots), dtype=target, device=device)
         shards = [_local(s.param).reshape(-1) for s in slots]
-        views = [local[s.offset:s.offset + shard.numel()] for s, shard in zip(slots, shards, strict=True)]
+        views = [local[s.offset : s.offset + shard.numel()] for s, shard in zip(slots, shards, strict=True)]
         torch._foreach_copy_(views, shards)  # cast + copy of every shard, a few kernels in all
         del views, shards
         if not sharded:  # one rank: the buffer holds the full tensors
-            yield [(s.name, local[s.offset:s.offset + s.padded_numel].view(s.shape)) for s in slots]
+            yield [(s.name, local[s.offset : s.offset + s.padded_numel].view(s.shape)) for s in slots]
             del local
             continue
         gathered = _all_gather(local, world)  # [world, numel]
@@ -126,8 +131,8 @@ def _all_gather(local: torch.Tensor, world: int) -> torch.Tensor:
 
 def _full_tensor(gathered: torch.Tensor, slot: _Slot) -> torch.Tensor:
     """Rank-major padded parts -> the full tensor (rows beyond dim 0 are padding)."""
-    parts = gathered[:, slot.offset:slot.offset + slot.padded_numel]
+    parts = gathered[:, slot.offset : slot.offset + slot.padded_numel]
     if not slot.shape:
         return parts[0, 0].clone()
-    rows = parts.reshape(-1, *slot.shape[1:])[:slot.shape[0]]
+    rows = parts.reshape(-1, *slot.shape[1:])[: slot.shape[0]]
     return rows.contiguous()

@@ -17,8 +17,10 @@ from refractor.envs.rewards import Rubric
 from refractor.envs.tool_env import ToolEnvironment
 from refractor.envs.tools import ToolCallFormat
 
-SYSTEM_PROMPT = ("You solve arithmetic problems exactly. Use the calculator tools for every operation, "
-                 "then give the final number inside <answer></answer> tags.")
+SYSTEM_PROMPT = (
+    "You solve arithmetic problems exactly. Use the calculator tools for every operation, "
+    "then give the final number inside <answer></answer> tags."
+)
 
 
 def add(a: float, b: float) -> float:
@@ -74,17 +76,29 @@ class CalculatorToolsEnvironment(ToolEnvironment):
     dataset_is_generated: ClassVar[bool] = True
     reward_min, reward_max = 0.0, 1.0
 
-    def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, max_turns: int = 6,
-                 tool_call_format: ToolCallFormat = "xml", num_problems: int = 1000, seed: int = 0,
-                 **kwargs: Any) -> None:
-        super().__init__(tools=[add, subtract, multiply, divide], max_turns=max_turns,
-                         tool_call_format=tool_call_format, system_prompt=system_prompt, **kwargs)
+    def __init__(
+        self,
+        system_prompt: str | None = SYSTEM_PROMPT,
+        max_turns: int = 6,
+        tool_call_format: ToolCallFormat = "xml",
+        num_problems: int = 1000,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            tools=[add, subtract, multiply, divide],
+            max_turns=max_turns,
+            tool_call_format=tool_call_format,
+            system_prompt=system_prompt,
+            **kwargs,
+        )
         self.num_problems, self.seed = num_problems, seed
         self.rubric = Rubric().add_reward(self.correct, range_min=0.0, range_max=1.0)
 
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
         "correct": {"min": 0.0, "max": 1.0, "invert": False},
-        "tool_success_rate": {"min": 0.0, "max": 1.0, "invert": False}}
+        "tool_success_rate": {"min": 0.0, "max": 1.0, "invert": False},
+    }
 
     def load_dataset(self, num_samples: int = -1, **kwargs: Any) -> list[Sample]:
         rng = random.Random(self.seed)
@@ -95,8 +109,11 @@ class CalculatorToolsEnvironment(ToolEnvironment):
             expression = f"({a} {op1} {b}) {op2} {c}"
             value = {"+": a + b, "-": a - b, "*": a * b}[op1]
             value = {"+": value + c, "-": value - c, "*": value * c, "/": value / c}[op2]
-            samples.append(Sample(prompt=f"Compute {expression}.", answer=repr(value),
-                                  metadata={"expression": expression}))
+            samples.append(
+                Sample(
+                    prompt=f"Compute {expression}.", answer=repr(value), metadata={"expression": expression}
+                )
+            )
         self._samples = samples
         return samples
 
@@ -107,5 +124,6 @@ class CalculatorToolsEnvironment(ToolEnvironment):
         return (1.0 if ok else 0.0), sample.answer
 
     async def compute_reward(self, state: RolloutState, eos_token: str = "") -> RewardResult:
-        return await self.rubric.score(state=state, eos_token=eos_token,
-                                       extra_sample_metrics=self.get_tool_metrics(state))
+        return await self.rubric.score(
+            state=state, eos_token=eos_token, extra_sample_metrics=self.get_tool_metrics(state)
+        )

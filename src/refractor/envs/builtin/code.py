@@ -42,22 +42,54 @@ class CodeEnvironment(SingleTurnEnvironment):
     needs_sandbox: ClassVar[bool] = True
     reward_min, reward_max = 0.0, 1.0
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
-        "passed": {"min": 0.0, "max": 1.0, "invert": False}, "pass_rate": {"min": 0.0, "max": 1.0, "invert": False},
-        "num_timeouts": {"min": 0.0, "max": None, "invert": True}}
+        "passed": {"min": 0.0, "max": 1.0, "invert": False},
+        "pass_rate": {"min": 0.0, "max": 1.0, "invert": False},
+        "num_timeouts": {"min": 0.0, "max": None, "invert": True},
+    }
 
-    def __init__(self, system_prompt: str | None = None, instruction_prompt: str | None = INSTRUCTION_PROMPT,
-                 dataset_name: str = DEFAULT_DATASET, dataset_subset: str | None = "code", dataset_split: str = "train",
-                 difficulty_key: str = "avg@8_qwen3_4b_instruct_2507", min_difficulty: float = 0.0,
-                 max_difficulty: float = 1.0, max_num_tests: int = 15, random_seed: int = 42,
-                 timeout_per_test: float = 10.0, test_workers: int = 2, memory_mb: int = 1024,
-                 sandbox_provider: str = "auto", allow_unisolated: bool = False, pool_size: int = 4,
-                 max_attempts: int = 2, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        system_prompt: str | None = None,
+        instruction_prompt: str | None = INSTRUCTION_PROMPT,
+        dataset_name: str = DEFAULT_DATASET,
+        dataset_subset: str | None = "code",
+        dataset_split: str = "train",
+        difficulty_key: str = "avg@8_qwen3_4b_instruct_2507",
+        min_difficulty: float = 0.0,
+        max_difficulty: float = 1.0,
+        max_num_tests: int = 15,
+        random_seed: int = 42,
+        timeout_per_test: float = 10.0,
+        test_workers: int = 2,
+        memory_mb: int = 1024,
+        sandbox_provider: str = "auto",
+        allow_unisolated: bool = False,
+        pool_size: int = 4,
+        max_attempts: int = 2,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(system_prompt=system_prompt, instruction_prompt=instruction_prompt, **kwargs)
-        self.dataset_name, self.dataset_subset, self.dataset_split = dataset_name, dataset_subset, dataset_split
-        self.difficulty_key, self.min_difficulty, self.max_difficulty = difficulty_key, min_difficulty, max_difficulty
+        self.dataset_name, self.dataset_subset, self.dataset_split = (
+            dataset_name,
+            dataset_subset,
+            dataset_split,
+        )
+        self.difficulty_key, self.min_difficulty, self.max_difficulty = (
+            difficulty_key,
+            min_difficulty,
+            max_difficulty,
+        )
         self.max_num_tests, self.random_seed = max_num_tests, random_seed
-        self.timeout_per_test, self.test_workers, self.max_attempts = timeout_per_test, test_workers, max_attempts
-        self.sandbox_provider, self.allow_unisolated, self.pool_size = sandbox_provider, allow_unisolated, pool_size
+        self.timeout_per_test, self.test_workers, self.max_attempts = (
+            timeout_per_test,
+            test_workers,
+            max_attempts,
+        )
+        self.sandbox_provider, self.allow_unisolated, self.pool_size = (
+            sandbox_provider,
+            allow_unisolated,
+            pool_size,
+        )
         self.sandbox_config = SandboxConfig(memory_mb=memory_mb, cpu_time_s=max(1, int(timeout_per_test) + 1))
         self._pool: SandboxPool | None = None
         self._pool_loop: asyncio.AbstractEventLoop | None = None
@@ -86,8 +118,11 @@ class CodeEnvironment(SingleTurnEnvironment):
             return None
         chosen = sorted(rng.sample(range(len(inputs)), min(self.max_num_tests, len(inputs))))
         fn_name = tests.get("fn_name") or info.get("fn_name") or ""
-        metadata = {"tests": [[inputs[i], outputs[i]] for i in chosen], "fn_name": fn_name,
-                    "source": str(info.get("source", ""))}
+        metadata = {
+            "tests": [[inputs[i], outputs[i]] for i in chosen],
+            "fn_name": fn_name,
+            "source": str(info.get("source", "")),
+        }
         return Sample(prompt=str(row["question"]), answer="", metadata=metadata)
 
     # ----- sandboxes -------------------------------------------------------------------------
@@ -96,7 +131,10 @@ class CodeEnvironment(SingleTurnEnvironment):
         if self._pool is None or self._pool_loop is not loop:  # pools are bound to one event loop
             provider_kwargs = {"allow_unisolated": True} if self.allow_unisolated else {}
             provider = get_provider(self.sandbox_provider, **provider_kwargs)
-            self._pool, self._pool_loop = SandboxPool(provider, self.sandbox_config, size=self.pool_size), loop
+            self._pool, self._pool_loop = (
+                SandboxPool(provider, self.sandbox_config, size=self.pool_size),
+                loop,
+            )
         return self._pool
 
     async def prepare_resources(self) -> None:
@@ -113,10 +151,16 @@ class CodeEnvironment(SingleTurnEnvironment):
         code = extract_program(strip_eos(completion, eos_token or self.eos_token))
         metrics: dict[str, float] = {"generated_code_chars": float(len(code or "")), "sandbox_error": 0.0}
         if not code:
-            metrics.update(passed=0.0, pass_rate=0.0, num_test_cases=0.0, total_reward_time=time.perf_counter() - start)
-            return RewardResult(0.0, metrics, {"passed": None}, [info_turn("error", "no code block found", "stderr")])
+            metrics.update(
+                passed=0.0, pass_rate=0.0, num_test_cases=0.0, total_reward_time=time.perf_counter() - start
+            )
+            return RewardResult(
+                0.0, metrics, {"passed": None}, [info_turn("error", "no code block found", "stderr")]
+            )
         mode = "function" if sample.metadata.get("fn_name") else "stdin"
-        tests = [(decode_test_value(i, mode), decode_test_value(o, mode)) for i, o in sample.metadata["tests"]]
+        tests = [
+            (decode_test_value(i, mode), decode_test_value(o, mode)) for i, o in sample.metadata["tests"]
+        ]
         pool = self._current_pool()
         for attempt in range(self.max_attempts):
             acquire_start = time.perf_counter()
@@ -124,8 +168,15 @@ class CodeEnvironment(SingleTurnEnvironment):
             metrics["sandbox_acquire_time"] = time.perf_counter() - acquire_start
             try:
                 test_start = time.perf_counter()
-                outcomes = await run_tests(sandbox, code, tests, mode, sample.metadata.get("fn_name", ""),
-                                           self.timeout_per_test, self.test_workers)
+                outcomes = await run_tests(
+                    sandbox,
+                    code,
+                    tests,
+                    mode,
+                    sample.metadata.get("fn_name", ""),
+                    self.timeout_per_test,
+                    self.test_workers,
+                )
                 metrics["test_time"] = metrics["tests_execution_time"] = time.perf_counter() - test_start
                 break
             except SandboxError:
@@ -143,10 +194,12 @@ class CodeEnvironment(SingleTurnEnvironment):
     def _info_turns(code: str, outcomes: list) -> list[dict[str, Any]]:
         passed = [str(i) for i, o in enumerate(outcomes) if o.passed]
         failed = [f"{i}: {o.status}" for i, o in enumerate(outcomes) if not o.passed]
-        turns = [info_turn("generated_code", code[:INFO_LIMIT], "code"),
-                 info_turn("test_summary", f"{len(passed)}/{len(outcomes)} tests passed"),
-                 info_turn("passed_tests", ", ".join(passed)[:INFO_LIMIT]),
-                 info_turn("failed_tests", "; ".join(failed)[:INFO_LIMIT])]
+        turns = [
+            info_turn("generated_code", code[:INFO_LIMIT], "code"),
+            info_turn("test_summary", f"{len(passed)}/{len(outcomes)} tests passed"),
+            info_turn("passed_tests", ", ".join(passed)[:INFO_LIMIT]),
+            info_turn("failed_tests", "; ".join(failed)[:INFO_LIMIT]),
+        ]
         first_error = next((o.detail for o in outcomes if not o.passed and o.detail), "")
         if first_error:
             turns.append(info_turn("error", first_error[:INFO_LIMIT], "stderr"))

@@ -22,9 +22,10 @@ PRELUDE = (
     "import sys, os, math, re, string, random, heapq, bisect, itertools, functools, collections, json\n"
     "from typing import *\nfrom collections import *\nfrom itertools import *\nfrom functools import *\n"
     "from heapq import *\nfrom bisect import *\nfrom math import *\n"
-    "sys.setrecursionlimit(100000)\n")
+    "sys.setrecursionlimit(100000)\n"
+)
 
-FUNCTION_HARNESS = '''import io, json, sys
+FUNCTION_HARNESS = """import io, json, sys
 _args = json.loads(sys.stdin.read())
 _real_stdout, sys.stdout = sys.stdout, io.StringIO()
 _namespace = {"__name__": "solution"}
@@ -34,7 +35,7 @@ _target = getattr(_namespace["Solution"](), _fn_name) if "Solution" in _namespac
 _result = _target(*_args) if isinstance(_args, list) else _target(_args)
 sys.stdout = _real_stdout
 print(json.dumps(_result, default=repr))
-'''
+"""
 
 
 @dataclass
@@ -64,7 +65,9 @@ def stdout_matches(actual: str, expected: str) -> bool:
     tokens_a, tokens_e = actual.split(), expected.split()
     if tokens_a == tokens_e:
         return True
-    return len(tokens_a) == len(tokens_e) and all(a == e or _float_equal(a, e) for a, e in zip(tokens_a, tokens_e, strict=True))
+    return len(tokens_a) == len(tokens_e) and all(
+        a == e or _float_equal(a, e) for a, e in zip(tokens_a, tokens_e, strict=True)
+    )
 
 
 def _normalize(value: Any) -> Any:
@@ -119,11 +122,20 @@ def _judge(result: ExecResult, expected: Any, mode: str, duration: float) -> Tes
             ok = result_matches(json.loads(result.stdout.strip().splitlines()[-1]), expected)
         except (json.JSONDecodeError, IndexError):
             ok = False
-    return TestOutcome(ok, "passed" if ok else "failed", duration, "" if ok else f"got: {result.stdout[-300:]!r}")
+    return TestOutcome(
+        ok, "passed" if ok else "failed", duration, "" if ok else f"got: {result.stdout[-300:]!r}"
+    )
 
 
-async def run_tests(sandbox: Sandbox, code: str, tests: list[tuple[Any, Any]], mode: Literal["stdin", "function"],
-                    fn_name: str = "", timeout_per_test: float = 10.0, workers: int = 2) -> list[TestOutcome]:
+async def run_tests(
+    sandbox: Sandbox,
+    code: str,
+    tests: list[tuple[Any, Any]],
+    mode: Literal["stdin", "function"],
+    fn_name: str = "",
+    timeout_per_test: float = 10.0,
+    workers: int = 2,
+) -> list[TestOutcome]:
     """Write the program (with the import prelude) and run every test; infrastructure errors raise."""
     await sandbox.write_file("solution.py", PRELUDE + code)
     if mode == "function":
@@ -134,10 +146,15 @@ async def run_tests(sandbox: Sandbox, code: str, tests: list[tuple[Any, Any]], m
         async with limit:
             start = time.perf_counter()
             if mode == "stdin":
-                result = await sandbox.exec(["python", "solution.py"], stdin=str(test_input), timeout_s=timeout_per_test)
+                result = await sandbox.exec(
+                    ["python", "solution.py"], stdin=str(test_input), timeout_s=timeout_per_test
+                )
             else:
-                result = await sandbox.exec(["python", "harness.py", fn_name], stdin=json.dumps(test_input),
-                                            timeout_s=timeout_per_test)
+                result = await sandbox.exec(
+                    ["python", "harness.py", fn_name],
+                    stdin=json.dumps(test_input),
+                    timeout_s=timeout_per_test,
+                )
             return _judge(result, expected, mode, time.perf_counter() - start)
 
     return list(await asyncio.gather(*(one(i, o) for i, o in tests)))

@@ -27,23 +27,29 @@ DEFAULT_DATASET = "Jiayi-Pan/Countdown-Tasks-3to4"
 PROCEDURAL = "procedural"
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer.")
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer."
+)
 INSTRUCTION_PROMPT = (
     "Show your work in <think> </think> tags. And return the final equation in <answer> </answer> tags, "
-    "for example <answer> (1 + 2) / 3 </answer>.")
+    "for example <answer> (1 + 2) / 3 </answer>."
+)
 MAX_ANSWER_CHARS = 200
 _ALLOWED = re.compile(r"^[\d+\-*/().\s]+$")
 _FORMAT = re.compile(
-    r"^<think>((?:(?!</?think>).)*)</think>\s*<answer>((?:(?!</?answer>).)*)</answer>\s*$", re.DOTALL)
+    r"^<think>((?:(?!</?think>).)*)</think>\s*<answer>((?:(?!</?answer>).)*)</answer>\s*$", re.DOTALL
+)
 
 
 def question_text(nums: list[int], target: int) -> str:
-    return (f"Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
-            "operations (+, -, *, /) and each number can only be used once.")
+    return (
+        f"Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
+        "operations (+, -, *, /) and each number can only be used once."
+    )
 
 
 def evaluate_arithmetic(expression: str) -> float:
     """Value of an expression of numbers, + - * /, unary +/- and parentheses; anything else raises."""
+
     def walk(node: ast.AST) -> float:
         if isinstance(node, ast.Expression):
             return walk(node.body)
@@ -78,8 +84,13 @@ def equation_is_correct(answer: str | None, nums: list[int], target: float) -> b
     return abs(value - float(target)) < 1e-5
 
 
-def generate_problem(rng: random.Random, min_numbers: int = 3, max_numbers: int = 4,
-                     max_number: int = 99, max_target: int = 999) -> tuple[list[int], int, str]:
+def generate_problem(
+    rng: random.Random,
+    min_numbers: int = 3,
+    max_numbers: int = 4,
+    max_number: int = 99,
+    max_target: int = 999,
+) -> tuple[list[int], int, str]:
     """A solvable problem: numbers, target and one solution (every number used once)."""
     while True:
         nums = [rng.randint(1, max_number) for _ in range(rng.randint(min_numbers, max_numbers))]
@@ -103,12 +114,23 @@ class CountdownEnvironment(SingleTurnEnvironment):
     reward_min = 0.0
     reward_max = 2.0
 
-    def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, instruction_prompt: str | None = INSTRUCTION_PROMPT,
-                 dataset_name: str = DEFAULT_DATASET, dataset_subset: str | None = "default",
-                 dataset_split: str = "train", procedural_num_samples: int = 10000, seed: int = 0,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        system_prompt: str | None = SYSTEM_PROMPT,
+        instruction_prompt: str | None = INSTRUCTION_PROMPT,
+        dataset_name: str = DEFAULT_DATASET,
+        dataset_subset: str | None = "default",
+        dataset_split: str = "train",
+        procedural_num_samples: int = 10000,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(system_prompt=system_prompt, instruction_prompt=instruction_prompt, **kwargs)
-        self.dataset_name, self.dataset_subset, self.dataset_split = dataset_name, dataset_subset, dataset_split
+        self.dataset_name, self.dataset_subset, self.dataset_split = (
+            dataset_name,
+            dataset_subset,
+            dataset_split,
+        )
         self.procedural_num_samples, self.seed = procedural_num_samples, seed
         self.rubric = Rubric()
         self.rubric.add_reward(self._format_reward, range_min=0.0, range_max=1.0)

@@ -18,7 +18,8 @@ from refractor.envs.rewards import Rubric
 REQUIRED_PACKAGES = ["math-verify"]
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer.")
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer."
+)
 INSTRUCTION_PROMPT = "Show your work and put your final answer within \\boxed{}."
 
 
@@ -27,13 +28,22 @@ class MathEnvironment(SingleTurnEnvironment):
 
     strict_kwargs = True
     reward_min, reward_max = 0.0, 1.0
-    metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {"correct": {"min": 0.0, "max": 1.0, "invert": False}}
+    metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
+        "correct": {"min": 0.0, "max": 1.0, "invert": False}
+    }
     default_dataset: ClassVar[str] = ""
     default_subset: ClassVar[str | None] = None
 
-    def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, instruction_prompt: str | None = INSTRUCTION_PROMPT,
-                 dataset_name: str | None = None, dataset_subset: str | None = None, dataset_split: str = "train",
-                 verify_timeout_s: float = 5.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        system_prompt: str | None = SYSTEM_PROMPT,
+        instruction_prompt: str | None = INSTRUCTION_PROMPT,
+        dataset_name: str | None = None,
+        dataset_subset: str | None = None,
+        dataset_split: str = "train",
+        verify_timeout_s: float = 5.0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(system_prompt=system_prompt, instruction_prompt=instruction_prompt, **kwargs)
         self.dataset_name = dataset_name or self.default_dataset
         self.dataset_subset = dataset_subset if dataset_subset is not None else self.default_subset

@@ -31,11 +31,21 @@ class TargetCopyEnvironment(SingleTurnEnvironment):
     reward_min, reward_max = 0.0, 1.0
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
         "match_fraction": {"min": 0.0, "max": 1.0, "invert": False},
-        "exact_match": {"min": 0.0, "max": 1.0, "invert": False}}
+        "exact_match": {"min": 0.0, "max": 1.0, "invert": False},
+    }
 
-    def __init__(self, system_prompt: str | None = None, instruction_prompt: str | None = "Copy the text exactly.",
-                 target: str = "aaaaaaaa", random_targets: bool = False, alphabet: str = "ab",
-                 target_length: int = 8, num_prompts: int = 64, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        system_prompt: str | None = None,
+        instruction_prompt: str | None = "Copy the text exactly.",
+        target: str = "aaaaaaaa",
+        random_targets: bool = False,
+        alphabet: str = "ab",
+        target_length: int = 8,
+        num_prompts: int = 64,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(system_prompt=system_prompt, instruction_prompt=instruction_prompt, **kwargs)
         if random_targets and (not alphabet or target_length < 1):
             raise ValueError("target_copy: random_targets needs a non-empty alphabet and target_length >= 1")
@@ -48,8 +58,11 @@ class TargetCopyEnvironment(SingleTurnEnvironment):
         rng = random.Random(self.seed)
         samples = []
         for _ in range(num_samples if num_samples > 0 else self.num_prompts):
-            target = ("".join(rng.choice(self.alphabet) for _ in range(self.target_length))
-                      if self.random_targets else self.target)
+            target = (
+                "".join(rng.choice(self.alphabet) for _ in range(self.target_length))
+                if self.random_targets
+                else self.target
+            )
             samples.append(Sample(prompt=target, answer=target))
         self._samples = samples
         return samples

@@ -27,17 +27,20 @@ from refractor.envs.rewards import Rubric
 SYSTEM_PROMPT = (
     "You are a competitive game player. Make sure you read the game instructions carefully, and always follow "
     "the required format. In each turn, think step by step inside <think>...</think>, then give your guess "
-    "inside <guess>...</guess> tags, with the word in square brackets, e.g. <guess>[apple]</guess>.")
+    "inside <guess>...</guess> tags, with the word in square brackets, e.g. <guess>[apple]</guess>."
+)
 
 
 def initial_observation(word_length: int = 5, num_guesses: int = 6) -> str:
-    return (f"You are Playing Wordle.\nA secret {word_length}-letter word has been chosen. You have {num_guesses} "
-            "attempts to guess it.\nFor each guess, wrap your word in square brackets (e.g., '[apple]').\n"
-            "Feedback for each letter will be given as follows:\n"
-            "  - G (green): correct letter in the correct position\n"
-            "  - Y (yellow): letter exists in the word but in the wrong position\n"
-            "  - X (wrong): letter is not in the word\n"
-            "Enter your guess to begin.\n")
+    return (
+        f"You are Playing Wordle.\nA secret {word_length}-letter word has been chosen. You have {num_guesses} "
+        "attempts to guess it.\nFor each guess, wrap your word in square brackets (e.g., '[apple]').\n"
+        "Feedback for each letter will be given as follows:\n"
+        "  - G (green): correct letter in the correct position\n"
+        "  - Y (yellow): letter exists in the word but in the wrong position\n"
+        "  - X (wrong): letter is not in the word\n"
+        "Enter your guess to begin.\n"
+    )
 
 
 def score_guess(guess: str, secret: str) -> list[str]:
@@ -74,14 +77,18 @@ class WordleGame:
         if self.consecutive_errors > self.error_allowance:
             self.game_over = True
             return f"You made too many invalid moves. Reason: {reason} The game is over."
-        return (f"You attempted an invalid move. Reason: {reason} Please resubmit a valid move and remember to "
-                "follow the game rules to avoid penalties.")
+        return (
+            f"You attempted an invalid move. Reason: {reason} Please resubmit a valid move and remember to "
+            "follow the game rules to avoid penalties."
+        )
 
     def play(self, action: str) -> str:
         """Apply one move and return the observation text."""
         match = re.search(r"\[(\w+)\]", action)
         if match is None:
-            return self._invalid("You tried submitting a word in the wrong format. Please make sure to use squared brackets.")
+            return self._invalid(
+                "You tried submitting a word in the wrong format. Please make sure to use squared brackets."
+            )
         word = match.group(1).lower()
         self.last_guess = word
         if len(word) != len(self.secret):
@@ -97,8 +104,10 @@ class WordleGame:
             self.game_over = self.won = True
             return "Congratulations! You guessed the word correctly!"
         left = self.num_guesses - len(self.history)
-        text = (f"You submitted [{word}].\nFeedback:\n{' '.join(word.upper())}\n{' '.join(feedback)}\n"
-                f"You have {left} guesses left.")
+        text = (
+            f"You submitted [{word}].\nFeedback:\n{' '.join(word.upper())}\n{' '.join(feedback)}\n"
+            f"You have {left} guesses left."
+        )
         if left <= 0:
             self.game_over = True
             text += f"\nThe turn limit has been reached. The secret word was: **{self.secret}**."
@@ -118,9 +127,17 @@ class WordleEnvironment(MultiTurnEnvironment):
     dataset_is_generated: ClassVar[bool] = True
     reward_min, reward_max = 0.0, 2.2
 
-    def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, max_turns: int = 10, num_samples: int = 2000,
-                 seed: int = 0, word_list: str | None = None, num_guesses: int = 6, check_dictionary: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        system_prompt: str | None = SYSTEM_PROMPT,
+        max_turns: int = 10,
+        num_samples: int = 2000,
+        seed: int = 0,
+        word_list: str | None = None,
+        num_guesses: int = 6,
+        check_dictionary: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(max_turns=max_turns, system_prompt=system_prompt, **kwargs)
         self.num_samples, self.seed, self.num_guesses = num_samples, seed, num_guesses
         self.words = load_word_list(word_list)
@@ -144,13 +161,17 @@ class WordleEnvironment(MultiTurnEnvironment):
 
     def game(self, state: RolloutState) -> WordleGame:
         if "wordle" not in state.custom:
-            state.custom["wordle"] = WordleGame(state.sample.answer.lower(), self.dictionary, self.num_guesses)
+            state.custom["wordle"] = WordleGame(
+                state.sample.answer.lower(), self.dictionary, self.num_guesses
+            )
         return state.custom["wordle"]
 
     async def env_response(self, messages: Messages, state: RolloutState) -> Messages:
         guess_field = extract_xml_tag(strip_think_tags(str(messages[-1].get("content") or "")), "guess") or ""
         observation = self.game(state).play(guess_field)
-        text = observation.split("Feedback:", 1)[1].lstrip("\n") if "Feedback:" in observation else observation
+        text = (
+            observation.split("Feedback:", 1)[1].lstrip("\n") if "Feedback:" in observation else observation
+        )
         return [{"role": "user", "content": text, "turn_type": "feedback"}]
 
     def is_done(self, state: RolloutState) -> tuple[bool, str | None]:
@@ -192,5 +213,6 @@ class WordleEnvironment(MultiTurnEnvironment):
 
     async def compute_reward(self, state: RolloutState, eos_token: str = "") -> RewardResult:
         game = self.game(state)
-        return await self.rubric.score(state=state, eos_token=eos_token,
-                                       extra_sample_metrics={"num_guesses": float(len(game.history))})
+        return await self.rubric.score(
+            state=state, eos_token=eos_token, extra_sample_metrics={"num_guesses": float(len(game.history))}
+        )

@@ -48,11 +48,15 @@ def get_provider(name: str = "auto", **kwargs: Any) -> SandboxProvider:
     if "." in name:
         module, _, cls = name.rpartition(".")
         return getattr(importlib.import_module(module), cls)(**kwargs)
-    raise ValueError(f"unknown sandbox provider {name!r}: use 'auto', 'bwrap', 'unisolated' or 'package.module.Class'")
+    raise ValueError(
+        f"unknown sandbox provider {name!r}: use 'auto', 'bwrap', 'unisolated' or 'package.module.Class'"
+    )
 
 
 @contextlib.asynccontextmanager
-async def open_sandbox(provider: SandboxProvider, config: SandboxConfig | None = None) -> AsyncIterator[Sandbox]:
+async def open_sandbox(
+    provider: SandboxProvider, config: SandboxConfig | None = None
+) -> AsyncIterator[Sandbox]:
     sandbox = await provider.create(config or SandboxConfig())
     try:
         yield sandbox
@@ -60,6 +64,17 @@ async def open_sandbox(provider: SandboxProvider, config: SandboxConfig | None =
         await sandbox.close()
 
 
-__all__ = ["BwrapProvider", "ExecResult", "Sandbox", "SandboxClosedError", "SandboxConfig", "SandboxError",
-           "SandboxPool", "SandboxProvider", "SandboxUnavailableError", "UnisolatedProvider", "get_provider",
-           "open_sandbox"]
+__all__ = [
+    "BwrapProvider",
+    "ExecResult",
+    "Sandbox",
+    "SandboxClosedError",
+    "SandboxConfig",
+    "SandboxError",
+    "SandboxPool",
+    "SandboxProvider",
+    "SandboxUnavailableError",
+    "UnisolatedProvider",
+    "get_provider",
+    "open_sandbox",
+]

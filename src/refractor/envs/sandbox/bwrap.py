@@ -33,8 +33,18 @@ from refractor.envs.sandbox.protocol import SandboxConfig, SandboxUnavailableErr
 logger = logging.getLogger(__name__)
 
 INSIDE_WORKDIR = "/sandbox"
-_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "passwd", "group",
-              "nsswitch.conf", "os-release", "mime.types")
+_ETC_FILES = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "localtime",
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "os-release",
+    "mime.types",
+)
 _UID_RANGE = (200_000, 2_000_000_000)
 
 
@@ -94,7 +104,8 @@ class BwrapProvider:
         if shutil.which("bwrap") is None:
             raise SandboxUnavailableError(
                 "bubblewrap (bwrap) is not installed: apt-get install -y bubblewrap. "
-                "To run untrusted code WITHOUT isolation anyway, use the 'unisolated' provider explicitly.")
+                "To run untrusted code WITHOUT isolation anyway, use the 'unisolated' provider explicitly."
+            )
         problems = []
         for mode in self.modes_to_try():
             root = Path(tempfile.mkdtemp(prefix="refractor-probe-", dir=self.base_dir))
@@ -112,8 +123,11 @@ class BwrapProvider:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
         raise SandboxUnavailableError(
-            "bubblewrap cannot create a sandbox here (" + "; ".join(problems) + "). In containers, allow user "
-            "namespaces or run as root with CAP_SYS_ADMIN; or opt into the 'unisolated' provider explicitly.")
+            "bubblewrap cannot create a sandbox here ("
+            + "; ".join(problems)
+            + "). In containers, allow user "
+            "namespaces or run as root with CAP_SYS_ADMIN; or opt into the 'unisolated' provider explicitly."
+        )
 
     def available(self) -> bool:
         try:
@@ -138,13 +152,24 @@ class BwrapProvider:
         root = Path(tempfile.mkdtemp(prefix="refractor-sbx-", dir=self.base_dir))
         return self._new_sandbox(config, root, mode)
 
-    def wrap(self, sandbox: LocalSandbox, argv: list[str], env: dict[str, str]) -> tuple[list[str], str | None]:
+    def wrap(
+        self, sandbox: LocalSandbox, argv: list[str], env: dict[str, str]
+    ) -> tuple[list[str], str | None]:
         return self.build_argv(sandbox, argv, env, self.probe()), None
 
     def build_argv(self, sandbox: LocalSandbox, argv: list[str], env: dict[str, str], mode: str) -> list[str]:
         config = sandbox.config
-        cmd = ["bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-               "--unshare-cgroup-try", "--hostname", "sandbox"]
+        cmd = [
+            "bwrap",
+            "--die-with-parent",
+            "--new-session",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--hostname",
+            "sandbox",
+        ]
         if not config.network:
             cmd.append("--unshare-net")
         if mode == "user":
@@ -154,17 +179,46 @@ class BwrapProvider:
         cmd += self._system
         for path in self.extra_ro_binds:
             cmd += ["--ro-bind", path, path]
-        cmd += ["--proc", "/proc", "--dev", "/dev",
-                "--perms", "1777", "--size", str(config.disk_mb * 1024 * 1024), "--tmpfs", "/tmp",
-                "--bind", str(sandbox.host_workdir), INSIDE_WORKDIR, "--chdir", INSIDE_WORKDIR,
-                *_python_binds(),
-                "--remount-ro", "/", "--clearenv"]  # the sandbox's own root: no writable scratch outside /tmp
+        cmd += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--perms",
+            "1777",
+            "--size",
+            str(config.disk_mb * 1024 * 1024),
+            "--tmpfs",
+            "/tmp",
+            "--bind",
+            str(sandbox.host_workdir),
+            INSIDE_WORKDIR,
+            "--chdir",
+            INSIDE_WORKDIR,
+            *_python_binds(),
+            "--remount-ro",
+            "/",
+            "--clearenv",
+        ]  # the sandbox's own root: no writable scratch outside /tmp
         path = f"{self._python_bin}:/usr/local/bin:/usr/bin:/bin"
-        for key, value in {"PATH": path, "HOME": INSIDE_WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-                           "PYTHONDONTWRITEBYTECODE": "1", **env}.items():
+        for key, value in {
+            "PATH": path,
+            "HOME": INSIDE_WORKDIR,
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            **env,
+        }.items():
             cmd += ["--setenv", key, value]
         cmd.append("--")
         if mode == "root":
-            cmd += ["setpriv", f"--reuid={sandbox.uid}", f"--regid={sandbox.uid}", "--clear-groups",
-                    "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+            cmd += [
+                "setpriv",
+                f"--reuid={sandbox.uid}",
+                f"--regid={sandbox.uid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--no-new-privs",
+            ]
         return [*cmd, *rlimit_prefix(config), *argv]

@@ -24,15 +24,23 @@ _READ_CHUNK = 65536
 
 
 class CommandWrapper(Protocol):
-    def wrap(self, sandbox: LocalSandbox, argv: list[str], env: dict[str, str]) -> tuple[list[str], str | None]:
+    def wrap(
+        self, sandbox: LocalSandbox, argv: list[str], env: dict[str, str]
+    ) -> tuple[list[str], str | None]:
         """(full argv, cwd for the host process)"""
         ...
 
 
 def rlimit_prefix(config: SandboxConfig, *, limit_processes: bool = True) -> list[str]:
     """``prlimit`` arguments enforcing the config's per-process limits (soft = hard)."""
-    args = ["prlimit", f"--as={config.memory_mb * 1024 * 1024}", f"--cpu={config.cpu_time_s}",
-            f"--fsize={config.disk_mb * 1024 * 1024}", f"--nofile={config.max_open_files}", "--core=0"]
+    args = [
+        "prlimit",
+        f"--as={config.memory_mb * 1024 * 1024}",
+        f"--cpu={config.cpu_time_s}",
+        f"--fsize={config.disk_mb * 1024 * 1024}",
+        f"--nofile={config.max_open_files}",
+        "--core=0",
+    ]
     if limit_processes:
         args.append(f"--nproc={config.max_processes}")
     return [*args, "--"]
@@ -48,8 +56,9 @@ def _dir_size(path: Path) -> int:
 
 
 class LocalSandbox:
-    def __init__(self, wrapper: CommandWrapper, config: SandboxConfig, root: Path, workdir: str,
-                 uid: int | None = None) -> None:
+    def __init__(
+        self, wrapper: CommandWrapper, config: SandboxConfig, root: Path, workdir: str, uid: int | None = None
+    ) -> None:
         self.id = f"local-{uuid.uuid4().hex[:12]}"
         self.wrapper, self.config, self.root, self.workdir, self.uid = wrapper, config, root, workdir, uid
         self.host_workdir = root / "work"
@@ -65,7 +74,7 @@ class LocalSandbox:
     # ----- files -----------------------------------------------------------------------------
     def _host_path(self, path: str) -> Path:
         """Host path of a workdir-relative path; links or '..' leading outside are refused."""
-        rel = path[len(self.workdir):].lstrip("/") if path.startswith(self.workdir + "/") else path
+        rel = path[len(self.workdir) :].lstrip("/") if path.startswith(self.workdir + "/") else path
         if os.path.isabs(rel):
             raise SandboxError(f"{self.id}: path {path!r} is outside the sandbox workdir {self.workdir}")
         host = self.host_workdir / rel
@@ -97,26 +106,41 @@ class LocalSandbox:
             return handle.read(max_bytes if max_bytes is not None else self.config.max_output_bytes)
 
     # ----- exec ------------------------------------------------------------------------------
-    async def exec(self, command: list[str] | str, *, stdin: bytes | str | None = None, timeout_s: float = 60.0,
-                   env: dict[str, str] | None = None) -> ExecResult:
+    async def exec(
+        self,
+        command: list[str] | str,
+        *,
+        stdin: bytes | str | None = None,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
         self._check_open()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         full_env = {**self.config.env, **(env or {})}
         wrapped, cwd = self.wrapper.wrap(self, argv, full_env)
         start = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
-            *wrapped, cwd=cwd, start_new_session=True, env=self._host_env(full_env, cwd),
+            *wrapped,
+            cwd=cwd,
+            start_new_session=True,
+            env=self._host_env(full_env, cwd),
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         self._procs.add(proc)
         cap = self.config.max_output_bytes
         over_cap = asyncio.Event()
         try:
             stdin_task = asyncio.create_task(self._feed(proc, stdin))
-            readers = [asyncio.create_task(self._read_capped(s, cap, over_cap)) for s in (proc.stdout, proc.stderr)]
+            readers = [
+                asyncio.create_task(self._read_capped(s, cap, over_cap)) for s in (proc.stdout, proc.stderr)
+            ]
             waiter = asyncio.create_task(proc.wait())
             cap_watch = asyncio.create_task(over_cap.wait())
-            done, _ = await asyncio.wait({waiter, cap_watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {waiter, cap_watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
             killed = None if waiter in done else ("output_limit" if cap_watch in done else "timeout")
             if killed:
                 self._kill(proc)
@@ -128,9 +152,14 @@ class LocalSandbox:
             self._kill(proc)
             self._procs.discard(proc)
         result = ExecResult(
-            exit_code=None if killed else proc.returncode, stdout=out.decode("utf-8", "replace"),
-            stderr=err.decode("utf-8", "replace"), timed_out=killed == "timeout",
-            output_truncated=out_cut or err_cut, duration_s=time.perf_counter() - start, killed_reason=killed)
+            exit_code=None if killed else proc.returncode,
+            stdout=out.decode("utf-8", "replace"),
+            stderr=err.decode("utf-8", "replace"),
+            timed_out=killed == "timeout",
+            output_truncated=out_cut or err_cut,
+            duration_s=time.perf_counter() - start,
+            killed_reason=killed,
+        )
         if _dir_size(self.host_workdir) > self.config.disk_mb * 1024 * 1024:
             self._broken = f"workdir exceeds disk_mb={self.config.disk_mb}"
             result.killed_reason = result.killed_reason or "disk_limit"
@@ -153,7 +182,9 @@ class LocalSandbox:
             proc.stdin.close()
 
     @staticmethod
-    async def _read_capped(stream: asyncio.StreamReader, cap: int, over_cap: asyncio.Event) -> tuple[bytes, bool]:
+    async def _read_capped(
+        stream: asyncio.StreamReader, cap: int, over_cap: asyncio.Event
+    ) -> tuple[bytes, bool]:
         chunks, size = [], 0
         while chunk := await stream.read(_READ_CHUNK):
             if size < cap:
@@ -179,7 +210,9 @@ class LocalSandbox:
         if self._broken:
             raise SandboxError(f"sandbox {self.id} is unusable: {self._broken}")
         if self.age_s > self.config.timeout_s:
-            raise SandboxError(f"sandbox {self.id} reached its lifetime limit (timeout_s={self.config.timeout_s:g})")
+            raise SandboxError(
+                f"sandbox {self.id} reached its lifetime limit (timeout_s={self.config.timeout_s:g})"
+            )
 
     async def close(self) -> None:
         if self._closed:

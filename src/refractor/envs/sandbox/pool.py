@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 class SandboxPool:
-    def __init__(self, provider: SandboxProvider, config: SandboxConfig, size: int = 4,
-                 max_concurrent_creates: int = 8) -> None:
+    def __init__(
+        self, provider: SandboxProvider, config: SandboxConfig, size: int = 4, max_concurrent_creates: int = 8
+    ) -> None:
         if size < 1:
             raise ValueError(f"sandbox pool size must be >= 1, got {size}")
         self.provider, self.config, self.size = provider, config, size
@@ -45,7 +46,9 @@ class SandboxPool:
         if self._fillers or self._closed:
             return
         self._ready, self._slots = asyncio.Queue(), asyncio.Semaphore(self.size)
-        self._fillers = [asyncio.create_task(self._fill()) for _ in range(min(self.size, self.max_concurrent_creates))]
+        self._fillers = [
+            asyncio.create_task(self._fill()) for _ in range(min(self.size, self.max_concurrent_creates))
+        ]
 
     async def _fill(self) -> None:
         backoff = 0.1
@@ -74,7 +77,9 @@ class SandboxPool:
             if self._fatal:
                 raise self._fatal
             if time.monotonic() > deadline:
-                raise SandboxError(f"sandbox pool: only {self.num_ready}/{count or self.size} ready after {timeout_s}s")
+                raise SandboxError(
+                    f"sandbox pool: only {self.num_ready}/{count or self.size} ready after {timeout_s}s"
+                )
             await asyncio.sleep(0.01)
 
     async def acquire(self, timeout_s: float = 600.0) -> Sandbox:

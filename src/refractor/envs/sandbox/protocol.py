@@ -30,13 +30,13 @@ class SandboxConfig:
     """Limits of one sandbox. The local provider enforces them per process with rlimits; remote
     providers map them to their own resources (``image``/``extra`` are for those)."""
 
-    cpu: float = 1.0                 # cores (remote providers); locally only CPU time is limited
-    memory_mb: int = 1024            # address-space limit of each process
-    disk_mb: int = 256               # largest file, size of /tmp, and total size of the workdir
-    max_processes: int = 64          # processes/threads of the sandbox user (fork bombs stop here)
+    cpu: float = 1.0  # cores (remote providers); locally only CPU time is limited
+    memory_mb: int = 1024  # address-space limit of each process
+    disk_mb: int = 256  # largest file, size of /tmp, and total size of the workdir
+    max_processes: int = 64  # processes/threads of the sandbox user (fork bombs stop here)
     max_open_files: int = 256
-    cpu_time_s: int = 60             # CPU seconds of each process
-    timeout_s: float = 3600.0        # lifetime of the sandbox
+    cpu_time_s: int = 60  # CPU seconds of each process
+    timeout_s: float = 3600.0  # lifetime of the sandbox
     max_output_bytes: int = 1_000_000  # per stream, per exec; more kills the command
     env: dict[str, str] = field(default_factory=dict)
     network: bool = False
@@ -47,7 +47,7 @@ class SandboxConfig:
 
 @dataclass
 class ExecResult:
-    exit_code: int | None            # None when the command was killed by us (timeout, output cap)
+    exit_code: int | None  # None when the command was killed by us (timeout, output cap)
     stdout: str
     stderr: str
     timed_out: bool = False
@@ -65,8 +65,14 @@ class Sandbox(Protocol):
     id: str
     workdir: str  # the working directory as commands inside see it
 
-    async def exec(self, command: list[str] | str, *, stdin: bytes | str | None = None, timeout_s: float = 60.0,
-                   env: dict[str, str] | None = None) -> ExecResult: ...
+    async def exec(
+        self,
+        command: list[str] | str,
+        *,
+        stdin: bytes | str | None = None,
+        timeout_s: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult: ...
 
     async def write_file(self, path: str, content: bytes | str) -> None: ...
 

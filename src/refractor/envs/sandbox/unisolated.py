@@ -28,7 +28,8 @@ class UnisolatedProvider:
         if not (allow_unisolated or os.environ.get(ALLOW_VAR) == "1"):
             raise SandboxUnavailableError(
                 "the unisolated provider runs untrusted code without any isolation; pass allow_unisolated=True "
-                f"(or set {ALLOW_VAR}=1) if that is really what you want")
+                f"(or set {ALLOW_VAR}=1) if that is really what you want"
+            )
         logger.warning("sandbox provider 'unisolated': untrusted code runs WITHOUT isolation (rlimits only)")
         self.base_dir = base_dir
 
@@ -38,6 +39,8 @@ class UnisolatedProvider:
         sandbox.host_workdir.mkdir()
         return sandbox
 
-    def wrap(self, sandbox: LocalSandbox, argv: list[str], env: dict[str, str]) -> tuple[list[str], str | None]:
+    def wrap(
+        self, sandbox: LocalSandbox, argv: list[str], env: dict[str, str]
+    ) -> tuple[list[str], str | None]:
         # RLIMIT_NPROC would count every process of this user on the host, so it is not set here.
         return [*rlimit_prefix(sandbox.config, limit_processes=False), *argv], str(sandbox.host_workdir)

@@ -18,6 +18,13 @@ from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, WeightVersionSpan
 
 __all__ = [
-    "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "PromptTooLongError", "RequestOutput",
-    "SamplingParams", "WeightVersionSpan", "process_logits",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineStats",
+    "LLMEngine",
+    "PromptTooLongError",
+    "RequestOutput",
+    "SamplingParams",
+    "WeightVersionSpan",
+    "process_logits",
 ]

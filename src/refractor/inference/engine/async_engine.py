@@ -107,8 +107,13 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(self.call(fn))
 
     # ---- requests ----------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> RequestOutput:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestOutput:
         """Run one request to completion. Cancelling the awaiting task aborts it and frees its KV."""
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -182,8 +187,12 @@ class AsyncLLMEngine:
     def set_weight_version(self, version: int | str) -> None:
         self.call(lambda: setattr(self.engine, "weight_version", version)).result()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str | None = None,
-                       recompute_kv: bool = True) -> int:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | str | None = None,
+        recompute_kv: bool = True,
+    ) -> int:
         """Thread-safe, blocking: copy tensors in by HF name between steps (see ``LLMEngine.update_weights``).
 
         Call it from a worker thread (e.g. ``await asyncio.to_thread(engine.update_weights, ...)``);
@@ -191,9 +200,15 @@ class AsyncLLMEngine:
         """
         return self.call(lambda: self.engine.update_weights(named_tensors, version, recompute_kv)).result()
 
-    async def update_weights_async(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                                   version: int | str | None = None, recompute_kv: bool = True) -> int:
-        return await self._call_async(lambda: self.engine.update_weights(named_tensors, version, recompute_kv))
+    async def update_weights_async(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | str | None = None,
+        recompute_kv: bool = True,
+    ) -> int:
+        return await self._call_async(
+            lambda: self.engine.update_weights(named_tensors, version, recompute_kv)
+        )
 
     async def recompute_running_kv(self) -> None:
         await self._call_async(self.engine.recompute_running_kv)
@@ -216,8 +231,12 @@ class AsyncLLMEngine:
         self._thread.join(timeout=10)
 
 
-def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future, output: RequestOutput | None,
-          error: Exception | None) -> None:
+def _post(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future,
+    output: RequestOutput | None,
+    error: Exception | None,
+) -> None:
     with contextlib.suppress(RuntimeError):  # a closed caller loop: nobody is waiting any more
         loop.call_soon_threadsafe(_resolve, future, output, error)
 

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 
-def write_kv(kv_cache: torch.Tensor | None, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor | None, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     if kv_cache is None:  # memory profiling runs without a cache
         return
     heads, dim = k.shape[1], k.shape[2]
@@ -43,16 +45,20 @@ class PrefillAttention:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         if self.num_seqs * self.max_len == q.shape[0]:  # equal lengths: a view, no padding copy
+
             def pad(x):
                 return x.view(self.num_seqs, self.max_len, *x.shape[1:])
         else:
+
             def pad(x):
                 out = x.new_zeros(self.num_seqs, self.max_len, *x.shape[1:])
                 out[self.batch_index, self.position_index] = x
                 return out
+
         # Right padding + is_causal: real queries never see the padded keys that follow them.
         out = F.scaled_dot_product_attention(
-            pad(q).transpose(1, 2), pad(k).transpose(1, 2), pad(v).transpose(1, 2), is_causal=True)
+            pad(q).transpose(1, 2), pad(k).transpose(1, 2), pad(v).transpose(1, 2), is_causal=True
+        )
         out = out.transpose(1, 2)
         if self.num_seqs * self.max_len == q.shape[0]:
             return out.reshape(q.shape)
@@ -60,8 +66,11 @@ class PrefillAttention:
 
 
 def paged_decode_attention_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """Reference decode attention: gather each sequence's blocks, mask past its length, SDPA."""
     batch, heads, dim = q.shape

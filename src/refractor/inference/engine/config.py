@@ -18,7 +18,9 @@ class EngineConfig:
 
     max_model_len: int = 4096
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # prefill token budget per step; default max(max_model_len, 8192)
+    max_num_batched_tokens: int | None = (
+        None  # prefill token budget per step; default max(max_model_len, 8192)
+    )
     block_size: int = 32
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
@@ -33,8 +35,10 @@ class EngineConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"EngineConfig.{key} must be >= 1, got {getattr(self, key)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                             f"({self.max_model_len}): a whole prompt is prefilled in one step")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}): a whole prompt is prefilled in one step"
+            )
 
     @property
     def prefill_token_budget(self) -> int:

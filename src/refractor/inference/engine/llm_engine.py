@@ -52,8 +52,14 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, config: EngineConfig | None = None, *,
-                 eos_token_ids: Iterable[int] | None = None, detokenize: Callable[[list[int]], str] | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig | None = None,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ):
         self.config = config or EngineConfig()
         self.model = model.eval().requires_grad_(False)
         self.device = next(model.parameters()).device
@@ -61,7 +67,9 @@ class LLMEngine:
         self.detokenize = detokenize  # only needed for stop strings
         self.runner = ModelRunner(self.model, self.config, self.device)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.prefill_token_budget)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.prefill_token_budget
+        )
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self.weight_version: int | str = 0
@@ -81,8 +89,9 @@ class LLMEngine:
         return cls(load_model(path, dtype=dtype, device=device), config, **kwargs)
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         prompt = list(prompt_token_ids)
@@ -92,12 +101,15 @@ class LLMEngine:
         if len(prompt) >= max_len:
             raise PromptTooLongError(
                 f"the prompt has {len(prompt)} tokens but max_model_len is {max_len}: it must leave room for at "
-                "least one generated token (shorten the prompt or raise max_model_len)")
+                "least one generated token (shorten the prompt or raise max_model_len)"
+            )
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
         if params.stop and self.detokenize is None:
-            raise ValueError("stop strings need a tokenizer; this engine was built without one (use stop_token_ids)")
+            raise ValueError(
+                "stop strings need a tokenizer; this engine was built without one (use stop_token_ids)"
+            )
         # Like vLLM, max_tokens is silently capped by the room left in the context.
         room = max_len - len(prompt)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -139,19 +151,26 @@ class LLMEngine:
         if is_prefill:
             self.prompt_tokens_total += sum(s.num_tokens for s in seqs)
         logits = self.runner.run(seqs, is_prefill)
-        out = self.sampler(logits, SamplingBatch(
-            temperatures=[s.params.temperature for s in seqs],
-            top_ps=[s.params.top_p for s in seqs],
-            top_ks=[s.params.top_k for s in seqs],
-            generators=[s.generator for s in seqs],
-            num_top_logprobs=[s.params.logprobs for s in seqs],
-        ))
+        out = self.sampler(
+            logits,
+            SamplingBatch(
+                temperatures=[s.params.temperature for s in seqs],
+                top_ps=[s.params.top_p for s in seqs],
+                top_ks=[s.params.top_k for s in seqs],
+                generators=[s.generator for s in seqs],
+                num_top_logprobs=[s.params.logprobs for s in seqs],
+            ),
+        )
         now = time.monotonic()
         finished_requests = []
         for row, seq in enumerate(seqs):
-            seq.append(out.token_ids[row], out.logprobs[row], self.weight_version,
-                       out.ranks[row] if out.ranks is not None and seq.params.logprobs is not None else None,
-                       out.top_logprobs[row] if out.top_logprobs is not None and seq.params.logprobs else None)
+            seq.append(
+                out.token_ids[row],
+                out.logprobs[row],
+                self.weight_version,
+                out.ranks[row] if out.ranks is not None and seq.params.logprobs is not None else None,
+                out.top_logprobs[row] if out.top_logprobs is not None and seq.params.logprobs else None,
+            )
             request = self.requests[seq.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -185,12 +204,20 @@ class LLMEngine:
 
     def _pop_output(self, request_id: str) -> RequestOutput:
         request = self.requests.pop(request_id)
-        return RequestOutput(request_id, request.prompt_token_ids,
-                             [CompletionOutput.from_sequence(s) for s in request.seqs],
-                             request.arrival_time, request.first_token_time)
+        return RequestOutput(
+            request_id,
+            request.prompt_token_ids,
+            [CompletionOutput.from_sequence(s) for s in request.seqs],
+            request.arrival_time,
+            request.first_token_time,
+        )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 priorities: list[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        priorities: list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Offline convenience: run the given prompts to completion; outputs in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{self._arrivals + i}" for i in range(len(prompts))]
@@ -218,8 +245,12 @@ class LLMEngine:
         return self.model.named_parameters()
 
     @torch.inference_mode()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str | None = None,
-                       recompute_kv: bool = True) -> int:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | str | None = None,
+        recompute_kv: bool = True,
+    ) -> int:
         """Copy tensors into the parameters by HF name, in place (KV cache and CUDA graphs stay valid).
 
         Call between steps. ``version`` (when given) tags every token sampled from now on.
@@ -237,11 +268,13 @@ class LLMEngine:
             try:
                 param = self.model.get_parameter_by_hf_name(name)
             except AttributeError:
-                raise KeyError(f"update_weights: {name!r} is not a parameter of this "
-                               f"{self.model.config.architecture}") from None
+                raise KeyError(
+                    f"update_weights: {name!r} is not a parameter of this {self.model.config.architecture}"
+                ) from None
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
             copied += 1
         if version is not None:

@@ -25,15 +25,33 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        self.block_bytes = (2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads
-                            * mc.head_dim * self.dtype.itemsize)
-        self.compiled_ops = (device.type == "cuda" and config.compile_ops and not config.enforce_eager
-                             and enable_compiled_ops(device))
+        self.block_bytes = (
+            2
+            * mc.num_hidden_layers
+            * config.block_size
+            * mc.num_key_value_heads
+            * mc.head_dim
+            * self.dtype.itemsize
+        )
+        self.compiled_ops = (
+            device.type == "cuda"
+            and config.compile_ops
+            and not config.enforce_eager
+            and enable_compiled_ops(device)
+        )
         self.num_blocks = self._plan_num_blocks()
         # One extra block at the end absorbs the writes of padded CUDA-graph rows.
         self.pad_block = self.num_blocks
-        self.kv_cache = torch.zeros(2, mc.num_hidden_layers, self.num_blocks + 1, config.block_size,
-                                    mc.num_key_value_heads, mc.head_dim, dtype=self.dtype, device=device)
+        self.kv_cache = torch.zeros(
+            2,
+            mc.num_hidden_layers,
+            self.num_blocks + 1,
+            config.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype=self.dtype,
+            device=device,
+        )
         self.use_triton = triton_decode_available(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not config.enforce_eager and not model.model.rotary.dynamic:
@@ -52,13 +70,16 @@ class ModelRunner:
             budget = self._profile_cuda_budget()
         else:
             budget = DEFAULT_CPU_KV_GB * GiB
-            log.info("no kv_cache_memory_gb on %s: using %.1f GiB for the KV cache", self.device, DEFAULT_CPU_KV_GB)
+            log.info(
+                "no kv_cache_memory_gb on %s: using %.1f GiB for the KV cache", self.device, DEFAULT_CPU_KV_GB
+            )
         num_blocks = int(budget // self.block_bytes)
         if num_blocks * self.block_size < cfg.max_model_len:
             raise ValueError(
                 f"the KV-cache budget ({budget / GiB:.3f} GiB) holds {num_blocks * self.block_size} tokens, fewer "
                 f"than max_model_len={cfg.max_model_len}; raise kv_cache_memory_gb / gpu_memory_utilization "
-                "or lower max_model_len")
+                "or lower max_model_len"
+            )
         return num_blocks
 
     @torch.inference_mode()
@@ -75,8 +96,9 @@ class ModelRunner:
         attention = PrefillAttention(None, ids, ids, ids, num_seqs, seq_len)
         hidden = self.model(ids, positions, attention)
         del hidden
-        logits = self.model.compute_logits(torch.zeros(cfg.max_num_seqs, self.model.config.hidden_size,
-                                                       dtype=self.dtype, device=self.device))
+        logits = self.model.compute_logits(
+            torch.zeros(cfg.max_num_seqs, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        )
         torch.log_softmax(logits.float(), dim=-1).exp()
         del logits
         torch.cuda.synchronize(self.device)
@@ -105,7 +127,9 @@ class ModelRunner:
         slots = torch.cat([self._slots(s.block_table, n) for s, n in zip(seqs, lens, strict=True)])
         last = torch.tensor(lens).cumsum(0) - 1
         to = self._to_device
-        attention = PrefillAttention(self.kv_cache, to(slots), to(batch_index), to(positions), len(seqs), max(lens))
+        attention = PrefillAttention(
+            self.kv_cache, to(slots), to(batch_index), to(positions), len(seqs), max(lens)
+        )
         hidden = self.model(to(ids), to(positions), attention)
         return self.model.compute_logits(hidden[to(last)])
 
@@ -135,7 +159,9 @@ class ModelRunner:
 
     def _run_decode_eager(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
-        ids, positions, slots, context, tables = map(self._to_device, self._decode_inputs(seqs, len(seqs), width))
+        ids, positions, slots, context, tables = map(
+            self._to_device, self._decode_inputs(seqs, len(seqs), width)
+        )
         attention = DecodeAttention(self.kv_cache, slots, context, tables, self.use_triton)
         return self.model.compute_logits(self.model(ids, positions, attention))
 
@@ -150,14 +176,17 @@ class ModelRunner:
             "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "slots": torch.full((max_bs,), self.pad_block * self.block_size, dtype=torch.long, device=dev),
             "context": torch.ones(max_bs, dtype=torch.int32, device=dev),
-            "tables": torch.full((max_bs, self.max_blocks_per_seq), self.pad_block, dtype=torch.int32, device=dev),
+            "tables": torch.full(
+                (max_bs, self.max_blocks_per_seq), self.pad_block, dtype=torch.int32, device=dev
+            ),
         }
         self.static_hidden = torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=dev)
         s = self.static
         pool = None
         for size in reversed(sizes):
-            attention = DecodeAttention(self.kv_cache, s["slots"][:size], s["context"][:size],
-                                        s["tables"][:size], self.use_triton)
+            attention = DecodeAttention(
+                self.kv_cache, s["slots"][:size], s["context"][:size], s["tables"][:size], self.use_triton
+            )
 
             def step(size=size, attention=attention):
                 self.static_hidden[:size] = self.model(s["ids"][:size], s["positions"][:size], attention)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Mask (to -inf) the tokens outside each row's top-k and nucleus (same rule as vLLM/HF).
 
     top_k: [B] int (<= 0 or >= V = off); top_p: [B] float (1.0 = off). Returns a new tensor.
@@ -33,8 +35,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def process_logits(logits: torch.Tensor, temperature: torch.Tensor | float,
-                   top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """fp32 logits of the sampling distribution: ``logits / T`` (T=0 -> 1), then top-k, then top-p."""
     logits = logits.float()
     if isinstance(temperature, torch.Tensor):
@@ -99,6 +105,8 @@ class Sampler:
             if k > 0:
                 values, ids = logprobs.topk(k, dim=-1)
                 values, ids = values.tolist(), ids.tolist()
-                top = [list(zip(ids[r], values[r], strict=True))[: batch.num_top_logprobs[r] or 0]
-                       for r in range(rows)]
+                top = [
+                    list(zip(ids[r], values[r], strict=True))[: batch.num_top_logprobs[r] or 0]
+                    for r in range(rows)
+                ]
         return SamplerOutput(tokens.tolist(), token_logprobs.tolist(), ranks, top)

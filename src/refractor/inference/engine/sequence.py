@@ -32,8 +32,17 @@ class WeightVersionSpan:
 class Sequence:
     """Prompt + generated tokens of one sample, its KV blocks and its per-token records."""
 
-    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int, arrival: int, max_tokens: int, generator: torch.Generator | None):
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival: int,
+        max_tokens: int,
+        generator: torch.Generator | None,
+    ):
         self.seq_id = next(_seq_ids)
         self.request_id, self.index = request_id, index
         self.token_ids = list(prompt_token_ids)
@@ -56,7 +65,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -70,8 +79,14 @@ class Sequence:
         """Scheduling order: lower priority value first, then arrival (vLLM's priority policy)."""
         return (self.priority, self.arrival)
 
-    def append(self, token_id: int, logprob: float, version: int | str, rank: int | None = None,
-               top: list[tuple[int, float]] | None = None) -> None:
+    def append(
+        self,
+        token_id: int,
+        logprob: float,
+        version: int | str,
+        rank: int | None = None,
+        top: list[tuple[int, float]] | None = None,
+    ) -> None:
         position = self.num_output_tokens
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
@@ -103,9 +118,16 @@ class CompletionOutput:
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> CompletionOutput:
-        return cls(seq.index, seq.output_token_ids, list(seq.logprobs), seq.finish_reason or "abort",
-                   seq.stop_reason, [WeightVersionSpan(s.version, s.start, s.end) for s in seq.version_spans],
-                   list(seq.ranks), list(seq.top_logprobs))
+        return cls(
+            seq.index,
+            seq.output_token_ids,
+            list(seq.logprobs),
+            seq.finish_reason or "abort",
+            seq.stop_reason,
+            [WeightVersionSpan(s.version, s.start, s.end) for s in seq.version_spans],
+            list(seq.ranks),
+            list(seq.top_logprobs),
+        )
 
 
 @dataclass

@@ -14,10 +14,26 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-    scale, stride_q_b, stride_q_h, stride_cache_block, stride_cache_tok, stride_cache_head,
-    stride_bt_b, stride_o_b, stride_o_h,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale,
+    stride_q_b,
+    stride_q_h,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    stride_bt_b,
+    stride_o_b,
+    stride_o_h,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -25,8 +41,11 @@ def _paged_decode_kernel(
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK)
     g_mask = g < G
-    q = tl.load(q_ptr + b * stride_q_b + (h * G + g)[:, None] * stride_q_h + d[None, :],
-                mask=g_mask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_q_b + (h * G + g)[:, None] * stride_q_h + d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
     context_len = tl.load(context_lens_ptr + b)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -47,13 +66,19 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(out_ptr + b * stride_o_b + (h * G + g)[:, None] * stride_o_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    tl.store(
+        out_ptr + b * stride_o_b + (h * G + g)[:, None] * stride_o_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None],
+    )
 
 
 def paged_decode_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """q [B, H, D]; caches [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] int32."""
     batch, heads, dim = q.shape
@@ -61,11 +86,27 @@ def paged_decode_attention_triton(
     group = heads // kv_heads
     out = torch.empty_like(q)
     _paged_decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out,
-        dim ** -0.5, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK=block_size,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        dim**-0.5,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        G=group,
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        D=dim,
+        BLOCK=block_size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact (no TF32)
-        num_warps=4, num_stages=2,
+        num_warps=4,
+        num_stages=2,
     )
     return out

@@ -48,7 +48,8 @@ def repack_moe_experts(model: torch.nn.Module) -> int:
         if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
             raise NotImplementedError(
                 "in-place weight updates of CPU MoE layers with a padded intermediate size are not supported "
-                "by vLLM 0.32's CPU kernels; use a GPU or reload from disk")
+                "by vLLM 0.32's CPU kernels; use a GPU or reload from disk"
+            )
         for name in ("w13_weight", "w2_weight"):
             weight = getattr(module, name)
             weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))

@@ -26,8 +26,16 @@ from pathlib import Path
 
 from refractor.inference.process import ServerProcess, ServerStartError, client_host, free_port
 
-__all__ = ["ServerProcess", "VllmServerSettings", "VllmStartError", "client_host", "free_port", "serve_vllm",
-           "start_vllm_server", "vllm_command"]
+__all__ = [
+    "ServerProcess",
+    "VllmServerSettings",
+    "VllmStartError",
+    "client_host",
+    "free_port",
+    "serve_vllm",
+    "start_vllm_server",
+    "vllm_command",
+]
 
 WORKER_EXTENSION = "refractor.inference.vllm.worker_ext.RefractorWorkerExtension"
 TRANSFER_BACKEND = "refractor"
@@ -55,14 +63,24 @@ class VllmServerSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg, *, otlp_host: str = "127.0.0.1", served_model_name: str | None = None) -> VllmServerSettings:
-        endpoint = f"http://{otlp_host}:{cfg.otlp_receiver_port}/v1/traces" if cfg.enable_vllm_tracing else None
+    def from_config(
+        cls, cfg, *, otlp_host: str = "127.0.0.1", served_model_name: str | None = None
+    ) -> VllmServerSettings:
+        endpoint = (
+            f"http://{otlp_host}:{cfg.otlp_receiver_port}/v1/traces" if cfg.enable_vllm_tracing else None
+        )
         return cls(
-            gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory_gb=cfg.kv_cache_memory_gb,
-            max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.inference_tensor_parallel_size,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            scheduling_policy=cfg.vllm_scheduling_policy, otlp_traces_endpoint=endpoint, seed=cfg.seed,
-            served_model_name=served_model_name, startup_timeout_s=float(cfg.ray_placement_timeout_s),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_memory_gb=cfg.kv_cache_memory_gb,
+            max_model_len=cfg.max_model_len,
+            tensor_parallel_size=cfg.inference_tensor_parallel_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            scheduling_policy=cfg.vllm_scheduling_policy,
+            otlp_traces_endpoint=endpoint,
+            seed=cfg.seed,
+            served_model_name=served_model_name,
+            startup_timeout_s=float(cfg.ray_placement_timeout_s),
         )
 
 
@@ -72,21 +90,40 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def vllm_command(model: str, host: str, port: int, settings: VllmServerSettings, *,
-                 on_cpu: bool) -> tuple[list[str], dict[str, str]]:
+def vllm_command(
+    model: str, host: str, port: int, settings: VllmServerSettings, *, on_cpu: bool
+) -> tuple[list[str], dict[str, str]]:
     """The argv and the environment additions of a refractor vLLM server (pure; unit-tested)."""
     s = settings
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--host", host, "--port", str(port),
-        "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), "--seed", str(s.seed),
-        "--tensor-parallel-size", str(s.tensor_parallel_size),
-        "--scheduling-policy", s.scheduling_policy,
-        "--logprobs-mode", "processed_logprobs",
-        "--generation-config", "vllm",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        s.dtype,
+        "--max-model-len",
+        str(s.max_model_len),
+        "--seed",
+        str(s.seed),
+        "--tensor-parallel-size",
+        str(s.tensor_parallel_size),
+        "--scheduling-policy",
+        s.scheduling_policy,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
         "--enable-scale-out",
-        "--worker-extension-cls", WORKER_EXTENSION,
-        "--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}),
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        "--weight-transfer-config",
+        json.dumps({"backend": TRANSFER_BACKEND}),
         "--disable-uvicorn-access-log",
     ]
     if s.served_model_name:
@@ -98,7 +135,11 @@ def vllm_command(model: str, host: str, port: int, settings: VllmServerSettings,
     if s.tensor_parallel_size > 1:
         # a server started from a Ray actor must not try to schedule its workers through Ray
         argv += ["--distributed-executor-backend", "mp"]
-    kv_gb = s.kv_cache_memory_gb if s.kv_cache_memory_gb is not None else (DEFAULT_CPU_KV_CACHE_GB if on_cpu else None)
+    kv_gb = (
+        s.kv_cache_memory_gb
+        if s.kv_cache_memory_gb is not None
+        else (DEFAULT_CPU_KV_CACHE_GB if on_cpu else None)
+    )
     if kv_gb is not None:
         # an explicit budget bypasses the gpu_memory_utilization check (on CPU: x host RAM)
         argv += ["--kv-cache-memory-bytes", str(int(kv_gb * 2**30))]
@@ -119,9 +160,16 @@ class VllmStartError(ServerStartError):
     """The vLLM server exited or did not become healthy; the message ends with its last log lines."""
 
 
-def start_vllm_server(model_path: str | Path, host: str = "127.0.0.1", port: int | None = None,
-                      settings: VllmServerSettings | None = None, *, log_path: str | Path | None = None,
-                      wait: bool = True, die_with_parent: bool = False) -> ServerProcess:
+def start_vllm_server(
+    model_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    settings: VllmServerSettings | None = None,
+    *,
+    log_path: str | Path | None = None,
+    wait: bool = True,
+    die_with_parent: bool = False,
+) -> ServerProcess:
     """Start a server in its own process group and (by default) wait until ``/health`` answers."""
     settings = settings or VllmServerSettings()
     port = port or free_port(client_host(host))
@@ -131,8 +179,14 @@ def start_vllm_server(model_path: str | Path, host: str = "127.0.0.1", port: int
         log_path = log_dir / f"vllm-{port}.log"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess.spawn(argv, url=f"http://{client_host(host)}:{port}", log_path=log_path, env=env_add,
-                                 what="vLLM server", die_with_parent=die_with_parent)
+    server = ServerProcess.spawn(
+        argv,
+        url=f"http://{client_host(host)}:{port}",
+        log_path=log_path,
+        env=env_add,
+        what="vLLM server",
+        die_with_parent=die_with_parent,
+    )
     if wait:
         try:
             server.wait_healthy(settings.startup_timeout_s)
@@ -141,11 +195,13 @@ def start_vllm_server(model_path: str | Path, host: str = "127.0.0.1", port: int
     return server
 
 
-def serve_vllm(model: str | Path, host: str = "0.0.0.0", port: int = 8000,
-               settings: VllmServerSettings | None = None) -> None:
+def serve_vllm(
+    model: str | Path, host: str = "0.0.0.0", port: int = 8000, settings: VllmServerSettings | None = None
+) -> None:
     """``refractor serve --engine vllm``: run the server in the foreground (this process becomes it)."""
-    argv, env_add = vllm_command(str(model), host, port, settings or VllmServerSettings(),
-                                 on_cpu=not cuda_available())
+    argv, env_add = vllm_command(
+        str(model), host, port, settings or VllmServerSettings(), on_cpu=not cuda_available()
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(argv[0], argv, {**os.environ, **env_add})

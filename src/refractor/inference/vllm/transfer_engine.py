@@ -64,10 +64,16 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
     def init_transfer_engine(self, init_info: RefractorInitInfo) -> None:
         device = self.device if init_info.backend == "nccl" else torch.device("cpu")
         group = TransferGroup.create(
-            master_address=init_info.master_address, master_port=init_info.master_port,
-            rank=init_info.rank_offset + self.worker_rank(), world_size=init_info.world_size,
-            backend=init_info.backend, group_name=init_info.group, device=device,
-            init_timeout_s=init_info.init_timeout_s, timeout_s=init_info.timeout_s)
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank=init_info.rank_offset + self.worker_rank(),
+            world_size=init_info.world_size,
+            backend=init_info.backend,
+            group_name=init_info.group,
+            device=device,
+            init_timeout_s=init_info.init_timeout_s,
+            timeout_s=init_info.timeout_s,
+        )
         previous = self.receivers.pop(init_info.group, None)
         if previous is not None:
             previous.group.shutdown()
@@ -97,8 +103,10 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
     def receive_weights(self, update_info: RefractorUpdateInfo) -> None:
         receiver = self.receivers.get(update_info.group)
         if receiver is None:
-            raise RuntimeError(f"weight-transfer group {update_info.group!r} was never initialized on this "
-                               f"worker (known: {sorted(self.receivers)}); call /init_weight_transfer_engine")
+            raise RuntimeError(
+                f"weight-transfer group {update_info.group!r} was never initialized on this "
+                f"worker (known: {sorted(self.receivers)}); call /init_weight_transfer_engine"
+            )
         loaded: set[str] = set()
         load_s = 0.0
         load_error: Exception | None = None

@@ -19,6 +19,18 @@ from refractor.inference.weight_transfer.sender import (
 )
 
 __all__ = [
-    "FULL", "TRAINING_ONLY", "CanaryError", "PushResult", "SendStats", "ServerRef", "TensorMeta", "WeightSender",
-    "WeightSyncError", "WorkerReport", "check_canary", "iter_buckets", "plan_buckets", "weight_transfer_router",
+    "FULL",
+    "TRAINING_ONLY",
+    "CanaryError",
+    "PushResult",
+    "SendStats",
+    "ServerRef",
+    "TensorMeta",
+    "WeightSender",
+    "WeightSyncError",
+    "WorkerReport",
+    "check_canary",
+    "iter_buckets",
+    "plan_buckets",
+    "weight_transfer_router",
 ]

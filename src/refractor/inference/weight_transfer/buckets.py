@@ -44,7 +44,9 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def _bucketize(items: Iterable[T], bucket_bytes: int, key: Callable[[T], tuple[str, int]]) -> Iterator[list[T]]:
+def _bucketize(
+    items: Iterable[T], bucket_bytes: int, key: Callable[[T], tuple[str, int]]
+) -> Iterator[list[T]]:
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
     open_buckets: dict[str, tuple[list[T], int]] = {}
@@ -66,11 +68,15 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[list[Te
     return list(_bucketize(metas, bucket_bytes, lambda m: (m.dtype, m.nbytes)))
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Stream (name, tensor) pairs as dtype-homogeneous buckets of at most ``bucket_bytes``."""
-    return _bucketize(named_tensors, bucket_bytes,
-                      lambda nt: (dtype_name(nt[1].dtype), nt[1].numel() * nt[1].element_size()))
+    return _bucketize(
+        named_tensors,
+        bucket_bytes,
+        lambda nt: (dtype_name(nt[1].dtype), nt[1].numel() * nt[1].element_size()),
+    )
 
 
 def split_by_dtype(bucket: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:

@@ -37,8 +37,15 @@ class ServerControl:
         self.server = server
         self._http = httpx.Client(base_url=server.url.rstrip("/"), timeout=timeout_s)
 
-    def call(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-             timeout_s: float | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         kwargs: dict[str, Any] = {"params": params}
         if json is not None:
             kwargs["json"] = json
@@ -51,8 +58,10 @@ class ServerControl:
         except httpx.HTTPError as err:
             raise WeightSyncError(f"server {self.server}: {method} {path} failed: {err!r}") from err
         if response.status_code >= 400:
-            raise WeightSyncError(f"server {self.server}: {method} {path} answered HTTP {response.status_code}: "
-                                  f"{response.text[:2000]}")
+            raise WeightSyncError(
+                f"server {self.server}: {method} {path} answered HTTP {response.status_code}: "
+                f"{response.text[:2000]}"
+            )
         return response.json() if response.content else None
 
     # --- the routes, named after vLLM's ----------------------------------------------------
@@ -72,8 +81,12 @@ class ServerControl:
 
     def update_weights(self, group: str, version: str, timeout_s: float) -> None:
         # version: engines that apply weights in one call (native) tag them now; vLLM at finish
-        self.call("POST", "/update_weights", json={"update_info": {"group": group, "version": version}},
-                  timeout_s=timeout_s)
+        self.call(
+            "POST",
+            "/update_weights",
+            json={"update_info": {"group": group, "version": version}},
+            timeout_s=timeout_s,
+        )
 
     def finish_weight_update(self, version: str) -> None:
         self.call("POST", "/finish_weight_update", json={"weight_version": version})
@@ -81,8 +94,11 @@ class ServerControl:
     def reset_prefix_cache(self, reset_running_requests: bool = True) -> None:
         # reset_running_requests: in-flight requests recompute their KV with the new weights on resume;
         # without it they keep their old-weight KV (only the cache of finished prefixes is dropped)
-        self.call("POST", "/reset_prefix_cache",
-                  params={"reset_running_requests": "true" if reset_running_requests else "false"})
+        self.call(
+            "POST",
+            "/reset_prefix_cache",
+            params={"reset_running_requests": "true" if reset_running_requests else "false"},
+        )
 
     def resume(self) -> None:
         self.call("POST", "/resume")

@@ -29,8 +29,9 @@ class CollectiveTimeout(RuntimeError):
 
 
 class TransferGroup:
-    def __init__(self, pg, store, backend: Backend, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float):
+    def __init__(
+        self, pg, store, backend: Backend, rank: int, world_size: int, device: torch.device, timeout_s: float
+    ):
         self._pg = pg
         self._store = store  # the group needs its store alive
         self.backend = backend
@@ -41,9 +42,20 @@ class TransferGroup:
         self.broken = False
 
     @classmethod
-    def create(cls, *, master_address: str, master_port: int, rank: int, world_size: int, backend: Backend,
-               group_name: str, device: torch.device | str | None = None, init_timeout_s: float = 300.0,
-               timeout_s: float = 300.0, store: dist.TCPStore | None = None) -> TransferGroup:
+    def create(
+        cls,
+        *,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: Backend,
+        group_name: str,
+        device: torch.device | str | None = None,
+        init_timeout_s: float = 300.0,
+        timeout_s: float = 300.0,
+        store: dist.TCPStore | None = None,
+    ) -> TransferGroup:
         """Join (rank > 0) or host (rank 0) the group. Blocks until every rank has joined.
 
         Rank 0 may pass a ``store`` it created beforehand (``host_store``), e.g. to learn a port
@@ -51,8 +63,14 @@ class TransferGroup:
         """
         init_timeout = timedelta(seconds=init_timeout_s)
         if store is None:
-            store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                                  timeout=init_timeout, wait_for_workers=False)
+            store = dist.TCPStore(
+                master_address,
+                master_port,
+                world_size,
+                is_master=rank == 0,
+                timeout=init_timeout,
+                wait_for_workers=False,
+            )
         prefixed = dist.PrefixStore(f"{_STORE_PREFIX}/{group_name}", store)
         if backend == "gloo":
             device = torch.device("cpu")
@@ -138,8 +156,14 @@ class TransferGroup:
 def host_store(master_address: str, world_size: int, init_timeout_s: float, port: int = 0) -> dist.TCPStore:
     """Rank 0's store; ``port=0`` lets the OS pick a free port (read it back from ``store.port``)."""
     bind = "0.0.0.0" if master_address not in ("127.0.0.1", "localhost") else master_address
-    return dist.TCPStore(bind, port, world_size, is_master=True, timeout=timedelta(seconds=init_timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        bind,
+        port,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=init_timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def _gloo_device(master_address: str):

@@ -73,11 +73,16 @@ def weight_transfer_router(engine) -> APIRouter:
             group_name = init_info.get("group", "full")
             backend = init_info.get("backend", "gloo")
             create = dict(
-                master_address=init_info["master_address"], master_port=int(init_info["master_port"]),
-                rank=int(init_info["rank_offset"]), world_size=int(init_info["world_size"]), backend=backend,
-                group_name=group_name, device=state.engine_device() if backend == "nccl" else None,
+                master_address=init_info["master_address"],
+                master_port=int(init_info["master_port"]),
+                rank=int(init_info["rank_offset"]),
+                world_size=int(init_info["world_size"]),
+                backend=backend,
+                group_name=group_name,
+                device=state.engine_device() if backend == "nccl" else None,
                 init_timeout_s=float(init_info.get("init_timeout_s", 300.0)),
-                timeout_s=float(init_info.get("timeout_s", 300.0)))
+                timeout_s=float(init_info.get("timeout_s", 300.0)),
+            )
         except (KeyError, ValueError, TypeError) as err:
             raise HTTPException(400, f"invalid init_info {init_info}: {err!r}") from err
         group = await asyncio.to_thread(lambda: TransferGroup.create(**create))
@@ -109,12 +114,17 @@ def weight_transfer_router(engine) -> APIRouter:
         receiver = state.receivers.get(group_name)
         if receiver is None:
             state.update_active = False
-            raise HTTPException(400, f"weight-transfer group {group_name!r} was never initialized "
-                                     f"(known: {sorted(state.receivers)})")
+            raise HTTPException(
+                400,
+                f"weight-transfer group {group_name!r} was never initialized "
+                f"(known: {sorted(state.receivers)})",
+            )
         try:
             # the whole update is received before anything is written: a failed transfer leaves
             # the engine on its previous weights
-            received = await asyncio.to_thread(lambda: [pair for bucket in receiver.receive() for pair in bucket])
+            received = await asyncio.to_thread(
+                lambda: [pair for bucket in receiver.receive() for pair in bucket]
+            )
             names = {name for name, _ in engine.named_parameters()}
             start = time.perf_counter()
             try:
@@ -126,7 +136,9 @@ def weight_transfer_router(engine) -> APIRouter:
                 await asyncio.to_thread(receiver.send_report, 0, len(names), 0.0)
                 raise HTTPException(500, f"loading the received weights failed: {err!r}") from err
             written = names & {name for name, _ in received}
-            await asyncio.to_thread(receiver.send_report, len(written), len(names), time.perf_counter() - start)
+            await asyncio.to_thread(
+                receiver.send_report, len(written), len(names), time.perf_counter() - start
+            )
         except BaseException:
             state.update_active = False
             raise

@@ -106,8 +106,7 @@ class BucketSender:
         self.mode = mode
         self._known_metadata: list[list[TensorMeta]] = []
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-             corrupt: bool = False) -> SendStats:
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], corrupt: bool = False) -> SendStats:
         """Broadcast every bucket, then the END header. ``corrupt`` flips one payload byte after
         checksumming; it exists only so tests can prove that the canary catches transport damage."""
         start = time.perf_counter()
@@ -133,12 +132,20 @@ class BucketSender:
                         meta_blob = json.dumps([[m.name, m.dtype, list(m.shape)] for m in metas]).encode()
                         metadata_sent = True
                     bucket_bytes = sum(m.nbytes for m in metas)
-                    issue(torch.tensor([_MODE_KIND[self.mode], bucket_bytes, len(meta_blob), len(metas)],
-                                       dtype=torch.int64, device=g.device))
+                    issue(
+                        torch.tensor(
+                            [_MODE_KIND[self.mode], bucket_bytes, len(meta_blob), len(metas)],
+                            dtype=torch.int64,
+                            device=g.device,
+                        )
+                    )
                     if meta_blob:
                         issue(torch.frombuffer(bytearray(meta_blob), dtype=torch.uint8).to(g.device))
-                    payloads = ([_pack([t for _, t in bucket], g.device)] if self.mode == "flattened_bucket"
-                                else [t.detach().to(g.device).contiguous() for _, t in bucket])
+                    payloads = (
+                        [_pack([t for _, t in bucket], g.device)]
+                        if self.mode == "flattened_bucket"
+                        else [t.detach().to(g.device).contiguous() for _, t in bucket]
+                    )
                     for payload in payloads:
                         drain(2 * _MAX_IN_FLIGHT)
                         if corrupt:
@@ -218,11 +225,15 @@ class BucketReceiver:
             elif index < len(self._known_metadata):
                 metas = self._known_metadata[index]
             else:
-                raise RuntimeError(f"weight transfer: bucket {index} arrived without metadata and none is "
-                                   "cached (the trainer and this worker disagree about the group's history)")
+                raise RuntimeError(
+                    f"weight transfer: bucket {index} arrived without metadata and none is "
+                    "cached (the trainer and this worker disagree about the group's history)"
+                )
             if len(metas) != n_tensors or sum(m.nbytes for m in metas) != payload_bytes:
-                raise RuntimeError(f"weight transfer: bucket {index} header ({n_tensors} tensors, "
-                                   f"{payload_bytes} bytes) does not match its metadata")
+                raise RuntimeError(
+                    f"weight transfer: bucket {index} header ({n_tensors} tensors, "
+                    f"{payload_bytes} bytes) does not match its metadata"
+                )
             received = self._receive_payload(kind, metas)
             self.receive_s += time.perf_counter() - t0
             self.tensors += len(metas)
@@ -238,7 +249,7 @@ class BucketReceiver:
             self.checksum.add(buffer)
             out, offset = [], 0
             for m in metas:
-                view = buffer[offset:offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
+                view = buffer[offset : offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
                 out.append((m.name, view))
                 offset += m.nbytes
             return out
@@ -254,8 +265,15 @@ class BucketReceiver:
 
     def send_report(self, params_loaded: int, params_total: int, load_s: float) -> WorkerReport:
         report = WorkerReport(
-            rank=self.group.rank, checksum=self.checksum.item(), tensors=self.tensors, bytes=self.bytes,
-            buckets=self.buckets, params_loaded=params_loaded, params_total=params_total,
-            receive_us=int(self.receive_s * 1e6), load_us=int(load_s * 1e6))
+            rank=self.group.rank,
+            checksum=self.checksum.item(),
+            tensors=self.tensors,
+            bytes=self.bytes,
+            buckets=self.buckets,
+            params_loaded=params_loaded,
+            params_total=params_total,
+            receive_us=int(self.receive_s * 1e6),
+            load_us=int(load_s * 1e6),
+        )
         self.group.gather(report.to_tensor(self.group.device))
         return report

@@ -63,11 +63,20 @@ class _Group:
 
 
 class WeightSender:
-    def __init__(self, servers: Sequence[ServerRef], *, eval_servers: Collection[str] = (),
-                 master_address: str = "127.0.0.1", device: torch.device | str | None = None,
-                 mode: BroadcastMode = "flattened_bucket", cpu_staging: bool = False,
-                 init_timeout_s: float = 300.0, timeout_s: float = 300.0, gather_before_pause_bytes: int = 0,
-                 inflight_kv: str = "recompute"):
+    def __init__(
+        self,
+        servers: Sequence[ServerRef],
+        *,
+        eval_servers: Collection[str] = (),
+        master_address: str = "127.0.0.1",
+        device: torch.device | str | None = None,
+        mode: BroadcastMode = "flattened_bucket",
+        cpu_staging: bool = False,
+        init_timeout_s: float = 300.0,
+        timeout_s: float = 300.0,
+        gather_before_pause_bytes: int = 0,
+        inflight_kv: str = "recompute",
+    ):
         names = [s.name for s in servers]
         if len(set(names)) != len(names):
             raise ValueError(f"server names must be unique, got {names}")
@@ -89,16 +98,32 @@ class WeightSender:
             raise ValueError(f"inflight_kv must be 'recompute' or 'keep', got {inflight_kv!r}")
         self.inflight_kv = inflight_kv
         self._groups: dict[str, _Group] = {}
-        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.servers) + 2, thread_name_prefix="weight-sync")
+        self._pool = ThreadPoolExecutor(
+            max_workers=2 * len(self.servers) + 2, thread_name_prefix="weight-sync"
+        )
 
     @classmethod
-    def from_config(cls, cfg, servers: Sequence[ServerRef], *, eval_servers: Collection[str] = (),
-                    master_address: str = "127.0.0.1", device: torch.device | str | None = None) -> WeightSender:
-        return cls(servers, eval_servers=eval_servers, master_address=master_address, device=device,
-                   mode=cfg.weight_broadcast_mode, cpu_staging=cfg.weight_broadcast_cpu_staging,
-                   init_timeout_s=cfg.ray_broadcast_init_timeout_s, timeout_s=cfg.ray_broadcast_init_timeout_s,
-                   gather_before_pause_bytes=int(getattr(cfg, "weight_sync_gather_before_pause_mb", 0)) * 2**20,
-                   inflight_kv=getattr(cfg, "weight_sync_inflight_kv", "recompute"))
+    def from_config(
+        cls,
+        cfg,
+        servers: Sequence[ServerRef],
+        *,
+        eval_servers: Collection[str] = (),
+        master_address: str = "127.0.0.1",
+        device: torch.device | str | None = None,
+    ) -> WeightSender:
+        return cls(
+            servers,
+            eval_servers=eval_servers,
+            master_address=master_address,
+            device=device,
+            mode=cfg.weight_broadcast_mode,
+            cpu_staging=cfg.weight_broadcast_cpu_staging,
+            init_timeout_s=cfg.ray_broadcast_init_timeout_s,
+            timeout_s=cfg.ray_broadcast_init_timeout_s,
+            gather_before_pause_bytes=int(getattr(cfg, "weight_sync_gather_before_pause_mb", 0)) * 2**20,
+            inflight_kv=getattr(cfg, "weight_sync_inflight_kv", "recompute"),
+        )
 
     def target_servers(self, target: str) -> list[ServerRef]:
         if target == FULL:
@@ -125,32 +150,59 @@ class WeightSender:
         if not refs:
             raise WeightSyncError(f"weight-update target {target!r} has no servers (all are eval servers)")
         controls = [ServerControl(ref, self.timeout_s) for ref in refs]
-        world_sizes = self._on_all(controls, ServerControl.world_size, f"querying the world size for {target!r}")
+        world_sizes = self._on_all(
+            controls, ServerControl.world_size, f"querying the world size for {target!r}"
+        )
         offsets, world = rank_layout(world_sizes)
         store = host_store(self.master_address, world, self.init_timeout_s)
         futures = {
-            c: self._pool.submit(c.init_weight_transfer_engine, {
-                "master_address": self.master_address, "master_port": store.port, "world_size": world,
-                "rank_offset": offset, "group": target, "backend": self.backend,
-                "init_timeout_s": self.init_timeout_s, "timeout_s": self.timeout_s,
-            }, self.init_timeout_s + 30)
+            c: self._pool.submit(
+                c.init_weight_transfer_engine,
+                {
+                    "master_address": self.master_address,
+                    "master_port": store.port,
+                    "world_size": world,
+                    "rank_offset": offset,
+                    "group": target,
+                    "backend": self.backend,
+                    "init_timeout_s": self.init_timeout_s,
+                    "timeout_s": self.timeout_s,
+                },
+                self.init_timeout_s + 30,
+            )
             for c, offset in zip(controls, offsets, strict=True)
         }
         try:
             transfer = TransferGroup.create(
-                master_address=self.master_address, master_port=store.port, rank=0, world_size=world,
-                backend=self.backend, group_name=target, device=self.device,
-                init_timeout_s=self.init_timeout_s, timeout_s=self.timeout_s, store=store)
+                master_address=self.master_address,
+                master_port=store.port,
+                rank=0,
+                world_size=world,
+                backend=self.backend,
+                group_name=target,
+                device=self.device,
+                init_timeout_s=self.init_timeout_s,
+                timeout_s=self.timeout_s,
+                store=store,
+            )
         except Exception as err:  # noqa: BLE001 - rendezvous failures come in many types
-            raise self._failure(f"creating the {target!r} weight-transfer group", controls, futures, err) from err
+            raise self._failure(
+                f"creating the {target!r} weight-transfer group", controls, futures, err
+            ) from err
         self._wait_all(futures, f"creating the {target!r} weight-transfer group", controls)
         group = _Group(target, controls, offsets, world_sizes, transfer, BucketSender(transfer, self.mode))
         self._groups[target] = group
         return group
 
     # --- one update --------------------------------------------------------------------------
-    def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, target: str = FULL,
-             *, _corrupt_for_test: bool = False) -> PushResult:
+    def push(
+        self,
+        buckets: Iterable[list[tuple[str, torch.Tensor]]],
+        version: int,
+        target: str = FULL,
+        *,
+        _corrupt_for_test: bool = False,
+    ) -> PushResult:
         """Send every bucket to the target's servers and make them serve it as ``version``.
 
         Buckets are gathered BEFORE the servers pause, up to ``gather_before_pause_bytes`` (about:
@@ -169,8 +221,9 @@ class WeightSender:
                     pass
             raise
 
-    def _push(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: int, target: str,
-              corrupt: bool) -> PushResult:
+    def _push(
+        self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: int, target: str, corrupt: bool
+    ) -> PushResult:
         start = time.perf_counter()
         group = self._group(target)
         controls = group.servers
@@ -181,8 +234,9 @@ class WeightSender:
         try:  # resumed in every case: a server that paused must not stay paused because another failed
             self._on_all(controls, ServerControl.pause, what)
             self._on_all(controls, ServerControl.start_weight_update, what)
-            receiving = {c: self._pool.submit(c.update_weights, target, str(version), self.timeout_s)
-                         for c in controls}
+            receiving = {
+                c: self._pool.submit(c.update_weights, target, str(version), self.timeout_s) for c in controls
+            }
             try:
                 stream = _release_as_sent(ahead, buckets)
                 stats = group.sender.send(self._checked(stream, receiving, controls, what), corrupt=corrupt)
@@ -201,9 +255,16 @@ class WeightSender:
             paused = time.perf_counter() - paused_at
         by_server = self._reports_by_server(group, reports)
         check_canary(stats, by_server, version)
-        return PushResult(version, target, trainer_seconds=time.perf_counter() - start, paused_seconds=paused,
-                          transfer_seconds=stats.seconds, stats=stats, reports=by_server,
-                          gathered_ahead_bytes=ahead_bytes)
+        return PushResult(
+            version,
+            target,
+            trainer_seconds=time.perf_counter() - start,
+            paused_seconds=paused,
+            transfer_seconds=stats.seconds,
+            stats=stats,
+            reports=by_server,
+            gathered_ahead_bytes=ahead_bytes,
+        )
 
     def _checked(self, buckets, receiving: dict[ServerControl, Future], controls, what):
         """Pass buckets through, stopping early when a server already failed its receive call."""
@@ -217,7 +278,9 @@ class WeightSender:
         by_rank = {r.rank: r for r in reports}
         out = {}
         for control, offset, size in zip(group.servers, group.rank_offsets, group.world_sizes, strict=True):
-            out[control.server.name] = [by_rank[rank] for rank in range(offset, offset + size) if rank in by_rank]
+            out[control.server.name] = [
+                by_rank[rank] for rank in range(offset, offset + size) if rank in by_rank
+            ]
         return out
 
     # --- helpers -----------------------------------------------------------------------------
@@ -225,7 +288,9 @@ class WeightSender:
         futures = {c: self._pool.submit(call, c) for c in controls}
         return self._wait_all(futures, what, controls)
 
-    def _wait_all(self, futures: dict[ServerControl, Future], what: str, controls: list[ServerControl]) -> list:
+    def _wait_all(
+        self, futures: dict[ServerControl, Future], what: str, controls: list[ServerControl]
+    ) -> list:
         deadline = time.monotonic() + self.timeout_s + 30
         results, errors = [], []
         for control, future in futures.items():
@@ -239,8 +304,13 @@ class WeightSender:
             raise WeightSyncError(f"{what} failed:\n  " + "\n  ".join(errors))
         return results
 
-    def _failure(self, what: str, controls: list[ServerControl], futures: dict[ServerControl, Future],
-                 cause: BaseException) -> WeightSyncError:
+    def _failure(
+        self,
+        what: str,
+        controls: list[ServerControl],
+        futures: dict[ServerControl, Future],
+        cause: BaseException,
+    ) -> WeightSyncError:
         probes = [self._pool.submit(c.probe, min(5.0, self.timeout_s)) for c in controls]
         problems, unresponsive = [], set()
         for control, probe in zip(controls, probes, strict=True):
@@ -249,7 +319,9 @@ class WeightSender:
             reason = probe.result()
             if reason is not None:
                 unresponsive.add(control.server.name)
-                problems.append(f"server {control.server}: {reason}" + (f" [{call_error}]" if call_error else ""))
+                problems.append(
+                    f"server {control.server}: {reason}" + (f" [{call_error}]" if call_error else "")
+                )
             elif call_error is not None:
                 problems.append(str(call_error))
         if not problems:
@@ -278,8 +350,9 @@ class WeightSender:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def gather_ahead(buckets: Iterator[list[tuple[str, torch.Tensor]]], budget_bytes: int
-                 ) -> tuple[list[list[tuple[str, torch.Tensor]]], int]:
+def gather_ahead(
+    buckets: Iterator[list[tuple[str, torch.Tensor]]], budget_bytes: int
+) -> tuple[list[list[tuple[str, torch.Tensor]]], int]:
     """Materialize buckets from ``buckets`` until ``budget_bytes`` are held (the last one may cross it).
 
     Waits for the device, so the gather is really over before the caller pauses the servers.
@@ -323,11 +396,14 @@ def check_canary(stats: SendStats, reports: dict[str, list[WorkerReport]], versi
                 problems.append(
                     f"server {server!r} (rank {r.rank}): received checksum {r.checksum} over {r.tensors} tensors / "
                     f"{r.bytes} bytes, the trainer sent checksum {stats.checksum} over {stats.tensors} tensors / "
-                    f"{stats.bytes} bytes")
+                    f"{stats.bytes} bytes"
+                )
             elif r.params_loaded != r.params_total:
                 problems.append(
                     f"server {server!r} (rank {r.rank}): only {r.params_loaded} of its {r.params_total} parameters "
-                    "were written (names the engine does not know are skipped; see the server log)")
+                    "were written (names the engine does not know are skipped; see the server log)"
+                )
     if problems:
-        raise CanaryError(f"weight update to version {version} is not what the trainer sent:\n  "
-                          + "\n  ".join(problems))
+        raise CanaryError(
+            f"weight update to version {version} is not what the trainer sent:\n  " + "\n  ".join(problems)
+        )

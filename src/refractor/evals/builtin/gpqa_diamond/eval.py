@@ -15,7 +15,8 @@ LETTERS = "ABCD"
 INSTRUCTION = (
     "Answer the following multiple choice question. The last line of your response should be of the "
     "following format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. "
-    "Think step by step before answering.")
+    "Think step by step before answering."
+)
 _ANSWER = re.compile(r"answer\s*:\s*\(?\s*([A-D])\b", flags=re.IGNORECASE)
 
 
@@ -29,7 +30,9 @@ class GpqaDiamondEval(DatasetEval):
     dataset_subsets = ("gpqa_diamond",)
     default_split = "train"
     columns = ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3")
-    metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {"correct": {"min": 0.0, "max": 1.0, "invert": False}}
+    metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
+        "correct": {"min": 0.0, "max": 1.0, "invert": False}
+    }
     shuffle_seed = 42
 
     def load_dataset(self, num_samples: int = -1, **kwargs: Any) -> list[Sample]:
@@ -46,11 +49,19 @@ class GpqaDiamondEval(DatasetEval):
         self._rng.shuffle(choices)
         letter = LETTERS[choices.index(correct)]
         options = "\n".join(f"{LETTERS[i]}) {choice}" for i, choice in enumerate(choices))
-        return Sample(prompt=f"{INSTRUCTION}\n\n{question}\n\n{options}", answer=letter,
-                      metadata={"index": index, "domain": row.get("High-level domain")})
+        return Sample(
+            prompt=f"{INSTRUCTION}\n\n{question}\n\n{options}",
+            answer=letter,
+            metadata={"index": index, "domain": row.get("High-level domain")},
+        )
 
-    async def compute_eval_metrics(self, completion: str, sample: Sample, eos_token: str = "") -> EvalMetricsResult:
+    async def compute_eval_metrics(
+        self, completion: str, sample: Sample, eos_token: str = ""
+    ) -> EvalMetricsResult:
         chosen = last_answer_letter(self.answer_text(completion, eos_token))
         tags = {"domain": str(sample.metadata["domain"])} if sample.metadata.get("domain") else {}
-        return EvalMetricsResult(metrics={"correct": float(chosen == sample.answer)},
-                                 golden_answers={"correct": sample.answer}, sample_tags=tags)
+        return EvalMetricsResult(
+            metrics={"correct": float(chosen == sample.answer)},
+            golden_answers={"correct": sample.answer},
+            sample_tags=tags,
+        )

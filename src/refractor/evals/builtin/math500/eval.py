@@ -22,7 +22,9 @@ class Math500Eval(BoxedMathEval):
             sample.metadata.update(level=row.get("level"), subject=row.get("subject"))
         return sample
 
-    async def compute_eval_metrics(self, completion: str, sample: Sample, eos_token: str = "") -> EvalMetricsResult:
+    async def compute_eval_metrics(
+        self, completion: str, sample: Sample, eos_token: str = ""
+    ) -> EvalMetricsResult:
         result = await super().compute_eval_metrics(completion, sample, eos_token)
         level = sample.metadata.get("level")
         if isinstance(level, int | float) or (isinstance(level, str) and level.strip().isdigit()):
