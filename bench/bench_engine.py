@@ -52,7 +52,8 @@ def gpu_checks(log) -> dict:
                     ),
                 )
                 outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-                same, worst = 0, 0.0
+                same = 0
+                worst = 0.0
                 for prompt, o in zip(prompts, outs, strict=True):
                     ref = hf.generate(
                         torch.tensor([prompt], device="cuda"),
@@ -142,12 +143,15 @@ def bench_engine(engine, concurrency: int, prompt_len: int, gen_len: int) -> dic
         engine.add_request(f"b{concurrency}-{i}", torch.randint(0, vocab, (prompt_len,)).tolist(), params)
     torch.cuda.synchronize()
     start = time.monotonic()
-    outputs, decode_start, steps = [], None, 0
+    outputs = []
+    decode_start = None
+    steps = 0
     while engine.has_unfinished():
         outputs += engine.step()
         steps += 1
         if decode_start is None and not engine.scheduler.waiting:
-            decode_start, decode_tokens_before = time.monotonic(), engine.generation_tokens_total
+            decode_start = time.monotonic()
+            decode_tokens_before = engine.generation_tokens_total
     end = time.monotonic()
     tokens = sum(o.num_generated_tokens for o in outputs)
     ttft = [o.first_token_time - start for o in outputs]

@@ -176,7 +176,8 @@ def summarize(
         measured = steps[warmup:]
         kept = [r for s in measured for r in reader.rollouts(step=s["step"], status="kept")]
         ends = reader.step_times()  # each step's metrics are logged when its weight update finished
-        t0, t1 = ends[steps[warmup - 1]["step"]], ends[measured[-1]["step"]]
+        t0 = ends[steps[warmup - 1]["step"]]
+        t1 = ends[measured[-1]["step"]]
         scraped: dict[str, list[float]] = {}  # the server's /metrics over the measured steps
         for row in reader.system_metrics(t0, t1):
             if row["source"].startswith("inference:"):

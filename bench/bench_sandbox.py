@@ -47,7 +47,8 @@ async def rewards_per_second(concurrency: int, seconds: float) -> float:
     sample = env.get_sample(0)
     completion = f"```python\n{PROGRAM}```"
     await env.prepare_resources()
-    count, deadline = 0, time.perf_counter() + seconds
+    count = 0
+    deadline = time.perf_counter() + seconds
 
     async def worker() -> None:
         nonlocal count

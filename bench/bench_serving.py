@@ -81,7 +81,9 @@ def run_engine(path: Path, jobs, concurrency: int, warmup: int, engine_args: dic
     from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(path, EngineConfig(**engine_args))
-    pending, started, finished = list(enumerate(jobs)), {}, []
+    pending = list(enumerate(jobs))
+    started = {}
+    finished = []
 
     def submit() -> None:
         i, (ids, max_tokens) = pending.pop(0)

@@ -16,13 +16,15 @@ from refractor.envs.records import RewardResult, Sample
 
 
 class RepeatLetterEnvironment(SingleTurnEnvironment):
-    reward_min, reward_max = 0.0, 1.0
+    reward_min = 0.0
+    reward_max = 1.0
 
     def __init__(self, letter: str = "a", num_prompts: int = 32, **kwargs):
         super().__init__(**kwargs)
         if len(letter) != 1:
             raise ValueError(f"repeat_letter: `letter` must be one character, got {letter!r}")
-        self.letter, self.num_prompts = letter, num_prompts
+        self.letter = letter
+        self.num_prompts = num_prompts
 
     def load_dataset(self, num_samples: int = -1, **kwargs) -> list[Sample]:
         n = num_samples if num_samples > 0 else self.num_prompts

@@ -73,10 +73,12 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             key, raw = body.split("=", 1)
             i += 1
         elif i + 1 < len(args) and not (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
-            key, raw = body, args[i + 1]
+            key = body
+            raw = args[i + 1]
             i += 2
         else:  # a bare flag
-            key, raw = body, "true"
+            key = body
+            raw = "true"
             i += 1
         key = key.replace("-", "_").lower()
         out[key] = parse_yaml_value(raw)

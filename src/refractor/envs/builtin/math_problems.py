@@ -27,7 +27,8 @@ class MathEnvironment(SingleTurnEnvironment):
     """Shared logic; subclasses set the dataset defaults and ``parse_row``."""
 
     strict_kwargs = True
-    reward_min, reward_max = 0.0, 1.0
+    reward_min = 0.0
+    reward_max = 1.0
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
         "correct": {"min": 0.0, "max": 1.0, "invert": False}
     }

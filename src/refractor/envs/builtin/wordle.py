@@ -49,7 +49,8 @@ def score_guess(guess: str, secret: str) -> list[str]:
     spare = list(secret)
     for i, letter in enumerate(guess):
         if letter == secret[i]:
-            feedback[i], spare[i] = "G", None
+            feedback[i] = "G"
+            spare[i] = None
     for i, letter in enumerate(guess):
         if feedback[i] is None:
             if letter in spare:
@@ -101,7 +102,8 @@ class WordleGame:
         feedback = score_guess(word, self.secret)
         self.history.append((word, feedback))
         if all(f == "G" for f in feedback):
-            self.game_over = self.won = True
+            self.game_over = True
+            self.won = True
             return "Congratulations! You guessed the word correctly!"
         left = self.num_guesses - len(self.history)
         text = (
@@ -125,7 +127,8 @@ def load_word_list(path: str | Path | None = None) -> list[str]:
 class WordleEnvironment(MultiTurnEnvironment):
     strict_kwargs = True
     dataset_is_generated: ClassVar[bool] = True
-    reward_min, reward_max = 0.0, 2.2
+    reward_min = 0.0
+    reward_max = 2.2
 
     def __init__(
         self,
@@ -139,7 +142,9 @@ class WordleEnvironment(MultiTurnEnvironment):
         **kwargs: Any,
     ) -> None:
         super().__init__(max_turns=max_turns, system_prompt=system_prompt, **kwargs)
-        self.num_samples, self.seed, self.num_guesses = num_samples, seed, num_guesses
+        self.num_samples = num_samples
+        self.seed = seed
+        self.num_guesses = num_guesses
         self.words = load_word_list(word_list)
         self.dictionary = frozenset(self.words) if check_dictionary else frozenset()
         self.rubric = Rubric()

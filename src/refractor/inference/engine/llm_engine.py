@@ -185,7 +185,8 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, seq: Sequence) -> bool:
-        token, params = seq.token_ids[-1], seq.params
+        token = seq.token_ids[-1]
+        params = seq.params
         if token in params.stop_token_ids:
             seq.finish("stop", token)
         elif token in self.eos_token_ids and not params.ignore_eos:
