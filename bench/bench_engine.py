@@ -25,7 +25,8 @@ PEAK_BANDWIDTH_TBS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}
 
 
 def gpu_checks(log) -> dict:
-    """Engine on the GPU vs HF: fp32 greedy equality, bf16 log-prob deviation, graphs vs eager, flex vs SDPA."""
+    """Engine on the GPU vs HF: fp32 greedy equality, bf16 log-prob deviation, graphs vs eager,
+    flex vs SDPA."""
     from transformers import AutoModelForCausalLM
 
     from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
@@ -168,7 +169,8 @@ def bench_engine(engine, concurrency: int, prompt_len: int, gen_len: int) -> dic
 
 
 def step_breakdown(engine, concurrency: int, prompt_len: int, steps: int = 40) -> dict:
-    """Mean ms per decode step spent scheduling, in the model (graph replay + LM head), sampling, bookkeeping."""
+    """Mean ms per decode step spent scheduling, in the model (graph replay + LM head), sampling and
+    bookkeeping."""
     from refractor.inference.engine import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=steps + 8, ignore_eos=True)
@@ -267,7 +269,8 @@ def main() -> None:
     results["kv_capacity_tokens"] = engine.runner.kv_capacity_tokens
     results["triton_decode"] = engine.runner.use_triton
     log(
-        f"engine ready in {results['engine_startup_s']:.1f}s, KV capacity {engine.runner.kv_capacity_tokens} tokens, "
+        f"engine ready in {results['engine_startup_s']:.1f}s, "
+        f"KV capacity {engine.runner.kv_capacity_tokens} tokens, "
         f"triton={engine.runner.use_triton}, graphs={list(engine.runner.graphs)}"
     )
     bench_engine(engine, 8, args.prompt_len, 16)  # warm-up

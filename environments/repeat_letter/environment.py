@@ -6,9 +6,9 @@ found because it sits in ./environments/<name>/environment.py.
 Reward: the share of the completion's non-whitespace characters that sit in words made only of the
 requested letter ("aaa a" scores 1.0, "a an" 1/3, "an an" 0). A model that has learned to repeat the
 letter scores 1.0, with or without spaces. Letters inside other words earn nothing on purpose: with
-per-character credit, a policy that collapsed onto a two-character token such as "an" or " a" (the
-tiny tokenizer has both) scored exactly 0.5 on every sample, and GRPO, with no reward variance left,
-never climbed out (seen in CI).
+per-character credit, a policy collapsed onto a two-character token such as "an" or " a" (the tiny
+tokenizer has both) would score exactly 0.5 on every sample, leaving GRPO no reward variance to
+climb out with.
 """
 
 from refractor.envs.base import SingleTurnEnvironment

@@ -65,7 +65,8 @@ def envs_command(
         None, "--path", "-p", help="Extra folder(s) holding <name>/environment.py."
     ),
 ) -> None:
-    """List environments: source, availability, type, dataset size (generated datasets, or all with --sizes)."""
+    """List environments: source, availability, type, dataset size (generated datasets, or all with
+    --sizes)."""
     from refractor.envs.registry import discover
 
     table = Table(title="refractor environments")

@@ -27,7 +27,8 @@ DEFAULT_DATASET = "Jiayi-Pan/Countdown-Tasks-3to4"
 PROCEDURAL = "procedural"
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer."
+    "The assistant first thinks about the reasoning process in the mind and then provides the user "
+    "with the answer."
 )
 INSTRUCTION_PROMPT = (
     "Show your work in <think> </think> tags. And return the final equation in <answer> </answer> tags, "

@@ -18,7 +18,8 @@ from refractor.envs.rewards import Rubric
 REQUIRED_PACKAGES = ["math-verify"]
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer."
+    "The assistant first thinks about the reasoning process in the mind and then provides the user "
+    "with the answer."
 )
 INSTRUCTION_PROMPT = "Show your work and put your final answer within \\boxed{}."
 

@@ -25,16 +25,18 @@ from refractor.envs.records import Messages, RewardResult, RolloutState, Sample
 from refractor.envs.rewards import Rubric
 
 SYSTEM_PROMPT = (
-    "You are a competitive game player. Make sure you read the game instructions carefully, and always follow "
-    "the required format. In each turn, think step by step inside <think>...</think>, then give your guess "
-    "inside <guess>...</guess> tags, with the word in square brackets, e.g. <guess>[apple]</guess>."
+    "You are a competitive game player. Make sure you read the game instructions carefully, and always "
+    "follow the required format. In each turn, think step by step inside <think>...</think>, then give "
+    "your guess inside <guess>...</guess> tags, with the word in square brackets, e.g. "
+    "<guess>[apple]</guess>."
 )
 
 
 def initial_observation(word_length: int = 5, num_guesses: int = 6) -> str:
     return (
-        f"You are Playing Wordle.\nA secret {word_length}-letter word has been chosen. You have {num_guesses} "
-        "attempts to guess it.\nFor each guess, wrap your word in square brackets (e.g., '[apple]').\n"
+        f"You are Playing Wordle.\nA secret {word_length}-letter word has been chosen. "
+        f"You have {num_guesses} attempts to guess it.\n"
+        "For each guess, wrap your word in square brackets (e.g., '[apple]').\n"
         "Feedback for each letter will be given as follows:\n"
         "  - G (green): correct letter in the correct position\n"
         "  - Y (yellow): letter exists in the word but in the wrong position\n"

@@ -78,8 +78,9 @@ class ModelRunner:
         num_blocks = int(budget // self.block_bytes)
         if num_blocks * self.block_size < cfg.max_model_len:
             raise ValueError(
-                f"the KV-cache budget ({budget / GiB:.3f} GiB) holds {num_blocks * self.block_size} tokens, fewer "
-                f"than max_model_len={cfg.max_model_len}; raise kv_cache_memory_gb / gpu_memory_utilization "
+                f"the KV-cache budget ({budget / GiB:.3f} GiB) holds {num_blocks * self.block_size} "
+                f"tokens, fewer than max_model_len={cfg.max_model_len}; "
+                "raise kv_cache_memory_gb / gpu_memory_utilization "
                 "or lower max_model_len"
             )
         return num_blocks
