@@ -32,24 +32,32 @@ part() {  # part NAME SECONDS COMMAND...
 
 run_part() {
   case "$1" in
-    trainer_1p5b) part trainer_1p5b 300 python bench/bench_trainer.py --sizes 1.5b --variants default,sac,noac \
-                    --warmup 2 --steps 3 ;;
-    trainer_sac) part trainer_sac 280 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
-                    --warmup 2 --steps 3 ;;
-    trainer_vary) part trainer_vary 420 python bench/bench_trainer.py --sizes 0.5b --variants default,sac --vary \
-                    --warmup 4 --steps 3 ;;
-    serving) part serving 300 python bench/bench_serving.py --model 0.5b --concurrency 384 --prompt-len 128 \
-                    --gen-len 512 --requests 768 ;;
+    trainer_1p5b)
+      part trainer_1p5b 300 python bench/bench_trainer.py --sizes 1.5b --variants default,sac,noac \
+        --warmup 2 --steps 3 ;;
+    trainer_sac)
+      part trainer_sac 280 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
+        --warmup 2 --steps 3 ;;
+    trainer_vary)
+      part trainer_vary 420 python bench/bench_trainer.py --sizes 0.5b --variants default,sac --vary \
+        --warmup 4 --steps 3 ;;
+    serving)
+      part serving 300 python bench/bench_serving.py --model 0.5b --concurrency 384 --prompt-len 128 \
+        --gen-len 512 --requests 768 ;;
     fsdp_test)  # 2 GPUs
       mkdir -p "$OUT/fsdp_test"
       echo "=== fsdp_test"
       timeout 250 python -m pytest tests/trainer/test_fsdp_gpu.py -m gpu -q -x >"$OUT/fsdp_test/log.txt" 2>&1
       echo "=== fsdp_test: exit $?"; tail -n 15 "$OUT/fsdp_test/log.txt" ;;
-    fsdp_throughput) part fsdp_throughput 320 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
-                    --tokens 32768 --variants default,sac --warmup 2 --steps 3 ;;  # 2 GPUs
-    rl) part rl 540 python bench/bench_rl.py --steps 6 --warmup 2 \
-                    --modes 0,2,2+weight_sync_inflight_kv=keep,0+dispatch_only_needed_groups=true ;;  # 2 GPUs
-    *) echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary serving fsdp_test fsdp_throughput rl" >&2 ;;
+    fsdp_throughput)  # 2 GPUs
+      part fsdp_throughput 320 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
+        --tokens 32768 --variants default,sac --warmup 2 --steps 3 ;;
+    rl)  # 2 GPUs
+      part rl 540 python bench/bench_rl.py --steps 6 --warmup 2 \
+        --modes 0,2,2+weight_sync_inflight_kv=keep,0+dispatch_only_needed_groups=true ;;
+    *)
+      echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary serving fsdp_test" \
+        "fsdp_throughput rl" >&2 ;;
   esac
 }
 
