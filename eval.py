@@ -1,6 +1,6 @@
 """`python eval.py --config ...` behaves like `refractor eval --config ...` (for Telescope users).
 
-Standalone evals of checkpoints are not implemented yet; until `refractor eval` exists this says so
+When the CLI has no `eval` command (standalone checkpoint evals are not implemented), this says so
 instead of failing with a confusing "no such command".
 """
 

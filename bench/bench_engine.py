@@ -25,7 +25,8 @@ PEAK_BANDWIDTH_TBS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}
 
 
 def gpu_checks(log) -> dict:
-    """Engine on the GPU vs HF: fp32 greedy equality, bf16 log-prob deviation, graphs vs eager, flex vs SDPA."""
+    """Engine on the GPU vs HF: fp32 greedy equality, bf16 log-prob deviation, graphs vs eager,
+    flex vs SDPA."""
     from transformers import AutoModelForCausalLM
 
     from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
@@ -52,7 +53,8 @@ def gpu_checks(log) -> dict:
                     ),
                 )
                 outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-                same, worst = 0, 0.0
+                same = 0
+                worst = 0.0
                 for prompt, o in zip(prompts, outs, strict=True):
                     ref = hf.generate(
                         torch.tensor([prompt], device="cuda"),
@@ -142,12 +144,15 @@ def bench_engine(engine, concurrency: int, prompt_len: int, gen_len: int) -> dic
         engine.add_request(f"b{concurrency}-{i}", torch.randint(0, vocab, (prompt_len,)).tolist(), params)
     torch.cuda.synchronize()
     start = time.monotonic()
-    outputs, decode_start, steps = [], None, 0
+    outputs = []
+    decode_start = None
+    steps = 0
     while engine.has_unfinished():
         outputs += engine.step()
         steps += 1
         if decode_start is None and not engine.scheduler.waiting:
-            decode_start, decode_tokens_before = time.monotonic(), engine.generation_tokens_total
+            decode_start = time.monotonic()
+            decode_tokens_before = engine.generation_tokens_total
     end = time.monotonic()
     tokens = sum(o.num_generated_tokens for o in outputs)
     ttft = [o.first_token_time - start for o in outputs]
@@ -164,7 +169,8 @@ def bench_engine(engine, concurrency: int, prompt_len: int, gen_len: int) -> dic
 
 
 def step_breakdown(engine, concurrency: int, prompt_len: int, steps: int = 40) -> dict:
-    """Mean ms per decode step spent scheduling, in the model (graph replay + LM head), sampling, bookkeeping."""
+    """Mean ms per decode step spent scheduling, in the model (graph replay + LM head), sampling and
+    bookkeeping."""
     from refractor.inference.engine import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=steps + 8, ignore_eos=True)
@@ -263,7 +269,8 @@ def main() -> None:
     results["kv_capacity_tokens"] = engine.runner.kv_capacity_tokens
     results["triton_decode"] = engine.runner.use_triton
     log(
-        f"engine ready in {results['engine_startup_s']:.1f}s, KV capacity {engine.runner.kv_capacity_tokens} tokens, "
+        f"engine ready in {results['engine_startup_s']:.1f}s, "
+        f"KV capacity {engine.runner.kv_capacity_tokens} tokens, "
         f"triton={engine.runner.use_triton}, graphs={list(engine.runner.graphs)}"
     )
     bench_engine(engine, 8, args.prompt_len, 16)  # warm-up

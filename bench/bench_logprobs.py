@@ -137,7 +137,8 @@ def main() -> None:
             print(
                 f"[{label}] chunked cs={cs:<5}: {t_c * 1e3:8.1f} ms  peak {m_c / 2**30:6.2f} GiB  "
                 f"memory {mem_ratio:5.1f}x less, speed {t_n / t_c:4.2f}x  "
-                f"| max|dlp| {dev_lp:.1e} max|dH| {dev_ent:.1e} rel dgrad_h {dev_gh:.1e} rel dgrad_w {dev_gw:.1e}"
+                f"| max|dlp| {dev_lp:.1e} max|dH| {dev_ent:.1e} "
+                f"rel dgrad_h {dev_gh:.1e} rel dgrad_w {dev_gw:.1e}"
             )
             del out
         del ref

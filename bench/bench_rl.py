@@ -1,6 +1,6 @@
 """End-to-end RL throughput: synchronous (``max_async_rollout: 0``) vs asynchronous (``2``) training.
 
-Runs the real ``refractor train`` driver twice in the same session, on the same machine, with the
+Runs the real ``refractor train`` driver once per mode in one invocation, on the same machine, with the
 native engine: one inference server on the last GPU, one trainer rank on the first (one GPU: both
 share it). The model is a random-weight Qwen2.5-0.5B shape written to disk once; the task is
 countdown with procedurally generated problems (no downloads). A random-weight model rarely emits
@@ -84,7 +84,8 @@ class GpuSampler:
 
 
 def parse_mode(token: str) -> tuple[str, int, dict]:
-    """``2`` or ``2+weight_sync_inflight_kv=keep+...``: max_async_rollout, then config overrides (YAML values)."""
+    """``2`` or ``2+weight_sync_inflight_kv=keep+...``: max_async_rollout, then config overrides
+    (YAML values)."""
     import yaml
 
     value, *pairs = token.split("+")
@@ -176,7 +177,8 @@ def summarize(
         measured = steps[warmup:]
         kept = [r for s in measured for r in reader.rollouts(step=s["step"], status="kept")]
         ends = reader.step_times()  # each step's metrics are logged when its weight update finished
-        t0, t1 = ends[steps[warmup - 1]["step"]], ends[measured[-1]["step"]]
+        t0 = ends[steps[warmup - 1]["step"]]
+        t1 = ends[measured[-1]["step"]]
         scraped: dict[str, list[float]] = {}  # the server's /metrics over the measured steps
         for row in reader.system_metrics(t0, t1):
             if row["source"].startswith("inference:"):
@@ -223,7 +225,8 @@ def main() -> None:
         "--concurrency",
         type=int,
         default=0,
-        help="max_concurrent_prompts_per_server (0: groups x (max_async_rollout + 1), what each mode can use)",
+        help="max_concurrent_prompts_per_server "
+        "(0: groups x (max_async_rollout + 1), what each mode can use)",
     )
     p.add_argument("--cpus", type=int, default=4, help="CPUs per server and per trainer rank")
     p.add_argument("--steps", type=int, default=8)
@@ -259,7 +262,8 @@ def main() -> None:
         idle = ", ".join(f"gpu{i} {f:.0%}" for i, f in enumerate(r["gpu_idle_fraction"]))
         print(
             f"{r['mode']:>7}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | "
-            f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | train {r['train_step_s']:.2f} s | sync {r['weight_sync_s']:.3f} s "
+            f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | train {r['train_step_s']:.2f} s "
+            f"| sync {r['weight_sync_s']:.3f} s "
             f"| waiting for data {r['waiting_for_data_s']:.2f} s | idle {idle}",
             flush=True,
         )
@@ -267,8 +271,10 @@ def main() -> None:
         if server:  # how fed the engine was: sequences running, its thread's busy share, its own rate
             print(
                 f"{'':>7}  server: {server.get('requests_running', 0):.0f} running, "
-                f"{server.get('requests_waiting', 0):.0f} waiting, engine busy {server.get('engine_busy_fraction', 0):.0%}, "
-                f"step {server.get('engine_step_ms', 0):.1f} ms, {server.get('generation_tokens_per_s', 0) / 1e3:.1f}k tok/s",
+                f"{server.get('requests_waiting', 0):.0f} waiting, "
+                f"engine busy {server.get('engine_busy_fraction', 0):.0%}, "
+                f"step {server.get('engine_step_ms', 0):.1f} ms, "
+                f"{server.get('generation_tokens_per_s', 0) / 1e3:.1f}k tok/s",
                 flush=True,
             )
     Path(args.out, "bench_rl.json").write_text(json.dumps(results, indent=2))

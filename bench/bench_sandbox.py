@@ -47,7 +47,8 @@ async def rewards_per_second(concurrency: int, seconds: float) -> float:
     sample = env.get_sample(0)
     completion = f"```python\n{PROGRAM}```"
     await env.prepare_resources()
-    count, deadline = 0, time.perf_counter() + seconds
+    count = 0
+    deadline = time.perf_counter() + seconds
 
     async def worker() -> None:
         nonlocal count
@@ -71,9 +72,8 @@ async def main(seconds: float) -> None:
     for concurrency in (1, 2, 4):
         base = await execs_per_second(baseline, concurrency, seconds)
         iso = await execs_per_second(bwrap, concurrency, seconds)
-        print(
-            f"{f'test executions/s, {concurrency} concurrent':<44} {base:>12.1f} {iso:>12.1f} {iso / base:>8.2f}"
-        )
+        case = f"test executions/s, {concurrency} concurrent"
+        print(f"{case:<44} {base:>12.1f} {iso:>12.1f} {iso / base:>8.2f}")
     for concurrency in (1, 4):
         rate = await rewards_per_second(concurrency, seconds)
         print(f"{f'code-env rewards/s (3 tests), {concurrency} concurrent':<44} {'':>12} {rate:>12.1f}")

@@ -53,11 +53,15 @@ def workload(n: int, prompt_len: int, gen_len: int, jitter: float, vocab: int, s
 
 
 def summarize(mode: str, finished: list[tuple[float, float, int]], warmup: int) -> dict:
-    """finished: (start, end, tokens) per request in finish order; the window starts at the warm-up's last finish."""
+    """finished: (start, end, tokens) per request in finish order.
+
+    The window starts at the warm-up's last finish.
+    """
     window_start = finished[warmup - 1][1] if warmup else min(s for s, _, _ in finished)
     measured = [(s, e, t) for s, e, t in finished if s >= window_start]
     end = max(e for _, e, _ in finished)
-    # tokens generated inside the window: requests started in it, plus the in-window share of those that straddle
+    # tokens generated inside the window: requests started in it, plus the in-window share of those that
+    # straddle its start
     tokens = sum(t for _, _, t in measured)
     tokens += sum(t * (e - window_start) / (e - s) for s, e, t in finished if s < window_start < e and e > s)
     seconds = end - window_start
@@ -81,7 +85,9 @@ def run_engine(path: Path, jobs, concurrency: int, warmup: int, engine_args: dic
     from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(path, EngineConfig(**engine_args))
-    pending, started, finished = list(enumerate(jobs)), {}, []
+    pending = list(enumerate(jobs))
+    started = {}
+    finished = []
 
     def submit() -> None:
         i, (ids, max_tokens) = pending.pop(0)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# GPU measurements as named parts, batched for the lent device (session 4 ran all but serving at c=384
-# and rl; bench/RESULTS.md has the numbers):
-#   bash bench/device_pending.sh trainer_1p5b trainer_sac     # 1 GPU, one call (cold compile: minutes)
-#   bash bench/device_pending.sh trainer_vary serving         # 1 GPU, one call
+# The GPU measurements behind bench/RESULTS.md, as named parts:
+#   bash bench/device_pending.sh trainer_1p5b trainer_sac     # 1 GPU (cold compile: minutes)
+#   bash bench/device_pending.sh trainer_vary                 # 1 GPU
 #   bash bench/device_pending.sh serving                      # 1 GPU
-#   bash bench/device_pending.sh fsdp_test fsdp_throughput    # 2 GPUs (nvidia-h200-x2), one call
-#   bash bench/device_pending.sh rl                           # 2 GPUs, one call
-# Each part writes its output under $OUT/<part>/ and the next part runs even when one fails; a part that
-# runs past its limit is killed (timeout). Keep one call under the device's 600 s per command. The device image has torch but neither Ray nor
-# the server dependencies: wheels carried in .whl/ and .whl-ray/ are installed into /tmp/site first.
+#   bash bench/device_pending.sh fsdp_test fsdp_throughput    # 2 GPUs
+#   bash bench/device_pending.sh rl                           # 2 GPUs
+# Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
+# runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
+# so the sum of their limits bounds one invocation. Wheels in .whl/ and .whl-ray/ (for a machine that has
+# torch but neither Ray nor the server dependencies) are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -32,24 +32,32 @@ part() {  # part NAME SECONDS COMMAND...
 
 run_part() {
   case "$1" in
-    trainer_1p5b) part trainer_1p5b 300 python bench/bench_trainer.py --sizes 1.5b --variants default,sac,noac \
-                    --warmup 2 --steps 3 ;;
-    trainer_sac) part trainer_sac 280 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
-                    --warmup 2 --steps 3 ;;
-    trainer_vary) part trainer_vary 420 python bench/bench_trainer.py --sizes 0.5b --variants default,sac --vary \
-                    --warmup 4 --steps 3 ;;
-    serving) part serving 300 python bench/bench_serving.py --model 0.5b --concurrency 384 --prompt-len 128 \
-                    --gen-len 512 --requests 768 ;;  # c=64 measured in session 4 (bench/RESULTS.md)
+    trainer_1p5b)
+      part trainer_1p5b 300 python bench/bench_trainer.py --sizes 1.5b --variants default,sac,noac \
+        --warmup 2 --steps 3 ;;
+    trainer_sac)
+      part trainer_sac 280 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
+        --warmup 2 --steps 3 ;;
+    trainer_vary)
+      part trainer_vary 420 python bench/bench_trainer.py --sizes 0.5b --variants default,sac --vary \
+        --warmup 4 --steps 3 ;;
+    serving)
+      part serving 300 python bench/bench_serving.py --model 0.5b --concurrency 384 --prompt-len 128 \
+        --gen-len 512 --requests 768 ;;
     fsdp_test)  # 2 GPUs
       mkdir -p "$OUT/fsdp_test"
       echo "=== fsdp_test"
       timeout 250 python -m pytest tests/trainer/test_fsdp_gpu.py -m gpu -q -x >"$OUT/fsdp_test/log.txt" 2>&1
       echo "=== fsdp_test: exit $?"; tail -n 15 "$OUT/fsdp_test/log.txt" ;;
-    fsdp_throughput) part fsdp_throughput 320 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
-                    --tokens 32768 --variants default,sac --warmup 2 --steps 3 ;;  # 2 GPUs
-    rl) part rl 540 python bench/bench_rl.py --steps 6 --warmup 2 \
-                    --modes 0,2,2+weight_sync_inflight_kv=keep,0+dispatch_only_needed_groups=true ;;  # 2 GPUs
-    *) echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary serving fsdp_test fsdp_throughput rl" >&2 ;;
+    fsdp_throughput)  # 2 GPUs
+      part fsdp_throughput 320 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
+        --tokens 32768 --variants default,sac --warmup 2 --steps 3 ;;
+    rl)  # 2 GPUs
+      part rl 540 python bench/bench_rl.py --steps 6 --warmup 2 \
+        --modes 0,2,2+weight_sync_inflight_kv=keep,0+dispatch_only_needed_groups=true ;;
+    *)
+      echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary serving fsdp_test" \
+        "fsdp_throughput rl" >&2 ;;
   esac
 }
 

@@ -6,9 +6,9 @@ found because it sits in ./environments/<name>/environment.py.
 Reward: the share of the completion's non-whitespace characters that sit in words made only of the
 requested letter ("aaa a" scores 1.0, "a an" 1/3, "an an" 0). A model that has learned to repeat the
 letter scores 1.0, with or without spaces. Letters inside other words earn nothing on purpose: with
-per-character credit, a policy that collapsed onto a two-character token such as "an" or " a" (the
-tiny tokenizer has both) scored exactly 0.5 on every sample, and GRPO, with no reward variance left,
-never climbed out (seen in CI).
+per-character credit, a policy collapsed onto a two-character token such as "an" or " a" (the tiny
+tokenizer has both) would score exactly 0.5 on every sample, leaving GRPO no reward variance to
+climb out with.
 """
 
 from refractor.envs.base import SingleTurnEnvironment
@@ -16,13 +16,15 @@ from refractor.envs.records import RewardResult, Sample
 
 
 class RepeatLetterEnvironment(SingleTurnEnvironment):
-    reward_min, reward_max = 0.0, 1.0
+    reward_min = 0.0
+    reward_max = 1.0
 
     def __init__(self, letter: str = "a", num_prompts: int = 32, **kwargs):
         super().__init__(**kwargs)
         if len(letter) != 1:
             raise ValueError(f"repeat_letter: `letter` must be one character, got {letter!r}")
-        self.letter, self.num_prompts = letter, num_prompts
+        self.letter = letter
+        self.num_prompts = num_prompts
 
     def load_dataset(self, num_samples: int = -1, **kwargs) -> list[Sample]:
         n = num_samples if num_samples > 0 else self.num_prompts

@@ -33,7 +33,10 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456
 
 
 def parse_yaml_value(text: str) -> Any:
-    """Parse one CLI value as a YAML scalar, list or dict (``3``, ``1e-6``, ``true``, ``null``, ``[a, b]``)."""
+    """Parse one CLI value as a YAML scalar, list or dict.
+
+    Examples: ``3``, ``1e-6``, ``true``, ``null``, ``[a, b]``.
+    """
     try:
         value = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError:
@@ -61,7 +64,10 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``--key value`` / ``--key=value`` / ``--flag`` (true) -> {key: parsed value}. Dashes become underscores."""
+    """``--key value`` / ``--key=value`` / ``--flag`` (true) -> {key: parsed value}.
+
+    Dashes in keys become underscores.
+    """
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -73,10 +79,12 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             key, raw = body.split("=", 1)
             i += 1
         elif i + 1 < len(args) and not (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
-            key, raw = body, args[i + 1]
+            key = body
+            raw = args[i + 1]
             i += 2
         else:  # a bare flag
-            key, raw = body, "true"
+            key = body
+            raw = "true"
             i += 1
         key = key.replace("-", "_").lower()
         out[key] = parse_yaml_value(raw)

@@ -34,7 +34,8 @@ def environment_status(name: str, spec, load_sizes: bool) -> EnvironmentStatus:
     try:
         cls: type[Environment] = load_environment_class(name)
     except Exception as err:  # a broken user environment is reported, not fatal for the listing
-        status.available, status.note = False, f"{type(err).__name__}: {err}"[:200]
+        status.available = False
+        status.note = f"{type(err).__name__}: {err}"[:200]
         return status
     status.kind = (
         "tool" if issubclass(cls, ToolEnvironment) else "multi-turn" if cls.is_multi_turn else "single-turn"
@@ -64,7 +65,8 @@ def envs_command(
         None, "--path", "-p", help="Extra folder(s) holding <name>/environment.py."
     ),
 ) -> None:
-    """List environments: source, availability, type, dataset size (generated datasets, or all with --sizes)."""
+    """List environments: source, availability, type, dataset size (generated datasets, or all with
+    --sizes)."""
     from refractor.envs.registry import discover
 
     table = Table(title="refractor environments")

@@ -47,8 +47,9 @@ def load_rows(dataset_name: str, subset: str | None = None, split: str = "train"
         raise
     except Exception as err:
         raise DatasetLoadError(
-            f"could not load dataset {dataset_name!r} (subset={subset!r}, split={split!r}): {type(err).__name__}: {err}. "
-            "Offline runs need it in the local HF cache; or pass dataset_name=<local .jsonl/.parquet file or folder>."
+            f"could not load dataset {dataset_name!r} (subset={subset!r}, split={split!r}): "
+            f"{type(err).__name__}: {err}. Offline runs need it in the local HF cache; "
+            "or pass dataset_name=<local .jsonl/.parquet file or folder>."
         ) from err
     return [dict(row) for row in ds]
 

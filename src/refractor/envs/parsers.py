@@ -27,7 +27,8 @@ def extract_boxed_answer(text: str) -> str | None:
         opener = len("boxed{")
         if start < 0:
             return None
-    depth, i = 1, start + opener
+    depth = 1
+    i = start + opener
     while i < len(text):
         if text[i] == "{":
             depth += 1

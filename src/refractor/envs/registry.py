@@ -110,7 +110,10 @@ def declared_packages(path: Path | None) -> tuple[list[str], list[str]]:
 
 
 def search_paths(extra: list[str | Path] | None = None) -> list[Path]:
-    """Folders searched for ``<name>/environment.py``: ``extra``, ``$REFRACTOR_ENV_PATH``, ``./environments``."""
+    """Folders searched for ``<name>/environment.py``.
+
+    In order: ``extra``, ``$REFRACTOR_ENV_PATH``, ``./environments``.
+    """
     dirs = [Path(p) for p in (extra or [])]
     dirs += [Path(p) for p in os.environ.get(ENV_PATH_VAR, "").split(os.pathsep) if p]
     dirs.append(Path.cwd() / DEFAULT_ENV_DIR)
@@ -145,7 +148,8 @@ def find_spec(name: str, extra_paths: list[str | Path] | None = None) -> Environ
         where = ", ".join(str(p) for p in search_paths(extra_paths))
         raise EnvironmentNotFoundError(
             f"unknown environment {name!r}. Known: {sorted(specs)}. Folders searched: {where} "
-            f"(add one with ${ENV_PATH_VAR}); packages can register entry points in group {ENTRY_POINT_GROUP!r}."
+            f"(add one with ${ENV_PATH_VAR}); packages can register entry points in group "
+            f"{ENTRY_POINT_GROUP!r}."
         )
     return specs[name]
 

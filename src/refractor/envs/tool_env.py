@@ -100,7 +100,8 @@ class ToolEnvironment(MultiTurnEnvironment):
         )
         tool = self.tools.get(call.name)
         if tool is None:
-            record.success, record.error = False, "unknown_tool"
+            record.success = False
+            record.error = "unknown_tool"
             record.result = (
                 f"Unknown tool '{call.name}'. Available tools: {', '.join(self.tools) or '(none)'}"
             )
@@ -116,14 +117,19 @@ class ToolEnvironment(MultiTurnEnvironment):
                 )
             record.result = value if isinstance(value, str) else json.dumps(value, default=str)
         except TimeoutError:
-            record.success, record.error = False, "timeout"
+            record.success = False
+            record.error = "timeout"
             record.result = self.error_formatter(
                 TimeoutError(f"{call.name} took longer than {self.tool_timeout_s:g}s")
             )
         except TypeError as err:
-            record.success, record.error, record.result = False, "argument_error", self.error_formatter(err)
+            record.success = False
+            record.error = "argument_error"
+            record.result = self.error_formatter(err)
         except Exception as err:  # a tool failure is reported to the model, not raised
-            record.success, record.error, record.result = False, type(err).__name__, self.error_formatter(err)
+            record.success = False
+            record.error = type(err).__name__
+            record.result = self.error_formatter(err)
         if len(record.result) > self.max_tool_result_chars:
             record.result = record.result[: self.max_tool_result_chars] + "\n...[truncated]"
             record.truncated = True

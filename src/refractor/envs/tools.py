@@ -34,7 +34,8 @@ def type_to_schema(hint: Any) -> dict[str, Any]:
     """JSON schema of a type hint; unknown or missing hints are strings (reference behaviour)."""
     if hint in _SCALARS:
         return {"type": _SCALARS[hint]}
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         non_none = [a for a in args if a is not type(None)]
         return type_to_schema(non_none[0]) if len(non_none) == 1 else {"type": "string"}
@@ -50,7 +51,10 @@ def type_to_schema(hint: Any) -> dict[str, Any]:
 def _split_docstring(doc: str) -> tuple[str, dict[str, str]]:
     """Summary text and per-parameter descriptions from a Google-style ``Args:`` section."""
     lines = inspect.cleandoc(doc).splitlines()
-    summary, params, current, in_args = [], {}, None, False
+    summary = []
+    params = {}
+    current = None
+    in_args = False
     for line in lines:
         stripped = line.strip()
         if stripped.lower() in ("args:", "arguments:", "parameters:"):
@@ -106,7 +110,8 @@ def format_tool_section(schemas: list[dict[str, Any]], call_format: ToolCallForm
     for schema in schemas:
         fn = schema["function"]
         parts += [f"## {fn['name']}", fn["description"] or "(no description)", "", "**Parameters:**"]
-        props, required = fn["parameters"]["properties"], set(fn["parameters"]["required"])
+        props = fn["parameters"]["properties"]
+        required = set(fn["parameters"]["required"])
         if not props:
             parts.append("- (none)")
         for pname, pschema in props.items():
@@ -179,7 +184,8 @@ def _literal(node: ast.AST) -> Any:
 
 def _call_end(text: str, open_idx: int) -> int | None:
     """Index after the parenthesis closing ``text[open_idx]``, skipping string literals."""
-    depth, i = 0, open_idx
+    depth = 0
+    i = open_idx
     while i < len(text):
         for quote in ('"""', "'''", '"', "'"):
             if text.startswith(quote, i):
@@ -204,7 +210,8 @@ def parse_function_tool_calls(text: str, tool_names: list[str]) -> list[ParsedTo
     if not tool_names:
         return []
     pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(n) for n in tool_names) + r")\s*\(")
-    calls, pos = [], 0
+    calls = []
+    pos = 0
     while (match := pattern.search(text, pos)) is not None:
         end = _call_end(text, match.end() - 1)
         if end is None:

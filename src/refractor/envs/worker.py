@@ -20,7 +20,8 @@ def encode(obj: object) -> bytes:
 
 
 def main() -> None:
-    channel_in, channel_out = sys.stdin.buffer, sys.stdout.buffer
+    channel_in = sys.stdin.buffer
+    channel_out = sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints of a task must not corrupt the channel
     while True:
         header = channel_in.read(HEADER_BYTES)

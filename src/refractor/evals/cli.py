@@ -17,14 +17,17 @@ def evals_command(
     for column in ("name", "source", "available", "dataset", "note"):
         table.add_column(column, overflow="fold")
     for name, spec in sorted(discover_evals(path or None).items()):
-        available, dataset, note = "yes", "-", ""
+        available = "yes"
+        dataset = "-"
+        note = ""
         try:
             cls = load_eval_class(spec)
             dataset = getattr(cls, "dataset_id", "") or (
                 f"env {cls.environment_name}" if cls.environment_name else "-"
             )
         except Exception as err:  # a broken user eval is reported, not fatal for the listing
-            available, note = "no", f"{type(err).__name__}: {err}"[:200]
+            available = "no"
+            note = f"{type(err).__name__}: {err}"[:200]
         table.add_row(name, spec.source, available, dataset, note or str(spec.folder))
     Console(width=200).print(table)
 

@@ -118,8 +118,9 @@ def resolve_eval(name: str, extra_paths: list[str | Path] | None = None, **kwarg
         except EnvironmentNotFoundError as err:
             where = ", ".join(str(p) for p in eval_search_paths(extra_paths))
             raise EnvironmentNotFoundError(
-                f"unknown eval {name!r}: no dedicated eval (known: {sorted(specs)}; folders searched: {where}, "
-                f"add one with ${EVAL_PATH_VAR}) and no environment of that name ({err})"
+                f"unknown eval {name!r}: no dedicated eval (known: {sorted(specs)}; "
+                f"folders searched: {where}, add one with ${EVAL_PATH_VAR}) "
+                f"and no environment of that name ({err})"
             ) from None
     cls = load_eval_class(spec)
     try:

@@ -59,7 +59,8 @@ class ModelConfig:
         if raw.get("use_sliding_window") or (model_type == "llama" and raw.get("sliding_window")):
             raise UnsupportedModelError(
                 f"{arch} with sliding-window attention is not implemented by refractor's native model; "
-                "serve it with vLLM (inference_engine: vllm); the trainer falls back to HF AutoModelForCausalLM"
+                "serve it with vLLM (inference_engine: vllm); "
+                "the trainer falls back to HF AutoModelForCausalLM"
             )
         act = raw.get("hidden_act", "silu")
         if act != "silu":

@@ -30,12 +30,11 @@ class RMSNorm(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            d,
-        )
+        h = config.hidden_size
+        d = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
         bias = config.attention_bias
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
@@ -59,8 +58,10 @@ class SelfAttention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = ops.apply_rotary(q, cos, sin)
+        k = ops.apply_rotary(k, cos, sin)
         out = attention(q, k, v, layer_index)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -68,7 +69,9 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h = config.hidden_size
+        i = config.intermediate_size
+        bias = config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)

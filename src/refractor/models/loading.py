@@ -1,6 +1,8 @@
 """Build the native model from an HF checkpoint directory (local path or the HF cache), offline.
 
-Paths resolve through ``refractor.hub.resolve_model_path`` (local dir, HF cache, ``refractor-testing/...``)."""
+Paths resolve through ``refractor.hub.resolve_model_path`` (local dir, HF cache,
+``refractor-testing/...``).
+"""
 
 from __future__ import annotations
 

@@ -74,7 +74,10 @@ class CausalLM(nn.Module):
         return [name for name, _ in self.named_parameters()]
 
     def get_parameter_by_hf_name(self, name: str) -> torch.Tensor:
-        """The parameter an HF checkpoint name refers to; ``lm_head.weight`` aliases the embedding when tied."""
+        """The parameter an HF checkpoint name refers to.
+
+        ``lm_head.weight`` aliases the embedding when tied.
+        """
         if name == "lm_head.weight" and self.lm_head is None:
             return self.model.embed_tokens.weight
         return self.get_parameter(name)

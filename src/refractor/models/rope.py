@@ -23,8 +23,10 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
 
     ``seq_len`` only matters for ``dynamic`` (NTK) scaling, whose base grows with the length.
     """
-    p, dim = config.rope, config.head_dim
-    rope_type, base = p["rope_type"], float(p["rope_theta"])
+    p = config.rope
+    dim = config.head_dim
+    rope_type = p["rope_type"]
+    base = float(p["rope_theta"])
     if rope_type == "default":
         return _base_inv_freq(base, dim), 1.0
     if rope_type == "linear":
@@ -44,9 +46,12 @@ def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> tuple[torc
 
 def _llama3_inv_freq(base: float, dim: int, p: dict) -> torch.Tensor:
     inv_freq = _base_inv_freq(base, dim)
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    factor = p["factor"]
+    low = p["low_freq_factor"]
+    high = p["high_freq_factor"]
     old_len = p["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
@@ -68,15 +73,19 @@ def _yarn_inv_freq(base: float, dim: int, p: dict, max_pos: int) -> tuple[torch.
             attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
         else:
             attention_factor = mscale(factor)
-    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    low = correction_dim(beta_fast)
+    high = correction_dim(beta_slow)
     if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
+        low = math.floor(low)
+        high = math.ceil(high)
+    low = max(low, 0)
+    high = min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
@@ -103,7 +112,8 @@ class RotaryEmbedding:
             return inv_freq.to(positions.device)
         cached = self._on_device.get(positions.device)
         if cached is None:  # cached per device so CUDA-graph capture never copies from the host
-            cached = self._on_device[positions.device] = self._inv_freq.to(positions.device)
+            cached = self._inv_freq.to(positions.device)
+            self._on_device[positions.device] = cached
         return cached
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,7 +74,8 @@ def _number(text: str | None) -> float | None:
 class CalculatorToolsEnvironment(ToolEnvironment):
     strict_kwargs = True
     dataset_is_generated: ClassVar[bool] = True
-    reward_min, reward_max = 0.0, 1.0
+    reward_min = 0.0
+    reward_max = 1.0
 
     def __init__(
         self,
@@ -92,7 +93,8 @@ class CalculatorToolsEnvironment(ToolEnvironment):
             system_prompt=system_prompt,
             **kwargs,
         )
-        self.num_problems, self.seed = num_problems, seed
+        self.num_problems = num_problems
+        self.seed = seed
         self.rubric = Rubric().add_reward(self.correct, range_min=0.0, range_max=1.0)
 
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
@@ -104,8 +106,11 @@ class CalculatorToolsEnvironment(ToolEnvironment):
         rng = random.Random(self.seed)
         samples = []
         for _ in range(num_samples if num_samples > 0 else self.num_problems):
-            a, b, c = rng.randint(2, 999), rng.randint(2, 99), rng.randint(2, 99)
-            op1, op2 = rng.choice("+-*"), rng.choice("+-*/")
+            a = rng.randint(2, 999)
+            b = rng.randint(2, 99)
+            c = rng.randint(2, 99)
+            op1 = rng.choice("+-*")
+            op2 = rng.choice("+-*/")
             expression = f"({a} {op1} {b}) {op2} {c}"
             value = {"+": a + b, "-": a - b, "*": a * b}[op1]
             value = {"+": value + c, "-": value - c, "*": value * c, "/": value / c}[op2]
@@ -119,7 +124,8 @@ class CalculatorToolsEnvironment(ToolEnvironment):
 
     def correct(self, state: RolloutState, sample: Sample) -> tuple[float, str]:
         final = strip_think_tags(state.last_completion_text)
-        predicted, expected = _number(extract_answer_tags(final)), float(sample.answer)
+        predicted = _number(extract_answer_tags(final))
+        expected = float(sample.answer)
         ok = predicted is not None and math.isclose(predicted, expected, rel_tol=1e-6, abs_tol=1e-9)
         return (1.0 if ok else 0.0), sample.answer
 

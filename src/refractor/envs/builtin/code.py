@@ -40,7 +40,8 @@ def extract_program(completion: str) -> str | None:
 class CodeEnvironment(SingleTurnEnvironment):
     strict_kwargs = True
     needs_sandbox: ClassVar[bool] = True
-    reward_min, reward_max = 0.0, 1.0
+    reward_min = 0.0
+    reward_max = 1.0
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
         "passed": {"min": 0.0, "max": 1.0, "invert": False},
         "pass_rate": {"min": 0.0, "max": 1.0, "invert": False},
@@ -69,27 +70,20 @@ class CodeEnvironment(SingleTurnEnvironment):
         **kwargs: Any,
     ) -> None:
         super().__init__(system_prompt=system_prompt, instruction_prompt=instruction_prompt, **kwargs)
-        self.dataset_name, self.dataset_subset, self.dataset_split = (
-            dataset_name,
-            dataset_subset,
-            dataset_split,
-        )
-        self.difficulty_key, self.min_difficulty, self.max_difficulty = (
-            difficulty_key,
-            min_difficulty,
-            max_difficulty,
-        )
-        self.max_num_tests, self.random_seed = max_num_tests, random_seed
-        self.timeout_per_test, self.test_workers, self.max_attempts = (
-            timeout_per_test,
-            test_workers,
-            max_attempts,
-        )
-        self.sandbox_provider, self.allow_unisolated, self.pool_size = (
-            sandbox_provider,
-            allow_unisolated,
-            pool_size,
-        )
+        self.dataset_name = dataset_name
+        self.dataset_subset = dataset_subset
+        self.dataset_split = dataset_split
+        self.difficulty_key = difficulty_key
+        self.min_difficulty = min_difficulty
+        self.max_difficulty = max_difficulty
+        self.max_num_tests = max_num_tests
+        self.random_seed = random_seed
+        self.timeout_per_test = timeout_per_test
+        self.test_workers = test_workers
+        self.max_attempts = max_attempts
+        self.sandbox_provider = sandbox_provider
+        self.allow_unisolated = allow_unisolated
+        self.pool_size = pool_size
         self.sandbox_config = SandboxConfig(memory_mb=memory_mb, cpu_time_s=max(1, int(timeout_per_test) + 1))
         self._pool: SandboxPool | None = None
         self._pool_loop: asyncio.AbstractEventLoop | None = None
@@ -113,7 +107,8 @@ class CodeEnvironment(SingleTurnEnvironment):
         info = json.loads(info) if isinstance(info, str) else info
         tests = info.get("tests") or {}
         tests = json.loads(tests) if isinstance(tests, str) else tests
-        inputs, outputs = list(tests.get("inputs") or []), list(tests.get("outputs") or [])
+        inputs = list(tests.get("inputs") or [])
+        outputs = list(tests.get("outputs") or [])
         if not row.get("question") or not inputs or len(inputs) != len(outputs):
             return None
         chosen = sorted(rng.sample(range(len(inputs)), min(self.max_num_tests, len(inputs))))
@@ -131,10 +126,8 @@ class CodeEnvironment(SingleTurnEnvironment):
         if self._pool is None or self._pool_loop is not loop:  # pools are bound to one event loop
             provider_kwargs = {"allow_unisolated": True} if self.allow_unisolated else {}
             provider = get_provider(self.sandbox_provider, **provider_kwargs)
-            self._pool, self._pool_loop = (
-                SandboxPool(provider, self.sandbox_config, size=self.pool_size),
-                loop,
-            )
+            self._pool = SandboxPool(provider, self.sandbox_config, size=self.pool_size)
+            self._pool_loop = loop
         return self._pool
 
     async def prepare_resources(self) -> None:
@@ -177,7 +170,8 @@ class CodeEnvironment(SingleTurnEnvironment):
                     self.timeout_per_test,
                     self.test_workers,
                 )
-                metrics["test_time"] = metrics["tests_execution_time"] = time.perf_counter() - test_start
+                metrics["test_time"] = time.perf_counter() - test_start
+                metrics["tests_execution_time"] = metrics["test_time"]
                 break
             except SandboxError:
                 if attempt + 1 == self.max_attempts:

@@ -48,7 +48,8 @@ class TestOutcome:
 
 def _float_equal(a: str, b: str, tol: float = 1e-3) -> bool:
     try:
-        x, y = float(a), float(b)
+        x = float(a)
+        y = float(b)
     except ValueError:
         return False
     return math.isclose(x, y, rel_tol=tol, abs_tol=tol)
@@ -62,7 +63,8 @@ def stdout_matches(actual: str, expected: str) -> bool:
     lines_e = [line.rstrip() for line in expected.strip().splitlines()]
     if lines_a == lines_e:
         return True
-    tokens_a, tokens_e = actual.split(), expected.split()
+    tokens_a = actual.split()
+    tokens_e = expected.split()
     if tokens_a == tokens_e:
         return True
     return len(tokens_a) == len(tokens_e) and all(
@@ -91,7 +93,8 @@ def _values_equal(a: Any, b: Any) -> bool:
 
 def result_matches(actual: Any, expected: Any) -> bool:
     """Function results: tuples as lists; an expected one-element list may wrap the value."""
-    actual, expected = _normalize(actual), _normalize(expected)
+    actual = _normalize(actual)
+    expected = _normalize(expected)
     if _values_equal(actual, expected):
         return True
     return isinstance(expected, list) and len(expected) == 1 and _values_equal(actual, expected[0])

@@ -27,7 +27,8 @@ DEFAULT_DATASET = "Jiayi-Pan/Countdown-Tasks-3to4"
 PROCEDURAL = "procedural"
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer."
+    "The assistant first thinks about the reasoning process in the mind and then provides the user "
+    "with the answer."
 )
 INSTRUCTION_PROMPT = (
     "Show your work in <think> </think> tags. And return the final equation in <answer> </answer> tags, "
@@ -59,7 +60,8 @@ def evaluate_arithmetic(expression: str) -> float:
             value = walk(node.operand)
             return value if isinstance(node.op, ast.UAdd) else -value
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
-            left, right = walk(node.left), walk(node.right)
+            left = walk(node.left)
+            right = walk(node.right)
             if isinstance(node.op, ast.Add):
                 return left + right
             if isinstance(node.op, ast.Sub):
@@ -96,7 +98,8 @@ def generate_problem(
         nums = [rng.randint(1, max_number) for _ in range(rng.randint(min_numbers, max_numbers))]
         order = nums[:]
         rng.shuffle(order)
-        value, expr = order[0], str(order[0])
+        value = order[0]
+        expr = str(order[0])
         for n in order[1:]:
             op = rng.choice("+-*/")
             if op == "-" and value - n <= 0:
@@ -126,12 +129,11 @@ class CountdownEnvironment(SingleTurnEnvironment):
         **kwargs: Any,
     ) -> None:
         super().__init__(system_prompt=system_prompt, instruction_prompt=instruction_prompt, **kwargs)
-        self.dataset_name, self.dataset_subset, self.dataset_split = (
-            dataset_name,
-            dataset_subset,
-            dataset_split,
-        )
-        self.procedural_num_samples, self.seed = procedural_num_samples, seed
+        self.dataset_name = dataset_name
+        self.dataset_subset = dataset_subset
+        self.dataset_split = dataset_split
+        self.procedural_num_samples = procedural_num_samples
+        self.seed = seed
         self.rubric = Rubric()
         self.rubric.add_reward(self._format_reward, range_min=0.0, range_max=1.0)
         self.rubric.add_reward(self._equation_reward, range_min=0.0, range_max=1.0)
@@ -155,7 +157,8 @@ class CountdownEnvironment(SingleTurnEnvironment):
 
     @staticmethod
     def sample_from_row(row: dict[str, Any]) -> Sample:
-        nums, target = [int(n) for n in row["nums"]], int(row["target"])
+        nums = [int(n) for n in row["nums"]]
+        target = int(row["target"])
         metadata = {"nums": nums, "target": target}
         if row.get("solution"):
             metadata["solution"] = row["solution"]

@@ -18,7 +18,8 @@ from refractor.envs.rewards import Rubric
 REQUIRED_PACKAGES = ["math-verify"]
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process in the mind and then provides the user with the answer."
+    "The assistant first thinks about the reasoning process in the mind and then provides the user "
+    "with the answer."
 )
 INSTRUCTION_PROMPT = "Show your work and put your final answer within \\boxed{}."
 
@@ -27,7 +28,8 @@ class MathEnvironment(SingleTurnEnvironment):
     """Shared logic; subclasses set the dataset defaults and ``parse_row``."""
 
     strict_kwargs = True
-    reward_min, reward_max = 0.0, 1.0
+    reward_min = 0.0
+    reward_max = 1.0
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
         "correct": {"min": 0.0, "max": 1.0, "invert": False}
     }

@@ -28,7 +28,8 @@ def match_fraction(completion: str, target: str) -> float:
 class TargetCopyEnvironment(SingleTurnEnvironment):
     strict_kwargs = True
     dataset_is_generated: ClassVar[bool] = True
-    reward_min, reward_max = 0.0, 1.0
+    reward_min = 0.0
+    reward_max = 1.0
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
         "match_fraction": {"min": 0.0, "max": 1.0, "invert": False},
         "exact_match": {"min": 0.0, "max": 1.0, "invert": False},
@@ -49,9 +50,12 @@ class TargetCopyEnvironment(SingleTurnEnvironment):
         super().__init__(system_prompt=system_prompt, instruction_prompt=instruction_prompt, **kwargs)
         if random_targets and (not alphabet or target_length < 1):
             raise ValueError("target_copy: random_targets needs a non-empty alphabet and target_length >= 1")
-        self.target, self.random_targets = target, random_targets
-        self.alphabet, self.target_length = alphabet, target_length
-        self.num_prompts, self.seed = num_prompts, seed
+        self.target = target
+        self.random_targets = random_targets
+        self.alphabet = alphabet
+        self.target_length = target_length
+        self.num_prompts = num_prompts
+        self.seed = seed
         self.rubric = Rubric().add_reward(self.match_fraction).add_metric(self.exact_match)
 
     def load_dataset(self, num_samples: int = -1, **kwargs: Any) -> list[Sample]:

@@ -25,16 +25,18 @@ from refractor.envs.records import Messages, RewardResult, RolloutState, Sample
 from refractor.envs.rewards import Rubric
 
 SYSTEM_PROMPT = (
-    "You are a competitive game player. Make sure you read the game instructions carefully, and always follow "
-    "the required format. In each turn, think step by step inside <think>...</think>, then give your guess "
-    "inside <guess>...</guess> tags, with the word in square brackets, e.g. <guess>[apple]</guess>."
+    "You are a competitive game player. Make sure you read the game instructions carefully, and always "
+    "follow the required format. In each turn, think step by step inside <think>...</think>, then give "
+    "your guess inside <guess>...</guess> tags, with the word in square brackets, e.g. "
+    "<guess>[apple]</guess>."
 )
 
 
 def initial_observation(word_length: int = 5, num_guesses: int = 6) -> str:
     return (
-        f"You are Playing Wordle.\nA secret {word_length}-letter word has been chosen. You have {num_guesses} "
-        "attempts to guess it.\nFor each guess, wrap your word in square brackets (e.g., '[apple]').\n"
+        f"You are Playing Wordle.\nA secret {word_length}-letter word has been chosen. "
+        f"You have {num_guesses} attempts to guess it.\n"
+        "For each guess, wrap your word in square brackets (e.g., '[apple]').\n"
         "Feedback for each letter will be given as follows:\n"
         "  - G (green): correct letter in the correct position\n"
         "  - Y (yellow): letter exists in the word but in the wrong position\n"
@@ -49,7 +51,8 @@ def score_guess(guess: str, secret: str) -> list[str]:
     spare = list(secret)
     for i, letter in enumerate(guess):
         if letter == secret[i]:
-            feedback[i], spare[i] = "G", None
+            feedback[i] = "G"
+            spare[i] = None
     for i, letter in enumerate(guess):
         if feedback[i] is None:
             if letter in spare:
@@ -101,7 +104,8 @@ class WordleGame:
         feedback = score_guess(word, self.secret)
         self.history.append((word, feedback))
         if all(f == "G" for f in feedback):
-            self.game_over = self.won = True
+            self.game_over = True
+            self.won = True
             return "Congratulations! You guessed the word correctly!"
         left = self.num_guesses - len(self.history)
         text = (
@@ -125,7 +129,8 @@ def load_word_list(path: str | Path | None = None) -> list[str]:
 class WordleEnvironment(MultiTurnEnvironment):
     strict_kwargs = True
     dataset_is_generated: ClassVar[bool] = True
-    reward_min, reward_max = 0.0, 2.2
+    reward_min = 0.0
+    reward_max = 2.2
 
     def __init__(
         self,
@@ -139,7 +144,9 @@ class WordleEnvironment(MultiTurnEnvironment):
         **kwargs: Any,
     ) -> None:
         super().__init__(max_turns=max_turns, system_prompt=system_prompt, **kwargs)
-        self.num_samples, self.seed, self.num_guesses = num_samples, seed, num_guesses
+        self.num_samples = num_samples
+        self.seed = seed
+        self.num_guesses = num_guesses
         self.words = load_word_list(word_list)
         self.dictionary = frozenset(self.words) if check_dictionary else frozenset()
         self.rubric = Rubric()

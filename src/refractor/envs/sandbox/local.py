@@ -60,7 +60,11 @@ class LocalSandbox:
         self, wrapper: CommandWrapper, config: SandboxConfig, root: Path, workdir: str, uid: int | None = None
     ) -> None:
         self.id = f"local-{uuid.uuid4().hex[:12]}"
-        self.wrapper, self.config, self.root, self.workdir, self.uid = wrapper, config, root, workdir, uid
+        self.wrapper = wrapper
+        self.config = config
+        self.root = root
+        self.workdir = workdir
+        self.uid = uid
         self.host_workdir = root / "work"
         self.created_at = time.monotonic()
         self._procs: set[asyncio.subprocess.Process] = set()
@@ -78,7 +82,8 @@ class LocalSandbox:
         if os.path.isabs(rel):
             raise SandboxError(f"{self.id}: path {path!r} is outside the sandbox workdir {self.workdir}")
         host = self.host_workdir / rel
-        base, real = os.path.realpath(self.host_workdir), os.path.realpath(host)
+        base = os.path.realpath(self.host_workdir)
+        real = os.path.realpath(host)
         if not real.startswith(base + os.sep):
             raise SandboxError(f"{self.id}: path {path!r} leaves the sandbox workdir")
         return host
@@ -185,7 +190,8 @@ class LocalSandbox:
     async def _read_capped(
         stream: asyncio.StreamReader, cap: int, over_cap: asyncio.Event
     ) -> tuple[bytes, bool]:
-        chunks, size = [], 0
+        chunks = []
+        size = 0
         while chunk := await stream.read(_READ_CHUNK):
             if size < cap:
                 chunks.append(chunk[: cap - size])

@@ -28,7 +28,9 @@ class SandboxPool:
     ) -> None:
         if size < 1:
             raise ValueError(f"sandbox pool size must be >= 1, got {size}")
-        self.provider, self.config, self.size = provider, config, size
+        self.provider = provider
+        self.config = config
+        self.size = size
         self.max_concurrent_creates = max_concurrent_creates
         self._ready: asyncio.Queue[Sandbox] | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -45,7 +47,8 @@ class SandboxPool:
         """Begin pre-warming (idempotent)."""
         if self._fillers or self._closed:
             return
-        self._ready, self._slots = asyncio.Queue(), asyncio.Semaphore(self.size)
+        self._ready = asyncio.Queue()
+        self._slots = asyncio.Semaphore(self.size)
         self._fillers = [
             asyncio.create_task(self._fill()) for _ in range(min(self.size, self.max_concurrent_creates))
         ]

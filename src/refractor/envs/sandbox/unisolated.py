@@ -27,8 +27,8 @@ class UnisolatedProvider:
     def __init__(self, allow_unisolated: bool = False, base_dir: str | None = None) -> None:
         if not (allow_unisolated or os.environ.get(ALLOW_VAR) == "1"):
             raise SandboxUnavailableError(
-                "the unisolated provider runs untrusted code without any isolation; pass allow_unisolated=True "
-                f"(or set {ALLOW_VAR}=1) if that is really what you want"
+                "the unisolated provider runs untrusted code without any isolation; "
+                f"pass allow_unisolated=True (or set {ALLOW_VAR}=1) if that is really what you want"
             )
         logger.warning("sandbox provider 'unisolated': untrusted code runs WITHOUT isolation (rlimits only)")
         self.base_dir = base_dir

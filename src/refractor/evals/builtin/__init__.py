@@ -1,1 +1,4 @@
-"""Built-in dedicated evals: one folder per eval, ``<name>/eval.py`` (found by ``refractor.evals.registry``)."""
+"""Built-in dedicated evals: one folder per eval, ``<name>/eval.py``.
+
+Found by ``refractor.evals.registry``.
+"""

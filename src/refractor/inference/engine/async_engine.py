@@ -168,7 +168,8 @@ class AsyncLLMEngine:
     def _pause_and_admit_held(self) -> None:
         self.engine.pause("keep")
         self._hold_new = False
-        held, self._held = self._held, []
+        held = self._held
+        self._held = []
         for add_now in held:
             add_now()
 

@@ -23,7 +23,8 @@ def write_kv(
 ) -> None:
     if kv_cache is None:  # memory profiling runs without a cache
         return
-    heads, dim = k.shape[1], k.shape[2]
+    heads = k.shape[1]
+    dim = k.shape[2]
     kv_cache[0, layer].view(-1, heads, dim).index_copy_(0, slots, k)
     kv_cache[1, layer].view(-1, heads, dim).index_copy_(0, slots, v)
 
@@ -124,7 +125,8 @@ class DecodeAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
         write_kv(self.kv_cache, layer_index, self.slot_mapping, k, v)
-        k_cache, v_cache = self.kv_cache[0, layer_index], self.kv_cache[1, layer_index]
+        k_cache = self.kv_cache[0, layer_index]
+        v_cache = self.kv_cache[1, layer_index]
         if self.use_triton:
             return _triton_decode(q, k_cache, v_cache, self.block_tables, self.context_lens)
         return paged_decode_attention_torch(q, k_cache, v_cache, self.block_tables, self.context_lens)

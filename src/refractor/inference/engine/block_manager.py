@@ -9,7 +9,8 @@ from refractor.inference.engine.sequence import Sequence
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.free_blocks: deque[int] = deque(range(num_blocks))
 
     @property

@@ -18,9 +18,8 @@ class EngineConfig:
 
     max_model_len: int = 4096
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = (
-        None  # prefill token budget per step; default max(max_model_len, 8192)
-    )
+    # prefill token budget per step; default max(max_model_len, 8192)
+    max_num_batched_tokens: int | None = None
     block_size: int = 32
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9

@@ -48,7 +48,8 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions_total: int
     steps_total: int = 0
-    busy_seconds_total: float = 0.0  # wall time spent inside step() (busy / elapsed = how fed the engine is)
+    # wall time spent inside step() (busy / elapsed = how fed the engine is)
+    busy_seconds_total: float = 0.0
 
 
 class LLMEngine:
@@ -100,8 +101,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if len(prompt) >= max_len:
             raise PromptTooLongError(
-                f"the prompt has {len(prompt)} tokens but max_model_len is {max_len}: it must leave room for at "
-                "least one generated token (shorten the prompt or raise max_model_len)"
+                f"the prompt has {len(prompt)} tokens but max_model_len is {max_len}: "
+                "it must leave room for at least one generated token "
+                "(shorten the prompt or raise max_model_len)"
             )
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
@@ -125,7 +127,10 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[RequestOutput]:
-        """Finish requests now (``finish_reason="abort"``, partial tokens kept); None = all. Frees their KV."""
+        """Finish requests now (``finish_reason="abort"``, partial tokens kept); None = all.
+
+        Frees their KV.
+        """
         ids = list(self.requests) if request_ids is None else [r for r in request_ids if r in self.requests]
         outputs = []
         for request_id in ids:
@@ -185,7 +190,8 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, seq: Sequence) -> bool:
-        token, params = seq.token_ids[-1], seq.params
+        token = seq.token_ids[-1]
+        params = seq.params
         if token in params.stop_token_ids:
             seq.finish("stop", token)
         elif token in self.eos_token_ids and not params.ignore_eos:
@@ -256,9 +262,8 @@ class LLMEngine:
         Call between steps. ``version`` (when given) tags every token sampled from now on.
         ``recompute_kv``: running sequences drop their KV and are re-prefilled with the new weights
         (exact; vLLM's default); False keeps the stale KV (PipelineRL-style). An empty iterable only
-        sets the version. Returns the number of
-        tensors copied; an unknown name or a shape mismatch raises before anything is left half-done
-        for that tensor.
+        sets the version. Returns the number of tensors copied; an unknown name or a shape mismatch
+        raises before anything is left half-done for that tensor.
         """
         copied = 0
         tied = self.model.lm_head is None
@@ -284,7 +289,10 @@ class LLMEngine:
         return copied
 
     def recompute_running_kv(self) -> None:
-        """Drop the KV of every running sequence; each is re-prefilled (prompt + tokens so far) on its next step."""
+        """Drop the KV of every running sequence.
+
+        Each is re-prefilled (prompt + tokens so far) on its next step.
+        """
         self.scheduler.preempt_all()
 
     def stats(self) -> EngineStats:

@@ -20,7 +20,9 @@ DEFAULT_CPU_KV_GB = 1.0
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, device: torch.device):
-        self.model, self.config, self.device = model, config, device
+        self.model = model
+        self.config = config
+        self.device = device
         mc = model.config
         self.dtype = next(model.parameters()).dtype
         self.block_size = config.block_size
@@ -76,8 +78,9 @@ class ModelRunner:
         num_blocks = int(budget // self.block_bytes)
         if num_blocks * self.block_size < cfg.max_model_len:
             raise ValueError(
-                f"the KV-cache budget ({budget / GiB:.3f} GiB) holds {num_blocks * self.block_size} tokens, fewer "
-                f"than max_model_len={cfg.max_model_len}; raise kv_cache_memory_gb / gpu_memory_utilization "
+                f"the KV-cache budget ({budget / GiB:.3f} GiB) holds {num_blocks * self.block_size} "
+                f"tokens, fewer than max_model_len={cfg.max_model_len}; "
+                "raise kv_cache_memory_gb / gpu_memory_utilization "
                 "or lower max_model_len"
             )
         return num_blocks
@@ -105,7 +108,8 @@ class ModelRunner:
         torch.cuda.empty_cache()  # so mem_get_info counts what is held, not what the allocator cached
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
-        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        peak = stats["allocated_bytes.all.peak"]
+        current = stats["allocated_bytes.all.current"]
         return total * cfg.gpu_memory_utilization - (total - free) - (peak - current)
 
     # ---- steps -----------------------------------------------------------------------------
@@ -147,7 +151,9 @@ class ModelRunner:
         tables = np.full((rows, width), self.pad_block, dtype=np.int32)
         for i, seq in enumerate(seqs):
             n = seq.num_tokens
-            ids[i], positions[i], context[i] = seq.token_ids[-1], n - 1, n
+            ids[i] = seq.token_ids[-1]
+            positions[i] = n - 1
+            context[i] = n
             slots[i] = seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs
             tables[i, : len(seq.block_table)] = seq.block_table
         return ids, positions, slots, context, tables
@@ -170,7 +176,8 @@ class ModelRunner:
         """One graph per padded batch size; each replays embed -> layers -> final norm for decode."""
         max_bs = self.config.max_num_seqs
         sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if s <= max_bs} | {max_bs})
-        dev, hidden_size = self.device, self.model.config.hidden_size
+        dev = self.device
+        hidden_size = self.model.config.hidden_size
         self.static = {
             "ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),

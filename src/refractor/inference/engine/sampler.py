@@ -74,7 +74,8 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        device, rows = logits.device, logits.shape[0]
+        device = logits.device
+        rows = logits.shape[0]
         temps = batch.temperatures
         temperature = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, device=device)
         top_k = torch.tensor(batch.top_ks, device=device) if any(k > 0 for k in batch.top_ks) else None
@@ -96,7 +97,8 @@ class Sampler:
                 tokens = torch.where(torch.tensor(greedy, device=device), processed.argmax(dim=-1), tokens)
         token_logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
 
-        ranks = top = None
+        ranks = None
+        top = None
         wanted = [k for k in batch.num_top_logprobs if k is not None]
         if wanted:
             rank_tensor = (logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
@@ -104,7 +106,8 @@ class Sampler:
             k = max(wanted)
             if k > 0:
                 values, ids = logprobs.topk(k, dim=-1)
-                values, ids = values.tolist(), ids.tolist()
+                values = values.tolist()
+                ids = ids.tolist()
                 top = [
                     list(zip(ids[r], values[r], strict=True))[: batch.num_top_logprobs[r] or 0]
                     for r in range(rows)

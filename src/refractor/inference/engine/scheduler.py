@@ -19,7 +19,8 @@ from refractor.inference.engine.sequence import Sequence, SequenceStatus
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, prefill_token_budget: int):
         self.block_manager = block_manager
-        self.max_num_seqs, self.prefill_token_budget = max_num_seqs, prefill_token_budget
+        self.max_num_seqs = max_num_seqs
+        self.prefill_token_budget = prefill_token_budget
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap
         self.running: list[Sequence] = []
         self.num_preemptions = 0

@@ -44,10 +44,13 @@ class Sequence:
         generator: torch.Generator | None,
     ):
         self.seq_id = next(_seq_ids)
-        self.request_id, self.index = request_id, index
+        self.request_id = request_id
+        self.index = index
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.params, self.priority, self.arrival = params, priority, arrival
+        self.params = params
+        self.priority = priority
+        self.arrival = arrival
         self.max_tokens = max_tokens
         self.generator = generator
         self.status = SequenceStatus.WAITING
@@ -102,7 +105,8 @@ class Sequence:
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
-        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
 
 
 @dataclass

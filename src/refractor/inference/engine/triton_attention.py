@@ -82,7 +82,8 @@ def paged_decode_attention_triton(
 ) -> torch.Tensor:
     """q [B, H, D]; caches [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] int32."""
     batch, heads, dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
     _paged_decode_kernel[(batch, kv_heads)](
