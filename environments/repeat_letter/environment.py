@@ -12,7 +12,7 @@ never climbed out (seen in CI).
 """
 
 from refractor.envs.base import SingleTurnEnvironment
-from refractor.envs.records import RewardResult, Sample
+from refractor.records import RewardResult, Sample
 
 
 class RepeatLetterEnvironment(SingleTurnEnvironment):
