@@ -12,7 +12,7 @@ climb out with.
 """
 
 from refractor.envs.base import SingleTurnEnvironment
-from refractor.envs.records import RewardResult, Sample
+from refractor.records import RewardResult, Sample
 
 
 class RepeatLetterEnvironment(SingleTurnEnvironment):

@@ -83,7 +83,7 @@ def test_rewards_on_hand_written_programs(env):
     outcomes = asyncio.run(main())
     for name, (_, _, passed, pass_rate) in CASES.items():
         outcome = outcomes[name]
-        assert outcome.ok, (name, outcome.failure_reason)
+        assert outcome.ok, (name, outcome.detail)
         metrics = outcome.result.sample_metrics
         assert (metrics["passed"], round(metrics["pass_rate"], 4)) == (passed, round(pass_rate, 4)), (
             name,

@@ -22,7 +22,7 @@ def env():
 
 def score(env, sample, completion):
     outcome = run(score_rollout(env, finished_state(env, sample, completion), timeout_s=30))
-    assert outcome.ok, outcome.failure_reason
+    assert outcome.ok, outcome.detail
     return outcome.result
 
 

@@ -9,12 +9,12 @@ import textwrap
 import pytest
 
 from refractor.envs.base import Environment
-from refractor.envs.records import RolloutState, Sample, TrajectoryStep
 from refractor.envs.registry import EnvironmentNotFoundError
 from refractor.evals import EVAL_PATH_VAR, Eval, discover_evals, list_evals, resolve_eval
+from refractor.records import RolloutState, Sample, TrajectoryStep
 
 STANDALONE = """
-from refractor.envs.records import EvalMetricsResult, Sample
+from refractor.records import EvalMetricsResult, Sample
 from refractor.evals import Eval
 from .words import WORDS
 
@@ -96,7 +96,7 @@ def test_an_eval_can_wrap_an_environment(tmp_path, monkeypatch):
         tmp_path,
         "copy_exact",
         """
-        from refractor.envs.records import EvalMetricsResult
+        from refractor.records import EvalMetricsResult
         from refractor.evals import Eval
 
 

@@ -15,11 +15,11 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "orchestrator"))
 from orch_fakes import FakeClock, FakeServer, FakeTrainer, MemoryStore, ToyEnv, make_config, wait_until  # noqa: E402
 
 from refractor.envs.base import SingleTurnEnvironment  # noqa: E402
-from refractor.envs.records import EvalMetricsResult, RewardResult, Sample  # noqa: E402
 from refractor.evals.passk import parse_pass_k  # noqa: E402
 from refractor.orchestrator import Orchestrator  # noqa: E402
 from refractor.orchestrator.eval_runner import EVAL_ID_BASE, EvalSetupError, LoadedEval, load_evals  # noqa: E402
 from refractor.orchestrator.evals import EVAL_DRAIN, attach_evals, eval_server_names  # noqa: E402
+from refractor.records import EvalMetricsResult, RewardResult, Sample  # noqa: E402
 
 
 @pytest.fixture(scope="module")

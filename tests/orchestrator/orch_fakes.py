@@ -10,8 +10,7 @@ from typing import Any
 
 from refractor.config import RefractorConfig
 from refractor.envs.base import MultiTurnEnvironment, SingleTurnEnvironment
-from refractor.envs.records import RewardResult, Sample
-from refractor.records import StepResult
+from refractor.records import RewardResult, Sample, StepResult
 
 
 class FakeClock:

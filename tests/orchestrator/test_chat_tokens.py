@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from refractor.orchestrator.chat import ChatTokens
-from refractor.orchestrator.records import Rollout, Turn, append_turn_tokens, to_train_samples
+from refractor.records import Rollout, Turn, append_turn_tokens, to_train_samples
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from refractor.config import RefractorConfig
 from refractor.orchestrator import Orchestrator
 from refractor.orchestrator.batching import BatchAssembler
 from refractor.orchestrator.control import StepCounters, VersionPins
-from refractor.orchestrator.records import Group, Rollout, RolloutStatus
 from refractor.orchestrator.rollout import SerialServer, sampling_seed
+from refractor.records import Group, Rollout, RolloutStatus
 
 
 @pytest.fixture(scope="module")

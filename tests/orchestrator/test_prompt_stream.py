@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from refractor.orchestrator.prompts import PromptPrefetcher, PromptRef, PromptStream
+from refractor.orchestrator.prompts import PromptPrefetcher, PromptStream
+from refractor.records import PromptRef
 
 SIZES = {"math": 7, "code": 3}
 

@@ -12,7 +12,7 @@ from refractor.orchestrator.control import (
     within_async_limit,
 )
 from refractor.orchestrator.lanes import LaneError, LaneManager
-from refractor.orchestrator.records import Group, Rollout, RolloutStatus
+from refractor.records import Group, Rollout, RolloutStatus
 
 
 def test_lanes_smallest_free_id_round_robin_and_misuse():

@@ -1,7 +1,7 @@
 """The zero-advantage watch: warns when every finished group is discarded for having no signal."""
 
-from refractor.orchestrator.records import DiscardReason, Group, Rollout, RolloutStatus
 from refractor.orchestrator.stall import ZeroAdvantageWatch
+from refractor.records import DiscardReason, Group, Rollout, RolloutStatus
 
 
 def group(status: RolloutStatus, reason: str = "", reward: float = 1.0) -> Group:

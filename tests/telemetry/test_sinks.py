@@ -8,7 +8,7 @@ import time
 import pytest
 from rich.console import Console
 
-from refractor.orchestrator.records import Rollout
+from refractor.records import Rollout
 from refractor.telemetry.console import ConsoleSink
 
 

@@ -5,15 +5,22 @@ import time
 
 import pytest
 
-from refractor.orchestrator.records import Rollout, RolloutStatus, ToolCall, Turn, append_turn_tokens
-from refractor.records import TimelineEvent
+from refractor.records import (
+    EvalRollout,
+    Rollout,
+    RolloutStatus,
+    TimelineEvent,
+    ToolCall,
+    Turn,
+    append_turn_tokens,
+)
 from refractor.telemetry.metrics import rollout_step_metrics
 from refractor.telemetry.query import RunReader, list_runs
 from refractor.telemetry.store import RunStore
 
 
-def make_rollout(rid, group, status=RolloutStatus.KEPT, reason="", reward=1.0, step=0):
-    r = Rollout(
+def make_rollout(rid, group, status=RolloutStatus.KEPT, reason="", reward=1.0, record=Rollout, **fields):
+    r = record(
         rollout_id=rid,
         group_id=group,
         sample_idx=rid % 2,
@@ -26,6 +33,7 @@ def make_rollout(rid, group, status=RolloutStatus.KEPT, reason="", reward=1.0, s
         reward=reward,
         advantage=reward - 0.5,
         sample_metrics={"correct": reward},
+        **fields,
     )
     t0 = Turn(
         0,
@@ -46,7 +54,6 @@ def make_rollout(rid, group, status=RolloutStatus.KEPT, reason="", reward=1.0, s
     r.stop_reason = "length"
     r.first_start_version, r.off_policy_steps = 0, 2
     r.mark(status, reason)
-    r.step = step if status == RolloutStatus.KEPT else -1
     return r
 
 
@@ -104,6 +111,16 @@ def test_round_trip(tmp_path):
         # the dashboard's derived metrics come from the same function as the orchestrator's
         m = rollout_step_metrics(reader.rollout_summaries(0))
         assert m["reward_sum_mean"] == 0.5 and m["discarded_zero_advantage_count"] == 1
+
+
+def test_eval_rows_are_stored_under_their_eval_step_and_training_rows_under_the_step_filled(tmp_path):
+    store = RunStore(tmp_path / "r")
+    eval_row = make_rollout(10, 10, RolloutStatus.EVAL, reward=0.0, record=EvalRollout, step=3)
+    store.log_rollouts([eval_row, make_rollout(11, 11)], trainer_step=5, inference_step=6)
+    store.close()
+    with RunReader(tmp_path / "r") as reader:
+        rows = reader.rollouts()
+    assert [(r["rollout_id"], r["status"], r["step"]) for r in rows] == [(10, "eval", 3), (11, "kept", 6)]
 
 
 def test_reader_never_blocks_while_writing(tmp_path):

@@ -56,8 +56,8 @@ One code path for every environment; a single-turn environment is one turn of it
 
     outcome = await score_rollout(env, state, eos_token=tokenizer.eos_token, timeout_s=cfg.reward_timeout_s)
     # outcome.result: RewardResult(total_reward, sample_metrics, golden_answers, info_turns, sample_tags)
-    # or outcome.result is None and outcome.failure_reason says why (exception/timeout/invalid):
-    # discard the rollout with that reason (outcome.reward_or_zero() gives a logged zero result).
+    # or outcome.result is None: outcome.reason (a DiscardReason) says why the rollout is discarded,
+    # outcome.detail what happened (outcome.reward_or_zero() gives a logged zero result).
     eval_outcome = await score_rollout(env, state, ..., eval_mode=True)   # -> EvalMetricsResult
     ...
     await env.close()                                     # once, at shutdown
@@ -74,7 +74,12 @@ from refractor.envs.base import (
     SingleTurnEnvironment,
     strip_eos,
 )
-from refractor.envs.records import (
+from refractor.envs.registry import discover, get_environment, list_environments, load_environment_class
+from refractor.envs.rewards import Rubric
+from refractor.envs.runners import run_blocking
+from refractor.envs.scoring import ScoreOutcome, score_rollout
+from refractor.envs.tool_env import ToolEnvironment
+from refractor.records import (
     ChatMessage,
     EvalMetricsResult,
     Messages,
@@ -85,10 +90,6 @@ from refractor.envs.records import (
     TrajectoryStep,
     info_turn,
 )
-from refractor.envs.registry import discover, get_environment, list_environments, load_environment_class
-from refractor.envs.rewards import Rubric
-from refractor.envs.scoring import ScoreOutcome, run_blocking, score_rollout
-from refractor.envs.tool_env import ToolEnvironment
 
 __all__ = [
     "ChatMessage",

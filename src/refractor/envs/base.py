@@ -12,7 +12,8 @@ import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from refractor.envs.records import (  # noqa: F401  (re-exported: `from ...base import Sample` works)
+from refractor.envs.runners import call_maybe_async
+from refractor.records import (  # noqa: F401  (re-exported: `from ...base import Sample` works)
     ChatMessage,
     EvalMetricsResult,
     Messages,
@@ -23,18 +24,6 @@ from refractor.envs.records import (  # noqa: F401  (re-exported: `from ...base 
 )
 
 THINK_PREFIX = "<think>"
-
-
-async def call_maybe_async(fn, *args: Any, **kwargs: Any) -> Any:
-    """Call sync or async ``fn``; sync functions run in the reward thread pool, off the event loop."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    from refractor.envs.scoring import run_blocking
-
-    result = await run_blocking(fn, *args, **kwargs)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
 
 
 def _accepts(fn, name: str) -> bool:

@@ -115,7 +115,7 @@ def verify_math_answer(prediction: str | None, ground_truth: str | None, timeout
         return False
     if threading.current_thread() is threading.main_thread():
         return verify_math_answer_local(prediction, ground_truth, timeout_s)
-    from refractor.envs.scoring import shared_process_runner
+    from refractor.envs.runners import shared_process_runner
 
     try:
         return bool(
@@ -136,7 +136,7 @@ async def verify_math_answer_async(
     """``verify_math_answer`` for async rewards: runs in a worker process, never blocks the loop."""
     if not prediction or not ground_truth or len(prediction) > MAX_MATH_ANSWER_CHARS:
         return False
-    from refractor.envs.scoring import shared_process_runner
+    from refractor.envs.runners import shared_process_runner
 
     try:
         return bool(

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from refractor.envs.base import call_maybe_async, strip_eos
-from refractor.envs.records import RewardResult, RolloutState, Sample, info_turn
+from refractor.envs.base import strip_eos
+from refractor.envs.runners import call_maybe_async
+from refractor.records import RewardResult, RolloutState, Sample, info_turn
 
 logger = logging.getLogger(__name__)
 

@@ -1,53 +1,36 @@
-"""Running rewards safely: a per-rollout timeout, failures recorded (never raised), blocking work
-kept off the event loop.
+"""Scoring a finished rollout safely: a per-rollout timeout, and failures recorded, never raised.
 
-* ``score_rollout`` is what the orchestrator calls for every finished rollout.
-* ``run_blocking`` runs a sync function in the reward thread pool (sync Rubric functions and sync
-  ``compute_reward`` go there automatically).
-* ``ProcessRunner`` runs picklable CPU-bound functions (math verification) in worker processes,
-  where signal-based timeouts work and an overrunning call can be killed, which a thread cannot.
+``score_rollout`` is what the orchestrator calls for every finished rollout. A failure comes back
+as a typed reason (``DiscardReason.REWARD_ERROR`` or ``REWARD_TIMEOUT``) plus a message for people;
+blocking reward code runs off the event loop (:mod:`refractor.envs.runners`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import math
-import os
-import pickle
-import select
-import subprocess
-import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from refractor.envs.records import EvalMetricsResult, RewardResult, RolloutState, info_turn
+from refractor.envs.base import Environment
+from refractor.records import DiscardReason, EvalMetricsResult, RewardResult, RolloutState, info_turn
 
-if TYPE_CHECKING:
-    from refractor.envs.base import Environment
-
-_REWARD_THREADS = ThreadPoolExecutor(
-    max_workers=int(os.environ.get("REFRACTOR_REWARD_THREADS", "16")), thread_name_prefix="refractor-reward"
-)
-
-
-async def run_blocking(fn, *args: Any, **kwargs: Any) -> Any:
-    """Run a blocking call in the reward thread pool (its own pool, so a stuck reward cannot starve
-    asyncio's default executor)."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_REWARD_THREADS, functools.partial(fn, *args, **kwargs))
+MAX_DETAIL_CHARS = 2000
 
 
 @dataclass
 class ScoreOutcome:
-    """Result of scoring one rollout: a result, or ``None`` and the reason it failed."""
+    """Result of scoring one rollout: a result, or ``None`` with why it failed.
+
+    ``reason`` is what the rollout is discarded for; ``detail`` says what happened, e.g.
+    ``"reward_error: ValueError: ..."``, ``"reward_timeout: <env> took longer than 2s"`` or
+    ``"invalid_reward: total_reward is nan"`` (an invalid result is a ``REWARD_ERROR``).
+    """
 
     result: RewardResult | EvalMetricsResult | None
-    failure_reason: str | None = None
+    reason: DiscardReason | None = None
+    detail: str = ""
     elapsed_s: float = 0.0
 
     @property
@@ -61,11 +44,12 @@ class ScoreOutcome:
         return RewardResult(
             total_reward=0.0,
             sample_metrics={"reward_failed": 1.0},
-            info_turns=[info_turn("reward_failure", self.failure_reason or "", "stderr")],
+            info_turns=[info_turn("reward_failure", self.detail, "stderr")],
         )
 
 
 def _validate(result: Any, eval_mode: bool) -> str | None:
+    """What is wrong with a reward function's result (``None``: nothing); numbers become floats."""
     expected = EvalMetricsResult if eval_mode else RewardResult
     if not isinstance(result, expected):
         return f"invalid_reward: expected {expected.__name__}, got {type(result).__name__}"
@@ -95,132 +79,25 @@ async def score_rollout(
 ) -> ScoreOutcome:
     """Score a finished rollout with ``env.score`` (or ``env.score_eval``) under a timeout.
 
-    Never raises for reward problems: exceptions, timeouts and malformed results come back as
-    ``ScoreOutcome(None, "reward_error: ..." | "reward_timeout: ..." | "invalid_reward: ...")``.
-    A timed-out async reward is cancelled; a blocking function already running in a thread
-    cannot be stopped and finishes in the background (its result is ignored).
+    Never raises for reward problems: exceptions, timeouts and malformed results come back as a
+    ``ScoreOutcome`` without a result. A timed-out async reward is cancelled; a blocking function
+    already running in a thread cannot be stopped and finishes in the background (its result is
+    ignored).
     """
     start = time.perf_counter()
     scorer = env.score_eval if eval_mode else env.score
     try:
         result = await asyncio.wait_for(scorer(state, eos_token=eos_token), timeout_s)
     except TimeoutError:
-        return ScoreOutcome(
-            None, f"reward_timeout: {env.name} took longer than {timeout_s:g}s", time.perf_counter() - start
-        )
+        detail = f"reward_timeout: {env.name} took longer than {timeout_s:g}s"
+        return ScoreOutcome(None, DiscardReason.REWARD_TIMEOUT, detail, time.perf_counter() - start)
     except asyncio.CancelledError:
         raise
     except Exception as err:  # any user-code failure becomes a recorded failure
-        return ScoreOutcome(
-            None, f"reward_error: {type(err).__name__}: {err}"[:2000], time.perf_counter() - start
-        )
+        detail = f"reward_error: {type(err).__name__}: {err}"[:MAX_DETAIL_CHARS]
+        return ScoreOutcome(None, DiscardReason.REWARD_ERROR, detail, time.perf_counter() - start)
     problem = _validate(result, eval_mode)
     elapsed = time.perf_counter() - start
-    return ScoreOutcome(None, problem, elapsed) if problem else ScoreOutcome(result, None, elapsed)
-
-
-class _Worker:
-    """One ``refractor.envs.worker`` subprocess, used by one call at a time."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "refractor.envs.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
-
-    def _read_exact(self, count: int, deadline: float) -> bytes:
-        fd, chunks, size = self.proc.stdout.fileno(), [], 0
-        while size < count:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, count - size)
-            if not chunk:
-                raise _WorkerDied("reward worker process exited")
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
-
-    def call(self, fn, args: tuple, timeout_s: float) -> Any:
-        from refractor.envs.worker import HEADER_BYTES, encode
-
-        deadline = time.monotonic() + timeout_s
-        try:
-            self.proc.stdin.write(encode((fn, args)))
-            self.proc.stdin.flush()
-        except BrokenPipeError as err:
-            raise _WorkerDied("reward worker process exited") from err
-        size = int.from_bytes(self._read_exact(HEADER_BYTES, deadline), "big")
-        ok, value = pickle.loads(self._read_exact(size, deadline))
-        if not ok:
-            raise value
-        return value
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait()
-
-
-class _WorkerDied(RuntimeError):
-    pass
-
-
-class ProcessRunner:
-    """Worker processes for picklable CPU-bound calls (functions importable by module path).
-
-    Workers are plain subprocesses (``python -m refractor.envs.worker``), so the parent's
-    ``__main__`` is never re-imported. A call that overruns its timeout kills its worker (the only
-    way to stop it); the next call starts a fresh one. At most ``processes`` calls run at once.
-    """
-
-    def __init__(self, processes: int = 2) -> None:
-        self.processes = processes
-        self._slots = threading.BoundedSemaphore(processes)
-        self._idle: list[_Worker] = []
-        self._lock = threading.Lock()
-
-    def run_sync(self, fn, *args: Any, timeout_s: float) -> Any:
-        with self._slots:
-            with self._lock:
-                worker = self._idle.pop() if self._idle else None
-            worker = worker or _Worker()
-            try:
-                result = worker.call(fn, args, timeout_s)
-            except TimeoutError:
-                worker.kill()
-                raise TimeoutError(f"{getattr(fn, '__name__', fn)} took longer than {timeout_s:g}s") from None
-            except _WorkerDied:
-                worker.kill()
-                raise
-            except BaseException:
-                self._give_back(worker)  # the function itself raised: the worker is fine
-                raise
-            self._give_back(worker)
-            return result
-
-    def _give_back(self, worker: _Worker) -> None:
-        with self._lock:
-            self._idle.append(worker)
-
-    async def run(self, fn, *args: Any, timeout_s: float) -> Any:
-        return await run_blocking(self.run_sync, fn, *args, timeout_s=timeout_s)
-
-    def close(self) -> None:
-        with self._lock:
-            workers, self._idle = self._idle, []
-        for worker in workers:
-            worker.kill()
-
-
-_SHARED_RUNNER: ProcessRunner | None = None
-
-
-def shared_process_runner() -> ProcessRunner:
-    """One process pool per process for CPU-bound reward helpers (created on first use)."""
-    global _SHARED_RUNNER
-    if _SHARED_RUNNER is None:
-        _SHARED_RUNNER = ProcessRunner(processes=int(os.environ.get("REFRACTOR_REWARD_PROCESSES", "2")))
-    return _SHARED_RUNNER
+    if problem:
+        return ScoreOutcome(None, DiscardReason.REWARD_ERROR, problem, elapsed)
+    return ScoreOutcome(result, elapsed_s=elapsed)

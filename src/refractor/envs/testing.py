@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from refractor.envs.base import Environment
-from refractor.envs.records import RolloutState, Sample, TrajectoryStep
+from refractor.records import RolloutState, Sample, TrajectoryStep
 
 
 def finished_state(env: Environment, sample: Sample, *completions: str) -> RolloutState:

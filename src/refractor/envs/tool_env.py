@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from refractor.envs.base import MultiTurnEnvironment
-from refractor.envs.records import PENDING_TOOL_CALLS, Messages, RolloutState, Sample, ToolCallRecord
-from refractor.envs.scoring import run_blocking
+from refractor.envs.runners import run_blocking
 from refractor.envs.tools import (
     ParsedToolCall,
     ToolCallFormat,
@@ -26,6 +25,7 @@ from refractor.envs.tools import (
     parse_function_tool_calls,
     parse_xml_tool_calls,
 )
+from refractor.records import PENDING_TOOL_CALLS, Messages, RolloutState, Sample, ToolCallRecord
 
 
 def default_error_formatter(err: BaseException) -> str:

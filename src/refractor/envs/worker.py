@@ -2,7 +2,7 @@
 
 Reads length-prefixed pickled ``(function, args)`` tasks on stdin and answers each with a pickled
 ``(ok, value_or_exception)`` on stdout. Functions run on this process's main thread, so
-signal-based timeouts (math-verify) work. Started by ``scoring.ProcessRunner`` as a plain
+signal-based timeouts (math-verify) work. Started by ``runners.ProcessRunner`` as a plain
 subprocess, so the parent's ``__main__`` is never re-imported (unlike multiprocessing).
 """
 

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from refractor.envs.base import Environment, strip_eos
 from refractor.envs.data import DatasetLoadError, load_rows, take
-from refractor.envs.records import EvalMetricsResult, Sample
+from refractor.records import EvalMetricsResult, Sample
 
 # Protocol members taken from the wrapped environment unless the Eval subclass defines them.
 _WRAPPED_METHODS = (

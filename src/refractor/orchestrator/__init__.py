@@ -15,13 +15,13 @@ Entry point (all dependencies injected, so Ray actors, HTTP clients or test fake
 Pure pieces, testable alone: :mod:`.lanes` (LaneManager), :mod:`.control` (async gate,
 off-policy cancellation, checkpoint gating), :mod:`.prompts` (seeded checkpointable prompt stream
 and prefetch), :mod:`.batching` (acceptance test and batch cutting), :mod:`.chat` (token-exact
-multi-turn prompts), :mod:`.records` (Rollout, Group, conversion to TrainSample).
+multi-turn prompts). The records they pass around (Rollout, Group, ...) live in :mod:`refractor.records`.
 """
 
 from refractor.inference.client import Sampling
 from refractor.orchestrator.orchestrator import Orchestrator, StepSink, Trainer
-from refractor.orchestrator.records import DiscardReason, Group, Rollout, RolloutStatus, to_train_samples
 from refractor.orchestrator.rollout import InferenceServer
+from refractor.records import DiscardReason, Group, Rollout, RolloutStatus, to_train_samples
 
 __all__ = [
     "DiscardReason",

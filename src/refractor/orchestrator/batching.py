@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refractor.orchestrator.control import StepCounters, VersionPins, within_async_limit
-from refractor.orchestrator.prompts import PromptRef
-from refractor.orchestrator.records import DiscardReason, Group, Rollout, RolloutStatus
+from refractor.records import DiscardReason, Group, PromptRef, Rollout, RolloutStatus
 
 
 @dataclass

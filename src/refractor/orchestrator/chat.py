@@ -8,7 +8,7 @@ template itself as a text delta: ``render(probe + env, gen=True)`` minus ``rende
 
 A template that is not append-only (the delta is not a suffix, e.g. it rewrites earlier turns)
 makes interleaving impossible; the whole conversation is then re-rendered and the rollout is
-marked ``retokenized`` (see :mod:`refractor.orchestrator.records`).
+marked ``retokenized`` (see :mod:`refractor.records.rollout`).
 """
 
 from __future__ import annotations

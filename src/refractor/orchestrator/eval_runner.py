@@ -36,10 +36,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from refractor.envs.base import Environment
-from refractor.envs.records import RewardResult, Sample
 from refractor.evals.passk import PassKSpec, aggregate, parse_pass_k
 from refractor.orchestrator.chat import ChatTokens
-from refractor.orchestrator.records import DiscardReason, Rollout, RolloutStatus
 from refractor.orchestrator.rollout import (
     InferenceServer,
     PreparedPrompt,
@@ -48,6 +46,7 @@ from refractor.orchestrator.rollout import (
     prepare_prompt,
     run_rollout,
 )
+from refractor.records import DiscardReason, EvalRollout, RewardResult, RolloutStatus, Sample
 
 log = logging.getLogger("refractor.evals")
 EVAL_ID_BASE = 10**12
@@ -55,11 +54,6 @@ EVAL_ID_BASE = 10**12
 
 class EvalSetupError(RuntimeError):
     """An eval cannot be loaded as configured; the message names the eval and the fix."""
-
-
-@dataclass
-class EvalRollout(Rollout):
-    step: int = 0  # reported eval step (1-indexed; the baseline is 0)
 
 
 @dataclass

@@ -6,8 +6,8 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from refractor.orchestrator.records import Group
 from refractor.orchestrator.rollout import PreparedPrompt
+from refractor.records import Group
 
 
 @dataclass

@@ -41,8 +41,7 @@ from refractor.orchestrator.control import (
 )
 from refractor.orchestrator.inflight import InFlightGroup
 from refractor.orchestrator.lanes import LaneManager
-from refractor.orchestrator.prompts import PromptPrefetcher, PromptRef, PromptStream
-from refractor.orchestrator.records import DiscardReason, Group, Rollout, RolloutStatus, to_train_samples
+from refractor.orchestrator.prompts import PromptPrefetcher, PromptStream
 from refractor.orchestrator.rollout import (
     InferenceServer,
     PreparedPrompt,
@@ -53,7 +52,17 @@ from refractor.orchestrator.rollout import (
     run_rollout,
 )
 from refractor.orchestrator.stall import ZeroAdvantageWatch
-from refractor.records import StepResult, TimelineEvent, TrainSample
+from refractor.records import (
+    DiscardReason,
+    Group,
+    PromptRef,
+    Rollout,
+    RolloutStatus,
+    StepResult,
+    TimelineEvent,
+    TrainSample,
+    to_train_samples,
+)
 from refractor.telemetry.metrics import RolloutSummary, rollout_step_metrics
 from refractor.telemetry.server_metrics import ServerMetricsScraper
 from refractor.telemetry.system import SystemSampler

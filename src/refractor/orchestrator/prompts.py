@@ -20,19 +20,13 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from refractor.records import PromptRef
+
 P = TypeVar("P")
-
-
-@dataclass(frozen=True)
-class PromptRef:
-    env_name: str
-    index: int
-    ordinal: int = -1  # position in the prompt stream (-1: not drawn from a stream)
 
 
 class PromptStream:

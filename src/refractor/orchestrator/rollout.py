@@ -20,15 +20,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from refractor.envs.base import Environment, strip_eos
-from refractor.envs.records import Sample, TrajectoryStep
 from refractor.envs.scoring import score_rollout
 from refractor.inference.client import Sampling
 from refractor.orchestrator.chat import ChatTokens
-from refractor.orchestrator.records import (
+from refractor.records import (
     DiscardReason,
     Rollout,
     RolloutStatus,
+    Sample,
     ToolCall,
+    TrajectoryStep,
     Turn,
     append_turn_tokens,
 )
@@ -153,15 +154,6 @@ class SampleHooks:
     generating: set[int] = field(default_factory=set)  # rollout ids currently in their generation phase
 
 
-def _reason_of(failure: str) -> str:
-    head = failure.split(":", 1)[0].strip()
-    return (
-        head
-        if head in (DiscardReason.REWARD_ERROR, DiscardReason.REWARD_TIMEOUT)
-        else DiscardReason.REWARD_ERROR
-    )
-
-
 async def run_rollout(
     rollout: Rollout,
     prompt: PreparedPrompt,
@@ -193,9 +185,7 @@ async def run_rollout(
     )
     rollout.reward_time = outcome.elapsed_s
     if not outcome.ok:
-        rollout.mark(
-            RolloutStatus.DISCARDED, _reason_of(outcome.failure_reason or ""), outcome.failure_reason or ""
-        )
+        rollout.mark(RolloutStatus.DISCARDED, outcome.reason, outcome.detail)
     else:
         result = outcome.result
         rollout.reward = float(result.total_reward)

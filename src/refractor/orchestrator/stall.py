@@ -9,7 +9,7 @@ what the user can do.
 
 from __future__ import annotations
 
-from refractor.orchestrator.records import DiscardReason, Group, RolloutStatus
+from refractor.records import DiscardReason, Group, RolloutStatus
 
 
 class ZeroAdvantageWatch:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from refractor.records import TimelineEvent
+from refractor.records import EvalRollout, Rollout, TimelineEvent
 
 SCHEMA_VERSION = 1
 
@@ -78,13 +78,13 @@ def _json(value: Any) -> str:
 
 
 def rollout_rows(
-    rollouts: Iterable[Any], trainer_step: int, inference_step: int
+    rollouts: Iterable[Rollout], trainer_step: int, inference_step: int
 ) -> list[tuple[str, list[tuple]]]:
     """(sql, rows) pairs that store each rollout with its turns, tool calls and sample metrics."""
     ro, tu, tc, sm = [], [], [], []
     for r in rollouts:
         status = str(r.status)
-        step = r_step(r, inference_step)
+        step = stored_step(r, inference_step)
         ro.append(
             (
                 r.rollout_id,
@@ -181,10 +181,10 @@ def tokens_from_blob(blob: bytes) -> list[int]:
     return out.tolist()
 
 
-def r_step(rollout: Any, inference_step: int) -> int:
-    """Kept rollouts belong to the step that trained on them; others to the step being filled."""
-    step = getattr(rollout, "step", -1)
-    return step if step is not None and step >= 0 else inference_step
+def stored_step(rollout: Rollout, inference_step: int) -> int:
+    """The ``step`` column: an eval row's reported eval step; a training rollout's step being filled
+    (the caller passes the step that trained on a kept rollout)."""
+    return rollout.step if isinstance(rollout, EvalRollout) else inference_step
 
 
 class RunStore:
@@ -225,7 +225,7 @@ class RunStore:
         rows = [(step, k, None if v is None else float(v), ts) for k, v in metrics.items()]
         self._put("INSERT OR REPLACE INTO step_metrics VALUES (?, ?, ?, ?)", rows)
 
-    def log_rollouts(self, rollouts: Iterable[Any], trainer_step: int, inference_step: int) -> None:
+    def log_rollouts(self, rollouts: Iterable[Rollout], trainer_step: int, inference_step: int) -> None:
         for sql, rows in rollout_rows(rollouts, trainer_step, inference_step):
             self._put(sql, rows)
 

@@ -12,10 +12,10 @@ import random
 from typing import Any, ClassVar
 
 from refractor.envs.parsers import extract_answer_tags, strip_think_tags
-from refractor.envs.records import RewardResult, RolloutState, Sample
 from refractor.envs.rewards import Rubric
 from refractor.envs.tool_env import ToolEnvironment
 from refractor.envs.tools import ToolCallFormat
+from refractor.records import RewardResult, RolloutState, Sample
 
 SYSTEM_PROMPT = (
     "You solve arithmetic problems exactly. Use the calculator tools for every operation, "

@@ -22,8 +22,8 @@ from refractor.envs.base import SingleTurnEnvironment, strip_eos
 from refractor.envs.builtin.code_tests import decode_test_value, run_tests, summarize
 from refractor.envs.data import load_rows, take
 from refractor.envs.parsers import extract_code_block, strip_think_tags
-from refractor.envs.records import RewardResult, Sample, info_turn
 from refractor.envs.sandbox import SandboxConfig, SandboxError, SandboxPool, get_provider
+from refractor.records import RewardResult, Sample, info_turn
 
 DEFAULT_DATASET = "PrimeIntellect/INTELLECT-3-RL"
 INSTRUCTION_PROMPT = "Solve the programming task below in a Python markdown code block."

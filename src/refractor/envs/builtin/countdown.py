@@ -20,8 +20,8 @@ from typing import Any
 from refractor.envs.base import SingleTurnEnvironment
 from refractor.envs.data import load_rows, take
 from refractor.envs.parsers import extract_answer_tags
-from refractor.envs.records import RewardResult, Sample
 from refractor.envs.rewards import Rubric
+from refractor.records import RewardResult, Sample
 
 DEFAULT_DATASET = "Jiayi-Pan/Countdown-Tasks-3to4"
 PROCEDURAL = "procedural"

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 from refractor.envs.base import SingleTurnEnvironment
 from refractor.envs.data import load_rows, take
 from refractor.envs.parsers import extract_boxed_answer, strip_think_tags, verify_math_answer_async
-from refractor.envs.records import RewardResult, Sample
 from refractor.envs.rewards import Rubric
+from refractor.records import RewardResult, Sample
 
 REQUIRED_PACKAGES = ["math-verify"]
 SYSTEM_PROMPT = (

@@ -13,8 +13,8 @@ import random
 from typing import Any, ClassVar
 
 from refractor.envs.base import SingleTurnEnvironment
-from refractor.envs.records import RewardResult, Sample
 from refractor.envs.rewards import Rubric
+from refractor.records import RewardResult, Sample
 
 
 def match_fraction(completion: str, target: str) -> float:

@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 from refractor.envs.base import MultiTurnEnvironment
 from refractor.envs.data import BUILTIN_DATA_DIR
 from refractor.envs.parsers import extract_xml_tag, strip_think_tags
-from refractor.envs.records import Messages, RewardResult, RolloutState, Sample
 from refractor.envs.rewards import Rubric
+from refractor.records import Messages, RewardResult, RolloutState, Sample
 
 SYSTEM_PROMPT = (
     "You are a competitive game player. Make sure you read the game instructions carefully, and always "

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from refractor.envs.parsers import extract_boxed_answer, strip_think_tags, verify_math_answer_async
-from refractor.envs.records import EvalMetricsResult, Sample
 from refractor.evals.base import DatasetEval
+from refractor.records import EvalMetricsResult, Sample
 
 PROMPT_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 

@@ -1,7 +1,7 @@
 """A user environment whose reward is the same for every completion: no group ever has an advantage."""
 
 from refractor.envs.base import SingleTurnEnvironment
-from refractor.envs.records import RewardResult, Sample
+from refractor.records import RewardResult, Sample
 
 
 class ConstantRewardEnvironment(SingleTurnEnvironment):

@@ -1,7 +1,7 @@
 """A user environment whose reward function raises on some samples (failure-path test)."""
 
 from refractor.envs.base import SingleTurnEnvironment
-from refractor.envs.records import RewardResult, Sample
+from refractor.records import RewardResult, Sample
 
 
 class FlakyRewardEnvironment(SingleTurnEnvironment):

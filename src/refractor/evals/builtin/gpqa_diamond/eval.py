@@ -8,8 +8,8 @@ import random
 import re
 from typing import Any, ClassVar
 
-from refractor.envs.records import EvalMetricsResult, Sample
 from refractor.evals.base import DatasetEval
+from refractor.records import EvalMetricsResult, Sample
 
 LETTERS = "ABCD"
 INSTRUCTION = (

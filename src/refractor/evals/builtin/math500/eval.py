@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from refractor.envs.records import EvalMetricsResult, Sample
 from refractor.evals.builtin._math import BoxedMathEval
+from refractor.records import EvalMetricsResult, Sample
 
 REQUIRED_PACKAGES = ["math-verify"]
 

@@ -1,4 +1,4 @@
-"""Typed records that cross component boundaries (orchestrator -> trainer -> run store).
+"""Training-side records: samples the trainer consumes, packed batches, and what a step returns.
 
 Token alignment convention, used everywhere: per-token arrays are aligned with ``input_ids``.
 The value at position ``t`` describes token ``t`` itself, which the model predicts from the
@@ -10,9 +10,10 @@ and its log-prob counts in the loss"; the first token of every sample is never t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: environments import these records without loading torch
+    import torch
 
 
 @dataclass

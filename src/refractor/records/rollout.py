@@ -1,4 +1,5 @@
-"""Rollout-side records: a sample's trajectory (``Rollout``) and a prompt's ``Group``.
+"""Rollout-side records: a prompt drawn from the stream (``PromptRef``), a sample's trajectory
+(``Rollout``, or ``EvalRollout`` for an eval completion) and a prompt's ``Group``.
 
 Policy versions: version ``v`` means "the weights after ``v`` trainer steps" (0 = the base model).
 The orchestrator orders every weight update, so it knows which version the servers hold at any
@@ -7,7 +8,7 @@ then measured, not inferred: ``off_policy_steps`` = updates that landed between 
 start and the end of generation (every turn and environment response in between counted), or
 until cancellation for a cancelled rollout.
 
-Token layout of a finished rollout (see the alignment convention in :mod:`refractor.records`):
+Token layout of a finished rollout (alignment convention in :mod:`refractor.records.training`):
 ``prompt_ids`` = turn-0 prompt; ``completion_ids`` = turn-0 completion, then for each later turn
 the new prompt tokens (env response + template glue; mask 0, logprob 0.0) followed by that turn's
 completion (mask 1, engine logprobs). When a chat template is not append-only the later turns'
@@ -21,8 +22,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from refractor.orchestrator.prompts import PromptRef
-from refractor.records import TrainSample
+from refractor.records.training import TrainSample
+
+
+@dataclass(frozen=True)
+class PromptRef:
+    """A prompt drawn from the prompt stream: its environment and dataset index."""
+
+    env_name: str
+    index: int
+    ordinal: int = -1  # position in the prompt stream (-1: not drawn from a stream)
 
 
 class RolloutStatus(StrEnum):
@@ -154,6 +163,13 @@ class Rollout:
 
 
 @dataclass
+class EvalRollout(Rollout):
+    """An eval completion's row: status ``eval``, stored under the eval step instead of a training step."""
+
+    step: int = 0  # reported eval step (1-indexed; the baseline is 0)
+
+
+@dataclass
 class Group:
     """``group_size`` rollouts of one prompt; advantages are computed over the group."""
 
@@ -220,7 +236,7 @@ def append_turn_tokens(rollout: Rollout, turn: Turn) -> None:
 
 
 def to_train_samples(rollout: Rollout, sample_id: int | None = None) -> list[TrainSample]:
-    """Convert a kept rollout into trainer samples (token alignment as in :mod:`refractor.records`).
+    """Convert a kept rollout into trainer samples (alignment as in :mod:`refractor.records.training`).
 
     Normally one sample: prompt (mask 0) + interleaved completion. A ``retokenized`` rollout gives
     one sample per turn, each exactly what the engine saw for that call, so no token is trained

@@ -1,4 +1,4 @@
-"""Typed records of the environment API: samples, trajectories, reward results, tool calls.
+"""Environment-facing records: samples, trajectories, reward results, tool calls.
 
 Field names follow the reference (Telescope) so user environments run unchanged. Chat messages
 stay plain dicts (``{"role", "content", "turn_type"?}``) because user code builds them literally.
