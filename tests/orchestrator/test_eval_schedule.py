@@ -1,30 +1,20 @@
-"""The real orchestrator with evals attached, driven by fake servers and a fake trainer (the same
+"""The real orchestrator with its eval schedule, driven by fake servers and a fake trainer (the same
 doubles as tests/orchestrator): baseline, step evals on a drained eval server with training_only
 updates while they run, rejoining, the final eval, resume, and separate_eval_samples."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from orch_fakes import FakeClock, FakeServer, FakeTrainer, MemoryStore, ToyEnv, make_config, wait_until
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "orchestrator"))
-from orch_fakes import FakeClock, FakeServer, FakeTrainer, MemoryStore, ToyEnv, make_config, wait_until  # noqa: E402
-
-from refractor.envs.base import SingleTurnEnvironment  # noqa: E402
-from refractor.envs.records import EvalMetricsResult, RewardResult, Sample  # noqa: E402
-from refractor.evals.passk import parse_pass_k  # noqa: E402
-from refractor.orchestrator import Orchestrator  # noqa: E402
-from refractor.orchestrator.eval_runner import EVAL_ID_BASE, EvalSetupError, LoadedEval, load_evals  # noqa: E402
-from refractor.orchestrator.evals import EVAL_DRAIN, attach_evals, eval_server_names  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_qwen2_path):
-    return AutoTokenizer.from_pretrained(tiny_qwen2_path)
+from refractor.envs.base import SingleTurnEnvironment
+from refractor.envs.records import EvalMetricsResult, RewardResult, Sample
+from refractor.evals.passk import parse_pass_k
+from refractor.orchestrator import Orchestrator, OrchestratorSettings
+from refractor.orchestrator.eval_runner import EVAL_ID_BASE, EvalSetupError, LoadedEval, load_evals
+from refractor.orchestrator.eval_schedule import EVAL_DRAIN, build_eval_schedule
 
 
 class QuizEval(SingleTurnEnvironment):
@@ -82,10 +72,11 @@ def setup(tok, gate=None, number_of_steps=5, **overrides):
     )
     servers = [GatedServer("s0", tok), GatedServer("s1", tok, gate)]
     trainer, store = TargetTrainer(), MergingStore()
-    orch = Orchestrator(cfg, [ToyEnv()], servers, trainer, store, tok, clock=FakeClock())
+    clock = FakeClock()
     loaded = [LoadedEval(cfg.evals[0], QuizEval(), 3, parse_pass_k(cfg.evals[0].pass_k))]
-    eval_servers = eval_server_names(cfg, list(orch.servers))
-    scheduler = attach_evals(orch, loaded, eval_servers)
+    scheduler = build_eval_schedule(cfg, loaded, [s.name for s in servers], tok, store, [], clock)
+    settings = OrchestratorSettings.from_config(cfg)
+    orch = Orchestrator(settings, [ToyEnv()], servers, trainer, store, tok, clock=clock, evals=scheduler)
     return orch, servers, trainer, store, scheduler
 
 
