@@ -15,7 +15,9 @@ TIMING = StepTiming(waiting_for_data=1.0, train_step=2.0, weight_sync=0.5, step_
 
 
 def test_timing_throughput_versions_and_trainer_metrics():
-    m = step_metrics(ROWS, {"grad_norm": 3}, TIMING, completion_tokens=40, async_level=1, version=5, events=[])
+    m = step_metrics(
+        ROWS, {"grad_norm": 3}, TIMING, completion_tokens=40, async_level=1, version=5, events=[]
+    )
     assert m["timing_waiting_for_data"] == 1.0 and m["timing_train_step"] == 2.0
     assert m["timing_weight_sync_total"] == 0.5 and m["timing_step_total"] == 4.0
     assert m["tokens_per_second"] == pytest.approx(10.0)
