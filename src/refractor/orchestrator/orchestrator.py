@@ -108,9 +108,8 @@ class Orchestrator:
         self.stall_watch = ZeroAdvantageWatch(4 * settings.prompts_batch_size_for_trainer)
         # deterministic_rollouts has its own dispatch limit
         self.cap_dispatch = settings.dispatch_only_needed_groups and not settings.deterministic_rollouts
-        self.keep_rate = (
-            1.0  # moving average of the fraction of finished groups kept (sizes the dispatch cap)
-        )
+        # moving average of the fraction of finished groups kept (sizes the dispatch cap)
+        self.keep_rate = 1.0
         self.ckpt_gate: CheckpointGate[Batch] = CheckpointGate(
             CheckpointSchedule(settings.checkpoint_every, settings.number_of_steps)
         )
@@ -138,7 +137,8 @@ class Orchestrator:
     async def run(self) -> None:
         """Train ``number_of_steps`` steps (from the loaded state), then cancel what is still running."""
         loop = asyncio.get_running_loop()
-        self._wake, self._failure = asyncio.Event(), loop.create_future()
+        self._wake = asyncio.Event()
+        self._failure = loop.create_future()
         if self.evals is not None:
             await self.evals.before_training(self)  # the baseline eval, before any rollout
         self._event("training_loop_start")
