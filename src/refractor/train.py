@@ -115,14 +115,16 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
     """Run a whole training job; returns the run directory. Raises RunSetupError for user mistakes."""
     import ray
 
-    from refractor.orchestrator import Orchestrator
-    from refractor.orchestrator.evals import attach_evals, eval_server_names
+    from refractor.orchestrator import Orchestrator, OrchestratorSettings
+    from refractor.orchestrator.eval_schedule import build_eval_schedule, eval_server_names
     from refractor.runtime.cluster import RaySettings, cluster_has_gpus, init_ray, reserve
     from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
     from refractor.runtime.server_group import RayServerGroup, choose_engine
     from refractor.runtime.trainer_group import RayTrainerGroup
     from refractor.telemetry.console import ConsoleSink
+    from refractor.telemetry.server_metrics import ServerMetricsScraper
     from refractor.telemetry.store import RunStore
+    from refractor.telemetry.system import SystemMetricsLoop
 
     cfg, paths = prepare_run(cfg, overwrite=overwrite)
     envs = load_environments(cfg)
@@ -174,16 +176,22 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
         eval_servers = eval_server_names(cfg, [i.name for i in infos])
         trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
 
+        clients = _http_servers(infos, cfg)
+        telemetry = [
+            SystemMetricsLoop(store.log_system_metrics, cfg.system_metrics_collection_interval_seconds),
+            ServerMetricsScraper(clients, store.log_system_metrics, cfg.metrics_logger_interval_seconds),
+        ]
         orchestrator = Orchestrator(
-            cfg,
+            OrchestratorSettings.from_config(cfg),
             envs,
-            servers=_http_servers(infos, cfg),
+            servers=clients,
             trainer=trainers,
             store=store,
             tokenizer=tokenizer,
             sinks=sinks,
+            evals=build_eval_schedule(cfg, evals, [i.name for i in infos], tokenizer, store, sinks),
+            telemetry=telemetry,
         )
-        attach_evals(orchestrator, evals, eval_servers)  # before load_state_dict: the state holds eval ids
         if cfg.resume_from_checkpoint is not False:
             step = trainers.load_checkpoint(
                 cfg.resume_from_checkpoint if cfg.resume_from_checkpoint is not True else "latest"

@@ -1,5 +1,6 @@
-"""Test doubles for the orchestrator's *dependencies* (servers, trainer, clock) and two tiny real
-environments. The orchestrator itself is always the real one."""
+"""Test doubles for the orchestrator's *dependencies* (servers, trainer, clock, store) and two tiny
+real environments, imported by the tests of this folder as ``orch_fakes``. The orchestrator itself is
+always the real one."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ class FakeTrainer:
             self.on_step(step)
         return StepResult(step, {"kl_divergence_inference": 0.01 * step, "grad_norm": 1.0})
 
-    async def update_weights(self, version):
+    async def update_weights(self, version, target="full"):
         await asyncio.sleep(0)
         self.updates.append(version)
         self.log.append(f"update {version}")

@@ -3,16 +3,8 @@ a template that rewrites history falls back to re-rendering and marks the rollou
 
 import copy
 
-import pytest
-from transformers import AutoTokenizer
-
 from refractor.orchestrator.chat import ChatTokens
 from refractor.records import Rollout, Turn, append_turn_tokens, to_train_samples
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_qwen2_path):
-    return AutoTokenizer.from_pretrained(tiny_qwen2_path)
 
 
 def test_interleaved_prompt_equals_full_render_with_or_without_eos(tok):

@@ -11,20 +11,14 @@ import random
 import pytest
 from orch_fakes import FakeClock, FakeServer, FakeTrainer, MemoryStore, ToyChatEnv, ToyEnv, make_config
 from pydantic import ValidationError
-from transformers import AutoTokenizer
 
 from refractor.algorithms.advantages import is_zero_advantage_group
 from refractor.config import RefractorConfig
-from refractor.orchestrator import Orchestrator
+from refractor.orchestrator import Orchestrator, OrchestratorSettings
+from refractor.orchestrator.async_gate import StepCounters, VersionPins
 from refractor.orchestrator.batching import BatchAssembler
-from refractor.orchestrator.control import StepCounters, VersionPins
 from refractor.orchestrator.rollout import SerialServer, sampling_seed
 from refractor.records import Group, Rollout, RolloutStatus
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_qwen2_path):
-    return AutoTokenizer.from_pretrained(tiny_qwen2_path)
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -169,7 +163,7 @@ def run_det(tok, cfg, timing_seed, state=None, envs=None):
     ]
     trainer, store = FakeTrainer(), MemoryStore()
     orch = Orchestrator(
-        cfg,
+        OrchestratorSettings.from_config(cfg),
         envs or [ToyEnv(n=6), ToyChatEnv(n=5, max_turns=2)],
         servers,
         trainer,

@@ -14,14 +14,8 @@ from orch_fakes import (
     settle,
     wait_until,
 )
-from transformers import AutoTokenizer
 
-from refractor.orchestrator import Orchestrator
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_qwen2_path):
-    return AutoTokenizer.from_pretrained(tiny_qwen2_path)
+from refractor.orchestrator import Orchestrator, OrchestratorSettings
 
 
 def build(tok, cfg, envs=None, servers=None, trainer=None, manual=False, answer=None):
@@ -29,7 +23,9 @@ def build(tok, cfg, envs=None, servers=None, trainer=None, manual=False, answer=
     servers = servers or [FakeServer("s0", tok, manual=manual, answer=answer)]
     trainer = trainer or FakeTrainer()
     store = MemoryStore()
-    orch = Orchestrator(cfg, envs, servers, trainer, store, tok, clock=FakeClock())
+    orch = Orchestrator(
+        OrchestratorSettings.from_config(cfg), envs, servers, trainer, store, tok, clock=FakeClock()
+    )
     return orch, servers, trainer, store
 
 
@@ -301,7 +297,7 @@ def test_run_store_holds_every_rollout_and_the_dashboard_recomputes_the_same_met
     out = io.StringIO()
     trainer = FakeTrainer()
     orch = Orchestrator(
-        cfg,
+        OrchestratorSettings.from_config(cfg),
         [ToyEnv(), ToyChatEnv()],
         [FakeServer("s0", tok, answer=alternating, max_yields=20)],
         trainer,

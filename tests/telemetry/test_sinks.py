@@ -82,3 +82,13 @@ def test_wandb_offline_logs_metrics_and_rollout_table(tmp_path, monkeypatch):
     [table] = tmp_path.glob("wandb/offline-run-*/files/media/table/rollouts_0_*.table.json")
     data = json.loads(table.read_text())
     assert data["columns"][:3] == ["step", "group_id", "rollout_id"] and data["data"][0][:3] == [0, 3, 7]
+
+
+def test_every_sink_implements_the_step_sink_protocol():
+    from refractor.orchestrator.protocols import StepSink
+    from refractor.telemetry.wandb_sink import WandbSink
+
+    methods = [name for name in vars(StepSink) if not name.startswith("_")]
+    assert sorted(methods) == ["close", "log_eval", "log_step", "warn"]
+    for sink in (ConsoleSink, WandbSink):
+        assert all(callable(getattr(sink, name, None)) for name in methods), sink

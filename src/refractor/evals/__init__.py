@@ -7,7 +7,7 @@
 
 Built-ins: ``math500``, ``aime_2024``, ``aime_2025``, ``gpqa_diamond``. Running evals during
 training (baseline, every ``eval_every`` steps on dedicated servers, final) is the orchestrator's
-job: :mod:`refractor.orchestrator.evals`.
+job: :mod:`refractor.orchestrator.eval_schedule`.
 """
 
 from refractor.evals.base import DatasetEval, Eval

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refractor.orchestrator.control import StepCounters, VersionPins, within_async_limit
+from refractor.orchestrator.async_gate import StepCounters, VersionPins, within_async_limit
 from refractor.records import DiscardReason, Group, PromptRef, Rollout, RolloutStatus
 
 

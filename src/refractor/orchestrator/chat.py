@@ -89,3 +89,8 @@ class ChatTokens:
                 overlap = k
                 break
         return [*running_ids, *suffix[overlap:], *delta]
+
+
+def run_chat_tokens(tokenizer: Any, enable_thinking: bool) -> ChatTokens:
+    """The renderer a run uses for training and eval prompts (``enable_thinking`` goes to the template)."""
+    return ChatTokens(tokenizer, {"enable_thinking": True} if enable_thinking else None)

@@ -8,7 +8,9 @@ the weight update, cancels stale rollouts, saves checkpoints). One task per runn
 
 Dependencies are injected so they can be Ray actors, HTTP clients or test fakes:
 ``servers`` (``name`` + ``async generate``), ``trainer`` (:class:`Trainer`), ``store``
-(:class:`refractor.telemetry.store.RunStore`-like), ``sinks`` (console, W&B), ``clock``.
+(:class:`refractor.telemetry.store.RunStore`-like), ``sinks`` (console, W&B), ``clock``,
+``evals`` (:class:`EvalScheduler`, which sees the orchestrator as its :class:`EvalHost`) and
+``telemetry`` (periodic collectors run alongside training).
 """
 
 from __future__ import annotations
@@ -18,19 +20,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
-from refractor.algorithms.advantages import (
-    AdvantageSettings,
-    is_zero_advantage_group,
-    normalize_batch_advantages,
-    score_group,
-)
-from refractor.algorithms.filters import FilterSettings, filter_metrics, sample_filter_flags, without_loss
+from refractor.algorithms.advantages import is_zero_advantage_group, score_group
 from refractor.envs.base import Environment
-from refractor.orchestrator.batching import Batch, BatchAssembler
-from refractor.orchestrator.chat import ChatTokens
-from refractor.orchestrator.control import (
+from refractor.inference.weight_transfer.sender import FULL
+from refractor.orchestrator.async_gate import (
     CheckpointGate,
     CheckpointSchedule,
     GeneratingRollout,
@@ -39,71 +34,34 @@ from refractor.orchestrator.control import (
     off_policy_groups,
     within_async_limit,
 )
+from refractor.orchestrator.batching import Batch, BatchAssembler
+from refractor.orchestrator.chat import run_chat_tokens
+from refractor.orchestrator.eval_schedule import EvalScheduler
 from refractor.orchestrator.inflight import InFlightGroup
 from refractor.orchestrator.lanes import LaneManager
 from refractor.orchestrator.prompts import PromptPrefetcher, PromptStream
+from refractor.orchestrator.protocols import StepSink, TelemetryLoop, Trainer
 from refractor.orchestrator.rollout import (
     InferenceServer,
     PreparedPrompt,
-    RolloutSettings,
     SampleHooks,
     SerialServer,
     prepare_prompt,
     run_rollout,
 )
+from refractor.orchestrator.settings import OrchestratorSettings
 from refractor.orchestrator.stall import ZeroAdvantageWatch
-from refractor.records import (
-    DiscardReason,
-    Group,
-    PromptRef,
-    Rollout,
-    RolloutStatus,
-    StepResult,
-    TimelineEvent,
-    TrainSample,
-    to_train_samples,
-)
-from refractor.telemetry.metrics import RolloutSummary, rollout_step_metrics
-from refractor.telemetry.server_metrics import ServerMetricsScraper
-from refractor.telemetry.system import SystemSampler
+from refractor.orchestrator.train_batch import summarize, train_samples
+from refractor.records import DiscardReason, Group, PromptRef, Rollout, RolloutStatus, TimelineEvent
+from refractor.telemetry.step_metrics import StepTiming, step_metrics
 
 log = logging.getLogger("refractor.orchestrator")
-
-
-class Trainer(Protocol):
-    async def train_step(self, step: int, samples: list[TrainSample]) -> StepResult: ...
-
-    async def update_weights(self, version: int) -> list[TimelineEvent] | None:
-        """Send the weights after ``version`` steps to every training server; return when all hold them."""
-
-    async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None: ...
-
-
-class StepSink(Protocol):
-    def log_step(self, step: int, metrics: dict[str, float], rollouts: list[Rollout]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def summarize(r: Rollout) -> RolloutSummary:
-    return RolloutSummary(
-        r.group_id,
-        str(r.status),
-        r.reason,
-        r.reward,
-        r.advantage,
-        len(r.prompt_ids),
-        r.num_completion_tokens,
-        r.stop_reason,
-        r.off_policy_steps,
-        dict(r.sample_metrics),
-    )
 
 
 class Orchestrator:
     def __init__(
         self,
-        cfg: Any,
+        settings: OrchestratorSettings,
         envs: Sequence[Environment],
         servers: Sequence[InferenceServer],
         trainer: Trainer,
@@ -111,73 +69,56 @@ class Orchestrator:
         tokenizer: Any,
         sinks: Sequence[StepSink] = (),
         clock: Callable[[], float] = time.time,
+        evals: EvalScheduler | None = None,
+        telemetry: Sequence[TelemetryLoop] = (),
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.envs = {e.name: e for e in envs}
         if len(self.envs) != len(envs):
             raise ValueError(f"environment names must be unique, got {[e.name for e in envs]}")
-        self.servers = {s.name: SerialServer(s) if cfg.serialize_generation else s for s in servers}
+        self.servers = {s.name: SerialServer(s) if settings.serialize_generation else s for s in servers}
         if not self.servers:
             raise ValueError("the orchestrator needs at least one inference server")
-        self.trainer, self.store, self.sinks, self.clock = trainer, store, list(sinks), clock
-        scraped = [
-            s for s in servers if hasattr(s, "metrics")
-        ]  # real clients (fakes in unit tests have none)
-        self.server_metrics = (
-            ServerMetricsScraper(
-                scraped, store.log_system_metrics, cfg.metrics_logger_interval_seconds, clock
-            )
-            if scraped
-            else None
-        )
-        self.evals: Any = None  # EvalScheduler, set by refractor.orchestrator.evals.attach_evals
-        self.individual = cfg.enable_individual_sample_lanes
-        self.free_after_generation = cfg.free_lane_after_generation and self.individual
-        self.group_size = cfg.group_size
-        self.number_of_steps = cfg.number_of_steps
-        self.lanes = LaneManager(list(self.servers), cfg.max_concurrent_prompts_per_server * cfg.group_size)
+        self.trainer = trainer
+        self.store = store
+        self.sinks = list(sinks)
+        self.clock = clock
+        self.evals = evals
+        self.telemetry = list(telemetry)
+        self.individual = settings.individual_sample_lanes
+        self.free_after_generation = settings.free_lane_after_generation and self.individual
+        self.group_size = settings.group_size
+        self.number_of_steps = settings.number_of_steps
+        self.lanes = LaneManager(list(self.servers), settings.lanes_per_server)
         self.counters = StepCounters()
         self.pins = (
-            VersionPins(cfg.max_async_rollout, cfg.checkpoint_every, cfg.number_of_steps)
-            if cfg.deterministic_rollouts
+            VersionPins(settings.max_async_rollout, settings.checkpoint_every, settings.number_of_steps)
+            if settings.deterministic_rollouts
             else None
         )
         self.assembler = BatchAssembler(
-            cfg.prompts_batch_size_for_trainer,
-            cfg.max_async_rollout,
-            cfg.discard_group_zero_advantage,
+            settings.prompts_batch_size_for_trainer,
+            settings.max_async_rollout,
+            settings.discard_group_zero_advantage,
             is_zero_advantage_group,
-            cfg.number_of_steps,
+            settings.number_of_steps,
             self.pins,
         )
-        self.stall_watch = ZeroAdvantageWatch(4 * cfg.prompts_batch_size_for_trainer)
-        self.cap_dispatch = (
-            cfg.dispatch_only_needed_groups and not cfg.deterministic_rollouts
-        )  # that mode has its own
-        self.keep_rate = (
-            1.0  # moving average of the fraction of finished groups kept (sizes the dispatch cap)
-        )
+        self.stall_watch = ZeroAdvantageWatch(4 * settings.prompts_batch_size_for_trainer)
+        # deterministic_rollouts has its own dispatch limit
+        self.cap_dispatch = settings.dispatch_only_needed_groups and not settings.deterministic_rollouts
+        # moving average of the fraction of finished groups kept (sizes the dispatch cap)
+        self.keep_rate = 1.0
         self.ckpt_gate: CheckpointGate[Batch] = CheckpointGate(
-            CheckpointSchedule(cfg.checkpoint_every, cfg.number_of_steps)
+            CheckpointSchedule(settings.checkpoint_every, settings.number_of_steps)
         )
-        self.adv_settings = AdvantageSettings.from_config(cfg)
-        self.filter_settings = FilterSettings.from_config(cfg)
-        self.reward_ranges = {e.name: (e.reward_min, e.reward_max) for e in cfg.environments}
-        self.chat = ChatTokens(tokenizer, {"enable_thinking": True} if cfg.enable_thinking else None)
-        self.rollout_settings = RolloutSettings(
-            max_tokens=cfg.max_tokens,
-            max_model_len=cfg.max_model_len,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            interleaved=cfg.interleaved_rollouts,
-            reward_timeout_s=cfg.reward_timeout_s,
-            eos_token=tokenizer.eos_token or "",
-            seed=cfg.seed if cfg.deterministic_rollouts else None,
+        self.chat = run_chat_tokens(tokenizer, settings.enable_thinking)
+        self.rollout_settings = replace(settings.rollout, eos_token=tokenizer.eos_token or "")
+        weights = {name: w for name, w in settings.env_weights.items() if name in self.envs}
+        self.stream = PromptStream({n: len(e) for n, e in self.envs.items()}, weights, seed=settings.seed)
+        self.prompts: PromptPrefetcher[PreparedPrompt] = PromptPrefetcher(
+            self.stream, self._prepare, settings.prompt_prefetch_buffer_size
         )
-        weights = {e.name: e.weight for e in cfg.environments if e.name in self.envs}
-        self.stream = PromptStream({n: len(e) for n, e in self.envs.items()}, weights, seed=cfg.seed)
-        buffer = cfg.prompt_prefetch_buffer_size if cfg.enable_prompt_prefetch else 0
-        self.prompts: PromptPrefetcher[PreparedPrompt] = PromptPrefetcher(self.stream, self._prepare, buffer)
         self.in_flight: dict[int, InFlightGroup] = {}
         self.generating: set[int] = set()
         self.train_queue: asyncio.Queue[tuple[int, Batch]] = asyncio.Queue()
@@ -195,17 +136,16 @@ class Orchestrator:
     async def run(self) -> None:
         """Train ``number_of_steps`` steps (from the loaded state), then cancel what is still running."""
         loop = asyncio.get_running_loop()
-        self._wake, self._failure = asyncio.Event(), loop.create_future()
+        self._wake = asyncio.Event()
+        self._failure = loop.create_future()
         if self.evals is not None:
-            await self.evals.before_training()  # the baseline eval, before any rollout
+            await self.evals.before_training(self)  # the baseline eval, before any rollout
         self._event("training_loop_start")
         self.prompts.refill()
         self._wake.set()
         dispatch = asyncio.create_task(self._dispatch_loop(), name="refractor-dispatch")
         train = asyncio.create_task(self._train_loop(), name="refractor-train")
-        telemetry = [asyncio.create_task(self._system_metrics_loop(), name="refractor-system-metrics")]
-        if self.server_metrics is not None:
-            telemetry.append(asyncio.create_task(self.server_metrics.run(), name="refractor-server-metrics"))
+        telemetry = [asyncio.create_task(t.run(), name="refractor-telemetry") for t in self.telemetry]
         completed = False
         try:
             done, _ = await asyncio.wait(
@@ -222,7 +162,7 @@ class Orchestrator:
             await self._cancel_all(DiscardReason.SHUTDOWN)
             self.prompts.close()
             if self.evals is not None:  # a running step eval ends (or is cancelled); then the final eval
-                await self.evals.after_training(completed)
+                await self.evals.after_training(self, completed)
             for sink in self.sinks:
                 sink.close()
 
@@ -243,7 +183,8 @@ class Orchestrator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counters.load_state_dict(state["counters"])
-        self.next_group_id, self.next_rollout_id = int(state["next_group_id"]), int(state["next_rollout_id"])
+        self.next_group_id = int(state["next_group_id"])
+        self.next_rollout_id = int(state["next_rollout_id"])
         self.prompts.load_state_dict(state["prompts"])
         if self.evals is not None and state.get("evals"):
             self.evals.load_state_dict(state["evals"])
@@ -278,7 +219,7 @@ class Orchestrator:
         if self._stopping or self.ckpt_gate.paused or self.counters.inference_step >= self.number_of_steps:
             return False
         if self.pins is None:
-            allowed = within_async_limit(self.counters, self.cfg.max_async_rollout)
+            allowed = within_async_limit(self.counters, self.settings.max_async_rollout)
         else:  # the pinned version is loaded, and at most a batch of finished groups waits on a slower earlier one
             allowed = (
                 self.pins.may_dispatch(self.counters)
@@ -294,11 +235,11 @@ class Orchestrator:
         in flight; divided by the recent keep rate so that expected discards are replaced ahead of time."""
         c = self.counters
         open_batches = (
-            min(c.loaded_version + self.cfg.max_async_rollout, self.number_of_steps - 1)
+            min(c.loaded_version + self.settings.max_async_rollout, self.number_of_steps - 1)
             - c.inference_step
             + 1
         )
-        missing = open_batches * self.cfg.prompts_batch_size_for_trainer - len(self.assembler.bucket)
+        missing = open_batches * self.settings.prompts_batch_size_for_trainer - len(self.assembler.bucket)
         return missing / max(self.keep_rate, 0.1) - len(self.in_flight)
 
     async def _dispatch(self) -> None:
@@ -419,11 +360,11 @@ class Orchestrator:
         for i in list(ig.lanes):
             self._release(ig, i)
         if all(r.status == RolloutStatus.IN_FLIGHT for r in group.rollouts):
-            lo, hi = self.reward_ranges.get(group.env_name, (None, None))
+            lo, hi = self.settings.reward_ranges.get(group.env_name, (None, None))
             scores = score_group(
                 group.rewards,
                 [r.num_completion_tokens for r in group.rollouts],
-                self.adv_settings,
+                self.settings.advantages,
                 reward_min=lo,
                 reward_max=hi,
             )
@@ -497,12 +438,31 @@ class Orchestrator:
             for r in ig.group.rollouts
             if r.rollout_id in self.generating and r.first_start_version is not None
         ]
-        stale = off_policy_groups(generating, version, self.cfg.max_off_policy_steps)
+        stale = off_policy_groups(generating, version, self.settings.max_off_policy_steps)
         for gid in stale:
             self._cancel_group(self.in_flight[gid], DiscardReason.OFF_POLICY)
             self._event("rollout_cancelled_off_policy", group_id=gid)
         self.wake()
         return stale
+
+    # ------------------------------------------------------------------ the EvalHost of the eval schedule
+    def drain_servers(self, names: Sequence[str], reason: str) -> None:
+        """Take ``names`` out of training: cancel their groups with ``reason``, hold all their lanes."""
+        for ig in [ig for ig in self.in_flight.values() if ig.server in names]:
+            self._cancel_group(ig, reason)
+        for server in names:
+            while self.lanes.acquire(server, ("eval", server)) is not None:
+                pass
+
+    def release_servers(self, names: Sequence[str]) -> None:
+        """Give the lanes held by :meth:`drain_servers` back to training."""
+        for server in names:
+            for lane in self.lanes.held_on(server):
+                self.lanes.release(server, lane, ("eval", server))
+        self.wake()
+
+    async def push_weights(self, version: int, target: str) -> None:
+        await self.trainer.update_weights(version, target=target)
 
     # ------------------------------------------------------------------ training
     async def _train_loop(self) -> None:
@@ -518,54 +478,45 @@ class Orchestrator:
                     self.train_queue.put_nowait(item)
             self.wake()
 
-    def train_samples(self, batch: Batch) -> tuple[list[TrainSample], dict[str, float]]:
-        """Kept rollouts -> trainer samples: batch-level advantage normalization, then output filters."""
-        rollouts = batch.rollouts
-        advantages = normalize_batch_advantages([r.advantage for r in rollouts], self.adv_settings)
-        samples, flags = [], []
-        for r, adv in zip(rollouts, advantages, strict=True):
-            for s in to_train_samples(r):
-                f = sample_filter_flags(s, r.completion_text, r.is_truncated, self.filter_settings)
-                flags.append(f)
-                s = replace(s, advantage=adv)
-                samples.append(without_loss(s) if f.any else s)
-        return samples, filter_metrics(flags, self.filter_settings)
-
     async def _train_one(self, step: int, batch: Batch, waited: float) -> None:
         t0 = self.clock()
-        samples, metrics = self.train_samples(batch)
+        samples, filtered = train_samples(batch.rollouts, self.settings.advantages, self.settings.filters)
         result = await self.trainer.train_step(step, samples)
         t1 = self.clock()
         events = list(result.timeline)
-        held = await self._hold_weights(step + 1)
-        events += await self.trainer.update_weights(step + 1) or []
+        version = step + 1
+        held = await self._hold_weights(version)
+        events += await self._update_weights(version)
         t2 = self.clock()
-        self.counters.trainer_step = step + 1
-        self.on_weights_updated(step + 1)
-        self._event("weight_update", step=step, version=step + 1)
-        rows = [summarize(r) for r in batch.rollouts + batch.discarded_rollouts + batch.cancelled_rollouts]
-        metrics |= rollout_step_metrics(rows)
-        metrics |= {k: float(v) for k, v in result.metrics.items()}
-        step_total = t2 - (self._last_step_end if self._last_step_end is not None else t0 - waited)
-        tokens = sum(r.num_completion_tokens for r in batch.rollouts)
-        metrics |= {
-            "timing_waiting_for_data": waited,
-            "timing_train_step": t1 - t0,
-            "timing_weight_sync_total": t2 - t1 - held,
-            "timing_step_total": step_total,
-            "tokens_per_second": tokens / step_total if step_total > 0 else 0.0,
-            "async_level": float(self.counters.async_level()),
-            "policy_version": float(step + 1),
-        }
-        for e in events:  # the trainer side's own account of the sync (reference §8 names)
-            if e.name == "weight_sync" and "trainer_seconds" in e.attrs:
-                metrics["timing_weight_sync_trainer_total"] = float(e.attrs["trainer_seconds"])
-                metrics["timing_weight_sync_inference_total"] = float(e.attrs["paused_seconds"])
+        self.counters.trainer_step = version
+        self.on_weights_updated(version)
+        self._event("weight_update", step=step, version=version)
+        previous_end = self._last_step_end if self._last_step_end is not None else t0 - waited
+        timing = StepTiming(waited, t1 - t0, t2 - t1 - held, t2 - previous_end)
+        metrics = filtered | step_metrics(
+            [summarize(r) for r in batch.rollouts + batch.discarded_rollouts + batch.cancelled_rollouts],
+            result.metrics,
+            timing,
+            sum(r.num_completion_tokens for r in batch.rollouts),
+            self.counters.async_level(),
+            version,
+            events,
+        )
         self._last_step_end = t2
         self.store.log_step_metrics(step, metrics, timestamp=t2)
         self.store.log_events(events, step=step)
         for sink in self.sinks:
             sink.log_step(step, metrics, batch.rollouts)
+
+    async def _update_weights(self, version: int) -> list[TimelineEvent]:
+        """Order the update to ``version``; the eval schedule picks its target (and drains or rejoins
+        its servers around it)."""
+        if self.evals is None:
+            return await self.trainer.update_weights(version, target=FULL) or []
+        target = await self.evals.update_target(self, version)
+        events = await self.trainer.update_weights(version, target=target) or []
+        self.evals.after_update(self, version, target)
+        return events
 
     async def _hold_weights(self, version: int) -> float:
         """deterministic_rollouts: wait until no batch being filled needs older weights; the seconds held."""
@@ -578,18 +529,11 @@ class Orchestrator:
         return self.clock() - start
 
     # ------------------------------------------------------------------ telemetry
-    async def _system_metrics_loop(self) -> None:
-        sampler = SystemSampler()
-        while True:
-            await asyncio.sleep(self.cfg.system_metrics_collection_interval_seconds)
-            metrics = sampler.sample()
-            if metrics:
-                self.store.log_system_metrics("driver", metrics, timestamp=self.clock())
-
     def _warn(self, message: str, event: str, **attrs: Any) -> None:
         self._event(event, message=message, **attrs)
-        shown = [sink.warn(message) for sink in self.sinks if hasattr(sink, "warn")]
-        if not shown:
+        for sink in self.sinks:
+            sink.warn(message)
+        if not self.sinks:
             log.warning(message)
 
     def _event(self, name: str, **attrs: Any) -> None:

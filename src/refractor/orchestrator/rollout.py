@@ -26,6 +26,7 @@ from refractor.orchestrator.chat import ChatTokens
 from refractor.records import (
     DiscardReason,
     Rollout,
+    RolloutState,
     RolloutStatus,
     Sample,
     ToolCall,
@@ -143,6 +144,19 @@ class RolloutSettings:
     eos_token: str = ""
     seed: int | None = None  # run seed; set: every request carries its sampling_seed()
 
+    @classmethod
+    def from_config(cls, cfg: Any, eos_token: str) -> RolloutSettings:
+        return cls(
+            max_tokens=cfg.max_tokens,
+            max_model_len=cfg.max_model_len,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            interleaved=cfg.interleaved_rollouts,
+            reward_timeout_s=cfg.reward_timeout_s,
+            eos_token=eos_token,
+            seed=cfg.seed if cfg.deterministic_rollouts else None,
+        )
+
 
 @dataclass
 class SampleHooks:
@@ -164,14 +178,12 @@ async def run_rollout(
     hooks: SampleHooks,
 ) -> Rollout:
     """Generate every turn, then score. Fills ``rollout`` in place; never raises for user errors."""
-    rollout.prompt_text, rollout.system_prompt = prompt.prompt_text, prompt.system_prompt
+    rollout.prompt_text = prompt.prompt_text
+    rollout.system_prompt = prompt.system_prompt
     state = env.create_initial_state(prompt.sample)
-    messages, prompt_ids = list(prompt.messages), list(prompt.prompt_ids)
     hooks.generating.add(rollout.rollout_id)
     try:
-        await _generate_turns(
-            rollout, state, messages, prompt_ids, env, server, chat, settings, hooks, prompt.ordinal
-        )
+        await _generate_turns(SampleRun(rollout, prompt, state, env, server, chat, settings, hooks))
     finally:
         hooks.generating.discard(rollout.rollout_id)
         rollout.generation_end_time = hooks.clock()
@@ -195,9 +207,30 @@ async def run_rollout(
     return rollout
 
 
-async def _generate_turns(
-    rollout, state, messages, prompt_ids, env, server, chat, settings, hooks, ordinal
-) -> None:
+@dataclass
+class SampleRun:
+    """Everything the turns of one sample share."""
+
+    rollout: Rollout
+    prompt: PreparedPrompt
+    state: RolloutState
+    env: Environment
+    server: InferenceServer
+    chat: ChatTokens
+    settings: RolloutSettings
+    hooks: SampleHooks
+
+
+async def _generate_turns(run: SampleRun) -> None:
+    rollout = run.rollout
+    state = run.state
+    env = run.env
+    server = run.server
+    chat = run.chat
+    settings = run.settings
+    hooks = run.hooks
+    messages = list(run.prompt.messages)
+    prompt_ids = list(run.prompt.prompt_ids)
     base = Sampling(
         max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p or 1.0
     )
@@ -228,7 +261,7 @@ async def _generate_turns(
             seed = (
                 None
                 if settings.seed is None
-                else sampling_seed(settings.seed, ordinal, rollout.sample_idx, index)
+                else sampling_seed(settings.seed, run.prompt.ordinal, rollout.sample_idx, index)
             )
             result = await server.generate(
                 prompt_ids, replace(base, max_tokens=budget, seed=seed), priority=-index

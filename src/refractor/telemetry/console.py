@@ -1,6 +1,7 @@
 """Console progress: a rich progress bar (step, reward, KL, tokens/s, ETA), or plain log lines.
 
-A step sink: the orchestrator calls ``log_step(step, metrics, rollouts)`` after every step and
+A step sink: the orchestrator calls ``log_step(step, metrics, rollouts)`` after every step,
+``log_eval(step, metrics)`` after every eval, ``warn(message)`` for run-level warnings and
 ``close()`` at the end. ``quiet=True`` (or a non-terminal output) prints one line per step instead.
 """
 

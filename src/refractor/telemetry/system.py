@@ -1,49 +1,71 @@
-"""Driver-node system metrics from /proc (reference §8.5 names): CPU utilization between two
-samples, and memory. Linux only; elsewhere ``sample()`` returns an empty dict."""
+"""Driver-node system metrics (reference §8.5 names), read with psutil: CPU utilization between two
+samples, and memory. :class:`SystemMetricsLoop` stores a sample every interval with source ``driver``."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+GB = 1024**3
 
 
-def _cpu_times(proc: Path) -> tuple[int, int] | None:
-    try:
-        fields = (proc / "stat").read_text().splitlines()[0].split()[1:]
-    except (OSError, IndexError):
-        return None
-    values = [int(v) for v in fields]
-    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-    return sum(values), idle
-
-
-def _meminfo(proc: Path) -> dict[str, int]:
-    out = {}
-    try:
-        for line in (proc / "meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            out[key] = int(rest.split()[0]) * 1024  # kB -> bytes
-    except (OSError, ValueError, IndexError):
-        return {}
-    return out
+def _busy_and_total(times: Any) -> tuple[float, float]:
+    """CPU seconds (all cores) spent busy and in total; idle counts I/O wait too."""
+    total = float(sum(times))
+    idle = times.idle + getattr(times, "iowait", 0.0)
+    return total - idle, total
 
 
 class SystemSampler:
-    def __init__(self, proc: str | Path = "/proc") -> None:
-        self.proc = Path(proc)
-        self._last = _cpu_times(self.proc)
+    """``cpu_times`` and ``virtual_memory`` are psutil's functions (tests pass stand-ins)."""
+
+    def __init__(
+        self,
+        cpu_times: Callable[[], Any] = psutil.cpu_times,
+        virtual_memory: Callable[[], Any] = psutil.virtual_memory,
+    ) -> None:
+        self.cpu_times = cpu_times
+        self.virtual_memory = virtual_memory
+        self._last = _busy_and_total(cpu_times())
 
     def sample(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        now = _cpu_times(self.proc)
-        if now is not None and self._last is not None and now[0] > self._last[0]:
-            total, idle = now[0] - self._last[0], now[1] - self._last[1]
-            out["cpu_utilization_percent"] = 100.0 * (total - idle) / total
+        now = _busy_and_total(self.cpu_times())
+        total = now[1] - self._last[1]
+        if total > 0:
+            out["cpu_utilization_percent"] = 100.0 * (now[0] - self._last[0]) / total
         self._last = now
-        mem = _meminfo(self.proc)
-        if "MemTotal" in mem and "MemAvailable" in mem:
-            gb = 1024**3
-            used = mem["MemTotal"] - mem["MemAvailable"]
-            out["system_memory_used_gb"] = used / gb
-            out["system_memory_available_gb"] = mem["MemAvailable"] / gb
-            out["system_memory_percent"] = 100.0 * used / mem["MemTotal"]
+        mem = self.virtual_memory()
+        used = mem.total - mem.available  # what the machine cannot hand out (not psutil's narrower `used`)
+        out["system_memory_used_gb"] = used / GB
+        out["system_memory_available_gb"] = mem.available / GB
+        out["system_memory_percent"] = 100.0 * used / mem.total
         return out
+
+
+class SystemMetricsLoop:
+    """Every ``interval_s``, one sample handed to ``log_metrics(source, metrics, timestamp)``."""
+
+    def __init__(
+        self,
+        log_metrics: Callable[[str, dict[str, float], float], None],
+        interval_s: float,
+        clock: Callable[[], float] = time.time,
+        sampler: SystemSampler | None = None,
+    ) -> None:
+        self.log_metrics = log_metrics
+        self.interval_s = interval_s
+        self.clock = clock
+        self.sampler = sampler
+
+    async def run(self) -> None:
+        sampler = self.sampler or SystemSampler()  # the first CPU reading starts with the loop
+        while True:
+            await asyncio.sleep(self.interval_s)
+            metrics = sampler.sample()
+            if metrics:
+                self.log_metrics("driver", metrics, self.clock())

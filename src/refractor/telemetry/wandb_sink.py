@@ -103,6 +103,9 @@ class WandbSink:
             self._eval_axis = True
         self.run.log({**metrics, "eval/step": step}, commit=False)
 
+    def warn(self, message: str) -> None:
+        """Run-level warnings reach W&B through the console output it records."""
+
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()

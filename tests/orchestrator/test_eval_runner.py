@@ -5,23 +5,19 @@ recorded as a failed completion, raw vs chat-templated prompts, and a multi-turn
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
+from orch_fakes import ToyChatEnv
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "orchestrator"))
-from orch_fakes import ToyChatEnv  # noqa: E402
-
-from refractor.config.schema import EvalEntry  # noqa: E402
-from refractor.evals import Eval, aggregate, parse_pass_k  # noqa: E402
-from refractor.inference.client import InferenceClient  # noqa: E402
-from refractor.inference.server import start_native_server  # noqa: E402
-from refractor.orchestrator.chat import ChatTokens  # noqa: E402
-from refractor.orchestrator.eval_runner import EvalIds, EvalRunner, LoadedEval, build_task  # noqa: E402
-from refractor.orchestrator.rollout import RolloutSettings  # noqa: E402
-from refractor.records import EvalMetricsResult, Sample  # noqa: E402
+from refractor.config.schema import EvalEntry
+from refractor.evals import Eval, aggregate, parse_pass_k
+from refractor.inference.client import InferenceClient
+from refractor.inference.server import start_native_server
+from refractor.orchestrator.chat import ChatTokens
+from refractor.orchestrator.eval_runner import EvalIds, EvalRunner, LoadedEval, build_task
+from refractor.orchestrator.rollout import RolloutSettings
+from refractor.records import EvalMetricsResult, Sample
 
 MAX_MODEL_LEN = 96
 

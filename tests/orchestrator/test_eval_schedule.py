@@ -1,30 +1,29 @@
-"""The real orchestrator with evals attached, driven by fake servers and a fake trainer (the same
-doubles as tests/orchestrator): baseline, step evals on a drained eval server with training_only
-updates while they run, rejoining, the final eval, resume, and separate_eval_samples."""
+"""The real orchestrator with its eval schedule, driven by fake servers and a fake trainer: baseline,
+step evals on a drained eval server with training_only updates while they run, rejoining, the final
+eval, resume, and separate_eval_samples; and the schedule alone behind a fake EvalHost."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from orch_fakes import FakeClock, FakeServer, FakeTrainer, MemoryStore, ToyEnv, make_config, wait_until
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "orchestrator"))
-from orch_fakes import FakeClock, FakeServer, FakeTrainer, MemoryStore, ToyEnv, make_config, wait_until  # noqa: E402
-
-from refractor.envs.base import SingleTurnEnvironment  # noqa: E402
-from refractor.evals.passk import parse_pass_k  # noqa: E402
-from refractor.orchestrator import Orchestrator  # noqa: E402
-from refractor.orchestrator.eval_runner import EVAL_ID_BASE, EvalSetupError, LoadedEval, load_evals  # noqa: E402
-from refractor.orchestrator.evals import EVAL_DRAIN, attach_evals, eval_server_names  # noqa: E402
-from refractor.records import EvalMetricsResult, RewardResult, Sample  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_qwen2_path):
-    return AutoTokenizer.from_pretrained(tiny_qwen2_path)
+from refractor.envs.base import SingleTurnEnvironment
+from refractor.evals.passk import parse_pass_k
+from refractor.inference.weight_transfer.sender import FULL, TRAINING_ONLY
+from refractor.orchestrator import Orchestrator, OrchestratorSettings
+from refractor.orchestrator.async_gate import StepCounters
+from refractor.orchestrator.eval_runner import (
+    EVAL_ID_BASE,
+    EvalPlan,
+    EvalSetupError,
+    EvalTask,
+    LoadedEval,
+    load_evals,
+)
+from refractor.orchestrator.eval_schedule import EVAL_DRAIN, EvalResults, EvalScheduler, build_eval_schedule
+from refractor.records import EvalMetricsResult, RewardResult, Sample
 
 
 class QuizEval(SingleTurnEnvironment):
@@ -82,10 +81,11 @@ def setup(tok, gate=None, number_of_steps=5, **overrides):
     )
     servers = [GatedServer("s0", tok), GatedServer("s1", tok, gate)]
     trainer, store = TargetTrainer(), MergingStore()
-    orch = Orchestrator(cfg, [ToyEnv()], servers, trainer, store, tok, clock=FakeClock())
+    clock = FakeClock()
     loaded = [LoadedEval(cfg.evals[0], QuizEval(), 3, parse_pass_k(cfg.evals[0].pass_k))]
-    eval_servers = eval_server_names(cfg, list(orch.servers))
-    scheduler = attach_evals(orch, loaded, eval_servers)
+    scheduler = build_eval_schedule(cfg, loaded, [s.name for s in servers], tok, store, [], clock)
+    settings = OrchestratorSettings.from_config(cfg)
+    orch = Orchestrator(settings, [ToyEnv()], servers, trainer, store, tok, clock=clock, evals=scheduler)
     return orch, servers, trainer, store, scheduler
 
 
@@ -218,3 +218,70 @@ def test_load_evals_holds_out_eval_prompts_by_content(caplog):
         load_evals(everything, {"target_copy": train})
     with pytest.raises(EvalSetupError, match="eval `nope` could not be loaded"):
         load_evals([EvalEntry(name="nope")], {})
+
+
+# ----------------------------------------------------------------------------- the schedule alone
+class FakeHost:
+    """The EvalHost seam: what the schedule orders, recorded."""
+
+    def __init__(self) -> None:
+        self.counters = StepCounters()
+        self.servers = {"s0": "server s0", "s1": "server s1"}
+        self.log: list[tuple] = []
+
+    def drain_servers(self, names, reason):
+        self.log.append(("drain", list(names), reason))
+
+    def release_servers(self, names):
+        self.log.append(("release", list(names)))
+
+    async def push_weights(self, version, target):
+        self.log.append(("push", version, target))
+
+
+class GatedRunner:
+    """Plans without ids; every execution waits for ``gate`` and returns no results."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.runs: list[tuple[int, list]] = []
+
+    def plan(self, tasks, step, ids):
+        return EvalPlan(step, list(tasks), [])
+
+    async def execute(self, plan, servers, version):
+        self.runs.append((version, servers))
+        await self.gate.wait()
+        return []
+
+
+def test_update_targets_drain_before_the_push_training_only_while_the_eval_runs_then_rejoin():
+    host = FakeHost()
+    runner = GatedRunner()
+    task = EvalTask("quiz", None, [], None, None, eval_every=2)  # type: ignore[arg-type]
+    results = EvalResults(MemoryStore(), [], FakeClock())
+    schedule = EvalScheduler([task], runner, results, ["s0", "s1"], ["s1"], False, False, True)
+
+    async def update(version):
+        target = await schedule.update_target(host, version)
+        schedule.after_update(host, version, target)
+        return target
+
+    async def main():
+        await schedule.before_training(host)
+        assert await update(1) == FULL and host.log == []
+        assert await update(2) == FULL  # due: the eval server is drained, then the eval starts on it
+        assert host.log == [("drain", ["s1"], EVAL_DRAIN)]
+        await asyncio.sleep(0)
+        assert runner.runs == [(2, ["server s1"])]
+        assert await update(3) == TRAINING_ONLY  # the eval server keeps the weights being evaluated
+        runner.gate.set()
+        await schedule.active
+        assert await update(4) == FULL  # due again: drained again, no rejoin in between
+        assert host.log[-1] == ("drain", ["s1"], EVAL_DRAIN) and schedule.eval_version == 4
+        await schedule.active
+        assert await update(5) == FULL
+        assert host.log[-1] == ("release", ["s1"])  # the eval servers rejoin with the newest weights
+        assert [entry[0] for entry in host.log] == ["drain", "drain", "release"]
+
+    asyncio.run(main())

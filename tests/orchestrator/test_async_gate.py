@@ -2,8 +2,7 @@
 
 import pytest
 
-from refractor.orchestrator.batching import BatchAssembler
-from refractor.orchestrator.control import (
+from refractor.orchestrator.async_gate import (
     CheckpointGate,
     CheckpointSchedule,
     GeneratingRollout,
@@ -11,6 +10,7 @@ from refractor.orchestrator.control import (
     off_policy_groups,
     within_async_limit,
 )
+from refractor.orchestrator.batching import BatchAssembler
 from refractor.orchestrator.lanes import LaneError, LaneManager
 from refractor.records import Group, Rollout, RolloutStatus
 

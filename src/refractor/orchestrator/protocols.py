@@ -1,0 +1,37 @@
+"""What the orchestrator needs from the parts it is given (Ray actors, HTTP clients or test fakes)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from refractor.records import Rollout, StepResult, TimelineEvent, TrainSample
+
+
+class Trainer(Protocol):
+    async def train_step(self, step: int, samples: list[TrainSample]) -> StepResult: ...
+
+    async def update_weights(self, version: int, target: str = "full") -> list[TimelineEvent] | None:
+        """Send the weights after ``version`` steps to the servers of ``target`` (``full``: every
+        server; ``training_only``: all but the eval servers); return when they all hold them."""
+
+    async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None: ...
+
+
+class StepSink(Protocol):
+    """A consumer of training progress (console, W&B)."""
+
+    def log_step(self, step: int, metrics: dict[str, float], rollouts: list[Rollout]) -> None: ...
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Eval metrics ``eval/<name>/<metric>`` of the reported eval step."""
+
+    def warn(self, message: str) -> None:
+        """A run-level warning (e.g. training starved)."""
+
+    def close(self) -> None: ...
+
+
+class TelemetryLoop(Protocol):
+    """A periodic collector (system metrics, server metrics) that runs while the orchestrator trains."""
+
+    async def run(self) -> None: ...
