@@ -39,7 +39,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from refractor.inference.weight_transfer.sender import TRAINING_ONLY
 from refractor.orchestrator.eval_runner import (
     EvalIds,
     EvalResult,
@@ -49,6 +48,7 @@ from refractor.orchestrator.eval_runner import (
     build_task,
 )
 from refractor.records import TimelineEvent
+from refractor.weight_sync import UpdateTarget
 
 log = logging.getLogger("refractor.evals")
 EVAL_DRAIN = "eval_drain"  # cancellation reason of training groups drained off the eval servers
@@ -245,7 +245,7 @@ class EvalTrainer:
             await s.active
             s.raise_if_failed()
         if s.active is not None:
-            events = await self.trainer.update_weights(version, target=TRAINING_ONLY)
+            events = await self.trainer.update_weights(version, target=UpdateTarget.TRAINING_ONLY)
         else:
             if due:
                 s.drain()  # before the push: no training request starts there with the new weights
