@@ -30,8 +30,8 @@ import httpx
 import torch
 
 from refractor.inference.vllm.launcher import free_port
-from refractor.inference.weight_transfer import ServerRef, WeightSender, iter_buckets
 from refractor.testing import QWEN25_05B_SHAPE, TinyModelSpec, build_tiny_model
+from refractor.weight_sync import ServerRef, WeightSender, WeightSyncSettings, iter_buckets
 
 SIZES = {
     "tiny": TinyModelSpec(),
@@ -55,7 +55,7 @@ def serve_native(model_dir: str, port: int, device: str, random_weights: bool) -
 
     from refractor.inference.engine import EngineConfig, LLMEngine
     from refractor.inference.engine.async_engine import AsyncLLMEngine
-    from refractor.inference.server import create_app  # mounts weight_transfer_router
+    from refractor.inference.server import create_app  # mounts the weight-update routes
     from refractor.models import build_model, read_hf_config
 
     config = EngineConfig(
@@ -133,11 +133,11 @@ def time_pushes(sender: WeightSender, named, bucket_bytes: int, repeats: int, ve
         result = sender.push(iter_buckets(named, bucket_bytes), version=version + i)
         if i:
             results.append(result)
-    best = min(results, key=lambda r: r.seconds)
+    best = min(results, key=lambda r: r.paused_seconds)
     (report,) = next(iter(best.reports.values()))
     return {
-        "push_s": best.seconds,
-        "median_push_s": statistics.median(r.seconds for r in results),
+        "push_s": best.paused_seconds,
+        "median_push_s": statistics.median(r.paused_seconds for r in results),
         "transfer_s": best.transfer_seconds,
         "load_s": report.load_us / 1e6,
         "buckets": best.stats.buckets,
@@ -197,7 +197,9 @@ def run_cpu(args) -> None:
                     ),
                 )
                 url, stop = server.url, server.stop
-            sender = WeightSender([ServerRef(f"{engine}-0", url)], init_timeout_s=120, timeout_s=300)
+            sender = WeightSender(
+                [ServerRef(f"{engine}-0", url)], WeightSyncSettings(init_timeout_s=120, timeout_s=300)
+            )
             try:
                 for bucket_mb in (int(b) for b in args.bucket_mb.split(",")):
                     r = time_pushes(sender, named, bucket_mb << 20, args.repeats, version)
@@ -246,7 +248,9 @@ def run_gpu(args) -> None:
             f"{sum(p.numel() for _, p in params) * 2 / 2**20:.0f} MiB in bf16"
         )
         sender = WeightSender(
-            [ServerRef("native-gpu1", url)], device=device, init_timeout_s=120, timeout_s=120
+            [ServerRef("native-gpu1", url)],
+            WeightSyncSettings(init_timeout_s=120, timeout_s=120),
+            device=device,
         )
         start = time.perf_counter()
         sender.init()
@@ -294,7 +298,7 @@ def run_gpu(args) -> None:
                     version=version,
                 )
                 version += 1
-                streamed.append(result.seconds)
+                streamed.append(result.paused_seconds)
             best_streamed = min(streamed)
             print(
                 row(

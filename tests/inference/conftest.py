@@ -38,10 +38,11 @@ def vllm_server(tiny_qwen2_path):
 
 @pytest.fixture(scope="session")
 def vllm_sender(vllm_server):
-    from refractor.inference.weight_transfer.control import ServerRef
-    from refractor.inference.weight_transfer.sender import WeightSender
+    from refractor.weight_sync import ServerRef, WeightSender, WeightSyncSettings
 
-    sender = WeightSender([ServerRef("vllm-0", vllm_server.url)], init_timeout_s=60, timeout_s=60)
+    sender = WeightSender(
+        [ServerRef("vllm-0", vllm_server.url)], WeightSyncSettings(init_timeout_s=60, timeout_s=60)
+    )
     yield sender
     sender.close()
 

@@ -16,7 +16,7 @@ from refractor.inference.vllm.launcher import (
     start_vllm_server,
     vllm_command,
 )
-from refractor.inference.weight_transfer.buckets import iter_buckets
+from refractor.weight_sync.buckets import iter_buckets
 
 
 def flag(argv: list[str], name: str) -> str | None:

@@ -4,6 +4,7 @@ reported, the canary catches corruption, and an in-flight request switches versi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -11,8 +12,8 @@ import httpx
 import pytest
 import torch
 
-from refractor.inference.weight_transfer.buckets import iter_buckets
-from refractor.inference.weight_transfer.sender import CanaryError
+from refractor.weight_sync.buckets import iter_buckets
+from refractor.weight_sync.sender import CanaryError
 
 pytestmark = pytest.mark.vllm
 PROMPT = list(range(3, 40))
@@ -122,7 +123,9 @@ def test_update_during_an_inflight_request(
     stale_kv_logprobs,
     monkeypatch,
 ):
-    monkeypatch.setattr(vllm_sender, "inflight_kv", inflight_kv)
+    monkeypatch.setattr(
+        vllm_sender, "settings", dataclasses.replace(vllm_sender.settings, inflight_kv=inflight_kv)
+    )
     first = 30 if inflight_kv == "recompute" else 40
     # Where the update lands is up to the scheduler: on a loaded machine the request can finish before
     # the push arrives. That is not a failure of the update, so such an attempt is repeated (3 at most).

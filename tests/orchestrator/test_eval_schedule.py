@@ -11,7 +11,6 @@ from orch_fakes import FakeClock, FakeServer, FakeTrainer, MemoryStore, ToyEnv, 
 
 from refractor.envs.base import SingleTurnEnvironment
 from refractor.evals.passk import parse_pass_k
-from refractor.inference.weight_transfer.sender import FULL, TRAINING_ONLY
 from refractor.orchestrator import Orchestrator, OrchestratorSettings
 from refractor.orchestrator.async_gate import StepCounters
 from refractor.orchestrator.eval_runner import (
@@ -24,6 +23,7 @@ from refractor.orchestrator.eval_runner import (
 )
 from refractor.orchestrator.eval_schedule import EVAL_DRAIN, EvalResults, EvalScheduler, build_eval_schedule
 from refractor.records import EvalMetricsResult, RewardResult, Sample
+from refractor.weight_sync import UpdateTarget
 
 
 class QuizEval(SingleTurnEnvironment):
@@ -269,18 +269,22 @@ def test_update_targets_drain_before_the_push_training_only_while_the_eval_runs_
 
     async def main():
         await schedule.before_training(host)
-        assert await update(1) == FULL and host.log == []
-        assert await update(2) == FULL  # due: the eval server is drained, then the eval starts on it
+        assert await update(1) == UpdateTarget.FULL and host.log == []
+        assert (
+            await update(2) == UpdateTarget.FULL
+        )  # due: the eval server is drained, then the eval starts on it
         assert host.log == [("drain", ["s1"], EVAL_DRAIN)]
         await asyncio.sleep(0)
         assert runner.runs == [(2, ["server s1"])]
-        assert await update(3) == TRAINING_ONLY  # the eval server keeps the weights being evaluated
+        assert (
+            await update(3) == UpdateTarget.TRAINING_ONLY
+        )  # the eval server keeps the weights being evaluated
         runner.gate.set()
         await schedule.active
-        assert await update(4) == FULL  # due again: drained again, no rejoin in between
+        assert await update(4) == UpdateTarget.FULL  # due again: drained again, no rejoin in between
         assert host.log[-1] == ("drain", ["s1"], EVAL_DRAIN) and schedule.eval_version == 4
         await schedule.active
-        assert await update(5) == FULL
+        assert await update(5) == UpdateTarget.FULL
         assert host.log[-1] == ("release", ["s1"])  # the eval servers rejoin with the newest weights
         assert [entry[0] for entry in host.log] == ["drain", "drain", "release"]
 

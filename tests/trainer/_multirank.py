@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from refractor.trainer import Trainer
-from refractor.trainer.weight_export import iter_weight_buckets
+from refractor.weight_sync.gather import iter_weight_buckets
 
 from ._helpers import full_params, make_cfg, make_samples, pack, quiet_env
 

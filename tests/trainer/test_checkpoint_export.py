@@ -168,6 +168,6 @@ def test_weight_buckets_concatenate_to_the_full_weights_one_bucket_at_a_time(tin
 
 
 def iter_buckets(trainer: Trainer, bucket_bytes: int):
-    from refractor.trainer.weight_export import iter_weight_buckets
+    from refractor.weight_sync.gather import iter_weight_buckets
 
     yield from iter_weight_buckets(trainer.model, bucket_bytes, torch.bfloat16)

@@ -2,9 +2,8 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/inference/v1/generate``, ``/v1/models``,
 ``/tokenize`` (``routes_openai.py``); ``/health``, ``/metrics``, ``/pause``, ``/resume``,
-``/is_paused``, ``/abort_requests`` (here); the weight-transfer routes come from
-``refractor.inference.weight_transfer.weight_transfer_router(engine)`` when that package provides it,
-plus any ``extra_routers`` given to ``create_app``. Metrics keep vLLM's ``vllm:`` names so one
+``/is_paused``, ``/abort_requests`` (here); the weight-update routes
+(``refractor.inference.weight_routes``), plus any ``extra_routers`` given to ``create_app``. Metrics keep vLLM's ``vllm:`` names so one
 scraper reads both engines. Malformed bodies get a 400 naming the field; a client that disconnects
 has its request aborted (KV freed at once).
 
@@ -37,6 +36,7 @@ from refractor.inference.engine.async_engine import PAUSE_MODES, AsyncLLMEngine,
 from refractor.inference.engine.sequence import RequestOutput
 from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.protocol import AbortRequest
+from refractor.inference.weight_routes import weight_update_router
 
 log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
@@ -193,18 +193,6 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-def _weight_transfer_router(engine: AsyncLLMEngine) -> APIRouter | None:
-    """The weight-transfer routes, owned by ``refractor.inference.weight_transfer`` (absent until it ships)."""
-    try:
-        import refractor.inference.weight_transfer as weight_transfer
-    except ModuleNotFoundError as err:
-        if err.name != "refractor.inference.weight_transfer":
-            raise
-        return None
-    factory = getattr(weight_transfer, "weight_transfer_router", None)
-    return factory(engine) if factory is not None else None
-
-
 def create_app(
     engine: AsyncLLMEngine,
     tokenizer: Any,
@@ -212,7 +200,7 @@ def create_app(
     *,
     chat_template: str | None = None,
     extra_routers: Iterable[APIRouter] = (),
-    include_weight_transfer: bool = True,
+    include_weight_routes: bool = True,
 ) -> FastAPI:
     from refractor.inference.routes_openai import router as openai_router
 
@@ -282,8 +270,8 @@ def create_app(
 
     app.include_router(openai_router)
     routers = list(extra_routers)
-    if include_weight_transfer and (weight_router := _weight_transfer_router(engine)) is not None:
-        routers.append(weight_router)
+    if include_weight_routes:
+        routers.append(weight_update_router(engine))
     for extra in routers:
         app.include_router(extra)
     return app

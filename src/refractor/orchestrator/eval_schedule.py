@@ -41,7 +41,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from refractor.inference.weight_transfer.sender import FULL, TRAINING_ONLY
 from refractor.orchestrator.async_gate import StepCounters
 from refractor.orchestrator.chat import run_chat_tokens
 from refractor.orchestrator.eval_runner import (
@@ -56,6 +55,7 @@ from refractor.orchestrator.eval_runner import (
 from refractor.orchestrator.protocols import StepSink
 from refractor.orchestrator.rollout import InferenceServer, RolloutSettings
 from refractor.records import TimelineEvent
+from refractor.weight_sync import UpdateTarget
 
 log = logging.getLogger("refractor.evals")
 EVAL_DRAIN = "eval_drain"  # cancellation reason of training groups drained off the eval servers
@@ -73,7 +73,7 @@ class EvalHost(Protocol):
     def release_servers(self, names: Sequence[str]) -> None:
         """Give the lanes held by ``drain_servers`` back to training."""
 
-    async def push_weights(self, version: int, target: str) -> None:
+    async def push_weights(self, version: int, target: UpdateTarget) -> None:
         """Order a weight update to ``version`` for the servers of ``target``; return when it landed."""
 
 
@@ -170,7 +170,7 @@ class EvalScheduler:
             return
         version = host.counters.loaded_version
         if self.eval_version < version and set(self.eval_servers) & set(names):
-            await host.push_weights(version, FULL)  # the eval servers missed updates
+            await host.push_weights(version, UpdateTarget.FULL)  # the eval servers missed updates
             self.eval_version = version
         await self._run(host, self.runner.plan(tasks, step, self.ids), names, version, "final")
 
@@ -181,7 +181,7 @@ class EvalScheduler:
         self.ids.load_state_dict(state["ids"])
 
     # ------------------------------------------------------------------ around every weight update
-    async def update_target(self, host: EvalHost, version: int) -> str:
+    async def update_target(self, host: EvalHost, version: int) -> UpdateTarget:
         """The servers the update to ``version`` goes to; drains the eval servers when a step eval is due."""
         self.raise_if_failed()
         due = self.due(version)
@@ -189,14 +189,14 @@ class EvalScheduler:
             await self.active
             self.raise_if_failed()
         if self.active is not None:
-            return TRAINING_ONLY
+            return UpdateTarget.TRAINING_ONLY
         if due:
             self.drain(host)  # before the push: no training request starts there with the new weights
-        return FULL
+        return UpdateTarget.FULL
 
-    def after_update(self, host: EvalHost, version: int, target: str) -> None:
+    def after_update(self, host: EvalHost, version: int, target: UpdateTarget) -> None:
         """The update to ``version`` landed: start the step evals it owes, or let the eval servers rejoin."""
-        if target == FULL:
+        if target == UpdateTarget.FULL:
             due = self.due(version)
             self.eval_version = version
             if due:

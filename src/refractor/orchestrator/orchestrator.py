@@ -24,7 +24,6 @@ from typing import Any
 
 from refractor.algorithms.advantages import is_zero_advantage_group, score_group
 from refractor.envs.base import Environment
-from refractor.inference.weight_transfer.sender import FULL
 from refractor.orchestrator.async_gate import (
     CheckpointGate,
     CheckpointSchedule,
@@ -54,6 +53,7 @@ from refractor.orchestrator.stall import ZeroAdvantageWatch
 from refractor.orchestrator.train_batch import summarize, train_samples
 from refractor.records import DiscardReason, Group, PromptRef, Rollout, RolloutStatus, TimelineEvent
 from refractor.telemetry.step_metrics import StepTiming, step_metrics
+from refractor.weight_sync import UpdateTarget
 
 log = logging.getLogger("refractor.orchestrator")
 
@@ -512,7 +512,7 @@ class Orchestrator:
         """Order the update to ``version``; the eval schedule picks its target (and drains or rejoins
         its servers around it)."""
         if self.evals is None:
-            return await self.trainer.update_weights(version, target=FULL) or []
+            return await self.trainer.update_weights(version, target=UpdateTarget.FULL) or []
         target = await self.evals.update_target(self, version)
         events = await self.trainer.update_weights(version, target=target) or []
         self.evals.after_update(self, version, target)

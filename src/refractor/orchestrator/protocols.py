@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from refractor.records import Rollout, StepResult, TimelineEvent, TrainSample
+from refractor.weight_sync import UpdateTarget
 
 
 class Trainer(Protocol):
     async def train_step(self, step: int, samples: list[TrainSample]) -> StepResult: ...
 
-    async def update_weights(self, version: int, target: str = "full") -> list[TimelineEvent] | None:
+    async def update_weights(
+        self, version: int, target: UpdateTarget = UpdateTarget.FULL
+    ) -> list[TimelineEvent] | None:
         """Send the weights after ``version`` steps to the servers of ``target`` (``full``: every
         server; ``training_only``: all but the eval servers); return when they all hold them."""
 

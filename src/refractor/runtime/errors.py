@@ -5,12 +5,12 @@ from __future__ import annotations
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from refractor.envs.registry import EnvironmentNotFoundError
-    from refractor.inference.weight_transfer import WeightSyncError
     from refractor.runtime.cluster import ClusterError
     from refractor.runtime.health import ComponentFailure
     from refractor.runtime.server_group import ServerStartError
     from refractor.train import RunSetupError
     from refractor.trainer.checkpoint import CheckpointError
+    from refractor.weight_sync import WeightSyncError
 
     return (
         RunSetupError,

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.runtime.cluster import Reservation
 from refractor.runtime.health import await_ranks
+from refractor.weight_sync import SyncReport, UpdateTarget
 
 
 @ray.remote(max_restarts=0)
@@ -56,12 +57,12 @@ class TrainerActor:
     def init_weight_sync(self, servers: list[tuple[str, str]], eval_servers: list[str]) -> None:
         if self.rank != 0:
             return
-        from refractor.inference.weight_transfer import ServerRef, WeightSender
+        from refractor.weight_sync import ServerRef, WeightSender, WeightSyncSettings
 
         refs = [ServerRef(name, url) for name, url in servers]
-        self.sender = WeightSender.from_config(
-            self.cfg,
+        self.sender = WeightSender(
             refs,
+            WeightSyncSettings.from_config(self.cfg),
             eval_servers=eval_servers,
             master_address=ray.util.get_node_ip_address(),
             device=self.trainer.device,
@@ -71,22 +72,16 @@ class TrainerActor:
     def train_step(self, batch) -> StepResult:
         return self.trainer.train_step(batch)
 
-    def sync_weights(self, version: int, target: str) -> dict[str, float]:
+    def sync_weights(self, version: int, target: UpdateTarget) -> SyncReport | None:
+        """Every rank gathers the buckets; rank 0 pushes them and reports (the others return None)."""
         start = time.time()
         buckets = self.trainer.export_weight_buckets()
         if self.rank != 0:
             for _ in buckets:  # take part in the gathers
                 pass
-            return {}
+            return None
         result = self.sender.push(buckets, version, target)
-        return {
-            "start": start,
-            "end": time.time(),
-            "push_seconds": result.seconds,
-            "transfer_seconds": result.transfer_seconds,
-            "trainer_seconds": result.trainer_seconds,
-            "paused_seconds": result.paused_seconds,
-        }
+        return SyncReport.of_push(start, time.time(), result)
 
     def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> str:
         extra = {"orchestrator.json": json.dumps(orchestrator_state)}
@@ -171,30 +166,16 @@ class RayTrainerGroup:
             result.timeline.extend(other.timeline)
         return result
 
-    async def update_weights(self, version: int, target: str = "full") -> list[TimelineEvent]:
-        stats = await await_ranks(
+    async def update_weights(
+        self, version: int, target: UpdateTarget = UpdateTarget.FULL
+    ) -> list[TimelineEvent]:
+        target = UpdateTarget(target)
+        reports = await await_ranks(
             [a.sync_weights.remote(version, target) for a in self.actors],
             f"the weight sync to version {version}",
             self.call_timeout_s,
         )
-        s = stats[0]
-        return [
-            TimelineEvent(
-                "weight_sync",
-                s["start"],
-                s["end"],
-                component="trainer",
-                attrs={
-                    "version": version,
-                    "target": target,
-                    "push_seconds": s["push_seconds"],
-                    "transfer_seconds": s["transfer_seconds"],
-                    # the trainer's whole time in the sync, and how long the servers were paused
-                    "trainer_seconds": s.get("trainer_seconds", s["end"] - s["start"]),
-                    "paused_seconds": s.get("paused_seconds", s["push_seconds"]),
-                },
-            )
-        ]
+        return [reports[0].timeline_event(version, target)]
 
     async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None:
         await await_ranks(

@@ -36,7 +36,7 @@ from refractor.trainer.policy_model import (
 )
 from refractor.trainer.step import StepSettings, run_step, step_metrics
 from refractor.trainer.timing import StepTimer
-from refractor.trainer.weight_export import WeightBucket, iter_weight_buckets
+from refractor.weight_sync.gather import WeightBucket, iter_weight_buckets
 
 if TYPE_CHECKING:  # the trainer only reads attributes: it also runs where pydantic is absent (GPU images)
     from refractor.config import RefractorConfig

@@ -4,8 +4,8 @@ Server flag: ``--weight-transfer-config '{"backend": "refractor"}'``; the class 
 importing ``refractor.inference.vllm.worker_ext`` (the worker extension), because vLLM spawns its
 workers and registrations made in the launching process are lost. The control plane is vLLM's
 own (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
-``/finish_weight_update``); the data plane is refractor's (``weight_transfer.protocol``) over a
-stateless gloo (CPU) or NCCL (GPU) group, identical to what the native engine speaks.
+``/finish_weight_update``); the data plane is refractor's (``refractor.weight_sync.data_plane``)
+over a stateless gloo (CPU) or NCCL (GPU) group, identical to what the native engine speaks.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refractor.inference.vllm.cpu_kernels import refresh_cpu_kernels
-from refractor.inference.weight_transfer.group import TransferGroup
-from refractor.inference.weight_transfer.protocol import BucketReceiver
+from refractor.weight_sync.data_plane import BucketReceiver
+from refractor.weight_sync.process_group import TransferGroup
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""The data plane: how buckets travel from trainer rank 0 to every worker of a group.
+"""The data plane: how buckets travel from trainer rank 0 to every worker of a transfer group.
+
+Contract: rank 0 runs ``BucketSender.send`` then ``gather_reports``; every other rank runs
+``BucketReceiver.receive`` to its end, loads each bucket before asking for the next, then
+``send_report``. Both sides keep the group's metadata history, so they must see the same streams.
 
 Per bucket the sender broadcasts a small int64 header ``[kind, payload_bytes, meta_bytes,
 n_tensors]``; when the bucket's metadata (names, dtypes, shapes) differs from what this group
@@ -25,11 +29,13 @@ from typing import Literal
 
 import torch
 
-from refractor.inference.weight_transfer.buckets import TensorMeta, dtype_from_name, split_by_dtype
-from refractor.inference.weight_transfer.group import TransferGroup
+from refractor.weight_sync.buckets import TensorMeta, dtype_from_name, split_by_dtype
+from refractor.weight_sync.process_group import TransferGroup
 
 BroadcastMode = Literal["flattened_bucket", "per_tensor"]
-KIND_END, KIND_FLAT, KIND_PER_TENSOR = 0, 1, 2
+KIND_END = 0
+KIND_FLAT = 1
+KIND_PER_TENSOR = 2
 _MODE_KIND = {"flattened_bucket": KIND_FLAT, "per_tensor": KIND_PER_TENSOR}
 _MAX_IN_FLIGHT = 2  # payload broadcasts the sender keeps in flight (double buffering)
 
@@ -113,7 +119,9 @@ class BucketSender:
         g = self.group
         checksum = RunningChecksum(g.device)
         in_flight: list = []  # (work, tensors kept alive until the work completes)
-        tensors = nbytes = index = 0
+        tensors = 0
+        nbytes = 0
+        index = 0
         metadata_sent = False
 
         def issue(tensor: torch.Tensor) -> None:
@@ -199,7 +207,9 @@ class BucketReceiver:
 
     def reset_stats(self) -> None:
         self.checksum = RunningChecksum(self.group.device)
-        self.tensors = self.bytes = self.buckets = 0
+        self.tensors = 0
+        self.bytes = 0
+        self.buckets = 0
         self.receive_s = 0.0
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -247,7 +257,8 @@ class BucketReceiver:
             buffer = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=g.device)
             g.broadcast(buffer)
             self.checksum.add(buffer)
-            out, offset = [], 0
+            out = []
+            offset = 0
             for m in metas:
                 view = buffer[offset : offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
                 out.append((m.name, view))

@@ -1,14 +1,15 @@
-"""The weight-transfer routes of the native server, with vLLM 0.32's names and semantics.
+"""The weight-update routes of the native server, with vLLM 0.32's names and semantics.
 
-``weight_transfer_router(engine)`` gives the native server the control plane a stock vLLM server
-has in dev mode, so one trainer-side ``WeightSender`` updates both engines: ``/get_world_size``,
-``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
-``/finish_weight_update``, ``/weight_info``, ``/reset_prefix_cache``,
-``/shutdown_weight_transfer_engine``. ``/pause``, ``/resume`` and ``/is_paused`` belong to the
-server itself (``refractor.inference.server``). The data plane is the same code vLLM workers run
-(``protocol.BucketReceiver``); the engine only has to offer ``update_weights(named_tensors,
-version)``, ``weight_version`` and ``named_parameters()`` (sync or async). Blocking work
-(rendezvous, receiving) runs in threads so the server keeps answering ``/health`` meanwhile.
+``weight_update_router(engine)`` gives the native server the control plane a stock vLLM server
+has in dev mode (``refractor.weight_sync.control_plane`` calls it), so one trainer-side
+``WeightSender`` updates both engines: ``/get_world_size``, ``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/weight_info``,
+``/reset_prefix_cache``, ``/shutdown_weight_transfer_engine``. ``/pause``, ``/resume`` and
+``/is_paused`` belong to the server itself (``refractor.inference.server``). The data plane is
+the same code vLLM workers run (``refractor.weight_sync.data_plane.BucketReceiver``); the engine
+only has to offer ``update_weights(named_tensors, version)``, ``weight_version`` and
+``named_parameters()`` (sync or async). Blocking work (rendezvous, receiving) runs in threads so
+the server keeps answering ``/health`` meanwhile.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 from fastapi import APIRouter, Body, HTTPException, Query
 from fastapi.responses import JSONResponse
 
-from refractor.inference.weight_transfer.group import TransferGroup
-from refractor.inference.weight_transfer.protocol import BucketReceiver
+from refractor.weight_sync.data_plane import BucketReceiver
+from refractor.weight_sync.process_group import TransferGroup
 
 
 async def _call(fn, *args, **kwargs) -> Any:
@@ -46,7 +47,7 @@ class _TransferState:
         return torch.device("cpu")
 
 
-def weight_transfer_router(engine) -> APIRouter:
+def weight_update_router(engine) -> APIRouter:
     state = _TransferState(engine)
     router = APIRouter()
 

@@ -1,8 +1,11 @@
-"""The control plane: the HTTP calls the trainer makes to each inference server.
+"""The control plane: the HTTP calls trainer rank 0 makes to each inference server in an update.
 
-Both engines expose the same routes (vLLM 0.32's RL router in dev mode; refractor's native
-server through ``weight_transfer_router``). Every call is bounded by a timeout and every failure
-names the server it came from.
+Contract: every server exposes vLLM 0.32's weight-update routes (a vLLM server in dev mode; the
+native server through ``refractor.inference.weight_routes``): ``/get_world_size``,
+``/init_weight_transfer_engine``, ``/pause``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, ``/reset_prefix_cache``, ``/resume``, ``/weight_info``,
+``/shutdown_weight_transfer_engine``, ``/health``. Every call is bounded by a timeout, and every
+failure raises ``WeightSyncError`` naming the server it came from.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ from refractor.inference.engine import EngineConfig, LLMEngine
 from refractor.inference.engine.async_engine import AsyncLLMEngine
 from refractor.inference.server import create_app
 from refractor.inference.vllm.launcher import free_port
-from refractor.inference.weight_transfer.control import ServerRef
-from refractor.inference.weight_transfer.sender import WeightSender
 from refractor.trainer import Trainer
-
-from ._helpers import make_cfg, make_samples, pack, quiet_env
+from refractor.weight_sync.control_plane import ServerRef
+from refractor.weight_sync.sender import WeightSender
+from refractor.weight_sync.settings import WeightSyncSettings
+from trainer._helpers import make_cfg, make_samples, pack, quiet_env
 
 quiet_env()
 BUCKET_MB = 0.25
@@ -95,15 +95,15 @@ def observed(buckets, server: NativeServer, log: list[dict]):
 def test_buckets_are_gathered_before_the_pause_within_the_budget(
     server, trainer, budget_buckets, first_paused_gather
 ):
-    """Budget of 100 buckets: every gather happens while the server generates; 0 (the old way):
-    every gather happens during the pause; 2 buckets (each a little under the bucket size): the
+    """Budget of 100 buckets: every gather happens while the server generates; 0: every gather
+    happens during the pause; 2 buckets (each a little under the bucket size): the
     third gather crosses the budget and is kept, the fourth happens during the pause."""
     bucket_bytes = int(BUCKET_MB * 2**20)
     sender = WeightSender(
         [ServerRef("native-0", server.url)],
-        init_timeout_s=30,
-        timeout_s=30,
-        gather_before_pause_bytes=budget_buckets * bucket_bytes,
+        WeightSyncSettings(
+            init_timeout_s=30, timeout_s=30, gather_before_pause_bytes=budget_buckets * bucket_bytes
+        ),
     )
     try:
         log: list[dict] = []
@@ -133,9 +133,7 @@ def test_weights_gathered_ahead_are_the_ones_served(server, trainer):
     assert not torch.equal(dict(server.engine.named_parameters())[name0], expected[name0])
     sender = WeightSender(
         [ServerRef("native-0", server.url)],
-        init_timeout_s=30,
-        timeout_s=30,
-        gather_before_pause_bytes=1 << 30,
+        WeightSyncSettings(init_timeout_s=30, timeout_s=30, gather_before_pause_bytes=1 << 30),
     )
     try:
         result = sender.push(trainer.export_weight_buckets(BUCKET_MB), version=8)

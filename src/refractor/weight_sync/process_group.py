@@ -141,7 +141,7 @@ class TransferGroup:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Release the communicator without ever blocking the caller for long: a NCCL shutdown
-        waits for its peers (seen hanging at exit on GPU), so NCCL groups are aborted instead."""
+        waits for its peers, which may be gone, so NCCL groups are aborted instead."""
         release = self._pg.abort if self.backend == "nccl" else self._pg.shutdown
 
         def run() -> None:

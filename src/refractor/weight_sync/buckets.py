@@ -55,7 +55,8 @@ def _bucketize(
         bucket, size = open_buckets.get(dtype, ([], 0))
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
-            bucket, size = [], 0
+            bucket = []
+            size = 0
         bucket.append(item)
         open_buckets[dtype] = (bucket, size + nbytes)
     for bucket, _ in open_buckets.values():

@@ -58,13 +58,17 @@ def _plan(
 ) -> Iterator[tuple[torch.dtype, list[_Slot]]]:
     """Buckets of slots, each with one dtype (a dtype change closes the bucket)."""
     slots: list[_Slot] = []
-    size, offset, current = 0, 0, None
+    size = 0
+    offset = 0
+    current = None
     for name, param in model.named_parameters():
         target = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
         nbytes = tensor_nbytes(param, target)
         if slots and (size + nbytes > bucket_bytes or target != current):
             yield current, slots
-            slots, size, offset = [], 0, 0
+            slots = []
+            size = 0
+            offset = 0
         shape = param.shape  # a DTensor reports the full (global) shape
         rows = -(-shape[0] // world) if len(shape) else 1
         slot = _Slot(hf_name(name), param, shape, rows, offset)

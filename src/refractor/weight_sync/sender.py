@@ -1,15 +1,14 @@
-"""Trainer rank 0's side of a weight update: ``WeightSender(...).push(buckets, version)``.
+"""Trainer rank 0's side of a weight update: ``WeightSender(servers, settings).push(buckets, version)``.
 
 One push = gather buckets ahead (within a memory budget, while the servers still generate) ->
-pause (keep in-flight requests) -> start -> update (bucketed broadcast on the
-target's dedicated group while every server receives) -> finish with the version -> prefix-cache
-reset -> resume, then the canary: every worker's checksum of the bytes it received must equal the
-trainer's, and every engine parameter must have been written. Targets: ``full`` (every server)
-and ``training_only`` (all but the eval servers, which then keep serving an older version).
+pause (keep in-flight requests) -> start -> update (bucketed broadcast on the target's dedicated
+group while every server receives) -> finish with the version -> prefix-cache reset -> resume,
+then the canary: every worker's checksum of the bytes it received must equal the trainer's, and
+every engine parameter must have been written. Targets: ``UpdateTarget``.
 
-Nothing here blocks forever: group creation is bounded by ``init_timeout_s``, every collective
-and HTTP call by ``timeout_s``. When an update fails, each server is probed and the ones that are
-dead or hung are named in the error.
+Nothing here blocks forever: group creation is bounded by ``settings.init_timeout_s``, every
+collective and HTTP call by ``settings.timeout_s``. When an update fails, each server is probed
+and the ones that are dead or hung are named in the error.
 """
 
 from __future__ import annotations
@@ -24,37 +23,20 @@ from typing import Any
 
 import torch
 
-from refractor.inference.weight_transfer.control import ServerControl, ServerRef, WeightSyncError
-from refractor.inference.weight_transfer.group import CollectiveTimeout, TransferGroup, host_store
-from refractor.inference.weight_transfer.protocol import BroadcastMode, BucketSender, SendStats, WorkerReport
-
-FULL, TRAINING_ONLY = "full", "training_only"
+from refractor.weight_sync.control_plane import ServerControl, ServerRef, WeightSyncError
+from refractor.weight_sync.data_plane import BucketSender, SendStats, WorkerReport
+from refractor.weight_sync.process_group import CollectiveTimeout, TransferGroup, host_store
+from refractor.weight_sync.records import PushResult, UpdateTarget
+from refractor.weight_sync.settings import WeightSyncSettings
 
 
 class CanaryError(WeightSyncError):
     """A server's received weights differ from what the trainer sent (or were not all loaded)."""
 
 
-@dataclass(frozen=True)
-class PushResult:
-    version: int
-    target: str
-    trainer_seconds: float  # the trainer's whole sync: gather ahead + pause ... resume + canary
-    paused_seconds: float  # the servers' pause -> resume (generation stopped)
-    transfer_seconds: float  # data plane only (pack + broadcast of every bucket)
-    stats: SendStats
-    reports: dict[str, list[WorkerReport]]  # server name -> one report per worker
-    gathered_ahead_bytes: int = 0  # bucket bytes materialized before the pause
-
-    @property
-    def seconds(self) -> float:
-        """Pause -> resume (the name of the first version of this record)."""
-        return self.paused_seconds
-
-
 @dataclass
 class _Group:
-    name: str
+    target: UpdateTarget
     servers: list[ServerControl]
     rank_offsets: list[int]
     world_sizes: list[int]
@@ -66,16 +48,11 @@ class WeightSender:
     def __init__(
         self,
         servers: Sequence[ServerRef],
+        settings: WeightSyncSettings = WeightSyncSettings(),
         *,
         eval_servers: Collection[str] = (),
         master_address: str = "127.0.0.1",
         device: torch.device | str | None = None,
-        mode: BroadcastMode = "flattened_bucket",
-        cpu_staging: bool = False,
-        init_timeout_s: float = 300.0,
-        timeout_s: float = 300.0,
-        gather_before_pause_bytes: int = 0,
-        inflight_kv: str = "recompute",
     ):
         names = [s.name for s in servers]
         if len(set(names)) != len(names):
@@ -84,62 +61,32 @@ class WeightSender:
         if unknown:
             raise ValueError(f"eval servers {sorted(unknown)} are not among the servers {names}")
         self.servers = list(servers)
+        self.settings = settings
         self.eval_servers = frozenset(eval_servers)
         self.master_address = master_address
         device = torch.device(device) if device is not None else torch.device("cpu")
         # CPU staging: buckets are assembled in host memory and travel over gloo, even from a GPU
-        self.backend = "nccl" if device.type == "cuda" and not cpu_staging else "gloo"
+        self.backend = "nccl" if device.type == "cuda" and not settings.cpu_staging else "gloo"
         self.device = device if self.backend == "nccl" else torch.device("cpu")
-        self.mode = mode
-        self.init_timeout_s = init_timeout_s
-        self.timeout_s = timeout_s
-        self.gather_before_pause_bytes = gather_before_pause_bytes
-        if inflight_kv not in ("recompute", "keep"):
-            raise ValueError(f"inflight_kv must be 'recompute' or 'keep', got {inflight_kv!r}")
-        self.inflight_kv = inflight_kv
-        self._groups: dict[str, _Group] = {}
+        self.timeout_s = settings.timeout_s
+        self._groups: dict[UpdateTarget, _Group] = {}
         self._pool = ThreadPoolExecutor(
             max_workers=2 * len(self.servers) + 2, thread_name_prefix="weight-sync"
         )
 
-    @classmethod
-    def from_config(
-        cls,
-        cfg,
-        servers: Sequence[ServerRef],
-        *,
-        eval_servers: Collection[str] = (),
-        master_address: str = "127.0.0.1",
-        device: torch.device | str | None = None,
-    ) -> WeightSender:
-        return cls(
-            servers,
-            eval_servers=eval_servers,
-            master_address=master_address,
-            device=device,
-            mode=cfg.weight_broadcast_mode,
-            cpu_staging=cfg.weight_broadcast_cpu_staging,
-            init_timeout_s=cfg.ray_broadcast_init_timeout_s,
-            timeout_s=cfg.ray_broadcast_init_timeout_s,
-            gather_before_pause_bytes=int(getattr(cfg, "weight_sync_gather_before_pause_mb", 0)) * 2**20,
-            inflight_kv=getattr(cfg, "weight_sync_inflight_kv", "recompute"),
-        )
-
-    def target_servers(self, target: str) -> list[ServerRef]:
-        if target == FULL:
-            return list(self.servers)
-        if target == TRAINING_ONLY:
+    def target_servers(self, target: UpdateTarget) -> list[ServerRef]:
+        if target == UpdateTarget.TRAINING_ONLY:
             return [s for s in self.servers if s.name not in self.eval_servers]
-        raise ValueError(f"unknown weight-update target {target!r} (expected {FULL!r} or {TRAINING_ONLY!r})")
+        return list(self.servers)
 
     # --- set-up ------------------------------------------------------------------------------
     def init(self) -> None:
         """Create the dedicated group of every target (a push also does this lazily)."""
-        self._group(FULL)
+        self._group(UpdateTarget.FULL)
         if self.eval_servers:
-            self._group(TRAINING_ONLY)
+            self._group(UpdateTarget.TRAINING_ONLY)
 
-    def _group(self, target: str) -> _Group:
+    def _group(self, target: UpdateTarget) -> _Group:
         existing = self._groups.pop(target, None)
         if existing is not None and not existing.transfer.broken:
             self._groups[target] = existing
@@ -148,13 +95,16 @@ class WeightSender:
             existing.transfer.shutdown()
         refs = self.target_servers(target)
         if not refs:
-            raise WeightSyncError(f"weight-update target {target!r} has no servers (all are eval servers)")
+            raise WeightSyncError(
+                f"weight-update target {target.value!r} has no servers (all are eval servers)"
+            )
         controls = [ServerControl(ref, self.timeout_s) for ref in refs]
         world_sizes = self._on_all(
-            controls, ServerControl.world_size, f"querying the world size for {target!r}"
+            controls, ServerControl.world_size, f"querying the world size for {target.value!r}"
         )
         offsets, world = rank_layout(world_sizes)
-        store = host_store(self.master_address, world, self.init_timeout_s)
+        init_timeout_s = self.settings.init_timeout_s
+        store = host_store(self.master_address, world, init_timeout_s)
         futures = {
             c: self._pool.submit(
                 c.init_weight_transfer_engine,
@@ -163,12 +113,12 @@ class WeightSender:
                     "master_port": store.port,
                     "world_size": world,
                     "rank_offset": offset,
-                    "group": target,
+                    "group": target.value,
                     "backend": self.backend,
-                    "init_timeout_s": self.init_timeout_s,
+                    "init_timeout_s": init_timeout_s,
                     "timeout_s": self.timeout_s,
                 },
-                self.init_timeout_s + 30,
+                init_timeout_s + 30,
             )
             for c, offset in zip(controls, offsets, strict=True)
         }
@@ -179,18 +129,25 @@ class WeightSender:
                 rank=0,
                 world_size=world,
                 backend=self.backend,
-                group_name=target,
+                group_name=target.value,
                 device=self.device,
-                init_timeout_s=self.init_timeout_s,
+                init_timeout_s=init_timeout_s,
                 timeout_s=self.timeout_s,
                 store=store,
             )
         except Exception as err:  # noqa: BLE001 - rendezvous failures come in many types
             raise self._failure(
-                f"creating the {target!r} weight-transfer group", controls, futures, err
+                f"creating the {target.value!r} weight-transfer group", controls, futures, err
             ) from err
-        self._wait_all(futures, f"creating the {target!r} weight-transfer group", controls)
-        group = _Group(target, controls, offsets, world_sizes, transfer, BucketSender(transfer, self.mode))
+        self._wait_all(futures, f"creating the {target.value!r} weight-transfer group", controls)
+        group = _Group(
+            target,
+            controls,
+            offsets,
+            world_sizes,
+            transfer,
+            BucketSender(transfer, self.settings.broadcast_mode),
+        )
         self._groups[target] = group
         return group
 
@@ -199,22 +156,22 @@ class WeightSender:
         self,
         buckets: Iterable[list[tuple[str, torch.Tensor]]],
         version: int,
-        target: str = FULL,
+        target: UpdateTarget = UpdateTarget.FULL,
         *,
         _corrupt_for_test: bool = False,
     ) -> PushResult:
         """Send every bucket to the target's servers and make them serve it as ``version``.
 
-        Buckets are gathered BEFORE the servers pause, up to ``gather_before_pause_bytes`` (about:
-        the bucket that crosses the budget is kept too), so generation goes on while the trainer
-        gathers; the rest is gathered while streaming, during the pause (0 = stream everything
-        while paused). ``buckets`` is always consumed to its end, also when the update fails:
+        Buckets are gathered BEFORE the servers pause, up to ``settings.gather_before_pause_bytes``
+        (about: the bucket that crosses the budget is kept too), so generation goes on while the
+        trainer gathers; the rest is gathered while streaming, during the pause (0 = stream
+        everything while paused). ``buckets`` is always consumed to its end, also when the update fails:
         trainer ranks that gather the buckets in lockstep with rank 0 (FSDP) never wait for a
         rank that gave up.
         """
         buckets = iter(buckets)
         try:
-            return self._push(buckets, version, target, _corrupt_for_test)
+            return self._push(buckets, version, UpdateTarget(target), _corrupt_for_test)
         except BaseException:
             with contextlib.suppress(Exception):
                 for _ in buckets:
@@ -222,20 +179,25 @@ class WeightSender:
             raise
 
     def _push(
-        self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: int, target: str, corrupt: bool
+        self,
+        buckets: Iterator[list[tuple[str, torch.Tensor]]],
+        version: int,
+        target: UpdateTarget,
+        corrupt: bool,
     ) -> PushResult:
         start = time.perf_counter()
         group = self._group(target)
         controls = group.servers
-        ahead, ahead_bytes = gather_ahead(buckets, self.gather_before_pause_bytes)
-        what = f"weight update to version {version} ({target!r})"
+        ahead, ahead_bytes = gather_ahead(buckets, self.settings.gather_before_pause_bytes)
+        what = f"weight update to version {version} ({target.value!r})"
         unresponsive: frozenset[str] = frozenset()
         paused_at = time.perf_counter()
         try:  # resumed in every case: a server that paused must not stay paused because another failed
             self._on_all(controls, ServerControl.pause, what)
             self._on_all(controls, ServerControl.start_weight_update, what)
             receiving = {
-                c: self._pool.submit(c.update_weights, target, str(version), self.timeout_s) for c in controls
+                c: self._pool.submit(c.update_weights, target.value, str(version), self.timeout_s)
+                for c in controls
             }
             try:
                 stream = _release_as_sent(ahead, buckets)
@@ -248,7 +210,7 @@ class WeightSender:
                 raise failure from err
             self._wait_all(receiving, what, controls)
             self._on_all(controls, lambda c: c.finish_weight_update(str(version)), what)
-            recompute = self.inflight_kv == "recompute"
+            recompute = self.settings.inflight_kv == "recompute"
             self._on_all(controls, lambda c: c.reset_prefix_cache(reset_running_requests=recompute), what)
         finally:
             self._resume_quietly([c for c in controls if c.server.name not in unresponsive])
@@ -292,7 +254,8 @@ class WeightSender:
         self, futures: dict[ServerControl, Future], what: str, controls: list[ServerControl]
     ) -> list:
         deadline = time.monotonic() + self.timeout_s + 30
-        results, errors = [], []
+        results = []
+        errors = []
         for control, future in futures.items():
             try:
                 results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
@@ -312,7 +275,8 @@ class WeightSender:
         cause: BaseException,
     ) -> WeightSyncError:
         probes = [self._pool.submit(c.probe, min(5.0, self.timeout_s)) for c in controls]
-        problems, unresponsive = [], set()
+        problems = []
+        unresponsive = set()
         for control, probe in zip(controls, probes, strict=True):
             future = futures.get(control)
             call_error = future.exception() if future is not None and future.done() else None

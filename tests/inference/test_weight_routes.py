@@ -1,5 +1,5 @@
-"""The weight-transfer contract on the native engine: the same WeightSender that updates vLLM
-updates refractor's engine through ``weight_transfer_router``. Servers are the real native server
+"""The weight-update contract on the native engine: the same WeightSender that updates vLLM
+updates refractor's engine through ``weight_update_router``. Servers are the real native server
 (``refractor.inference.server``, which mounts the router) around a real ``AsyncLLMEngine``: served
 by uvicorn from a thread of this process, or run in a subprocess when the test has to kill one."""
 
@@ -23,9 +23,11 @@ from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 from refractor.inference.engine.async_engine import AsyncLLMEngine
 from refractor.inference.server import create_app
 from refractor.inference.vllm.launcher import free_port
-from refractor.inference.weight_transfer.buckets import iter_buckets
-from refractor.inference.weight_transfer.control import ServerRef, WeightSyncError
-from refractor.inference.weight_transfer.sender import CanaryError, WeightSender
+from refractor.weight_sync.buckets import iter_buckets
+from refractor.weight_sync.control_plane import ServerRef, WeightSyncError
+from refractor.weight_sync.records import UpdateTarget
+from refractor.weight_sync.sender import CanaryError, WeightSender
+from refractor.weight_sync.settings import WeightSyncSettings
 
 PROMPT = list(range(3, 30))
 ENGINE_CONFIG = EngineConfig(
@@ -88,7 +90,9 @@ def worst_error(outputs, model, hf_token_logprobs) -> float:
 def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logprobs):
     train, evaluation = qwen_servers
     sender = WeightSender(
-        [train.ref, evaluation.ref], eval_servers={"eval-0"}, init_timeout_s=30, timeout_s=30
+        [train.ref, evaluation.ref],
+        WeightSyncSettings(init_timeout_s=30, timeout_s=30),
+        eval_servers={"eval-0"},
     )
     try:
         result = sender.push(iter_buckets(hf_models[1].named_parameters(), 300 << 10), version=5)
@@ -102,7 +106,9 @@ def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logpro
             assert all(o.weight_versions[0].version == "5" for o in outputs)
         # eval servers keep the previous version while training continues on the others
         result = sender.push(
-            iter_buckets(hf_models[0].named_parameters(), 300 << 10), version=6, target="training_only"
+            iter_buckets(hf_models[0].named_parameters(), 300 << 10),
+            version=6,
+            target=UpdateTarget.TRAINING_ONLY,
         )
         assert list(result.reports) == ["train-0"] and result.stats.metadata_sent  # its own group
         assert httpx.get(train.url + "/weight_info").json() == {"weight_version": "6"}
@@ -115,7 +121,7 @@ def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logpro
 
 def test_corrupted_bucket_fails_the_canary(qwen_servers, hf_models, hf_token_logprobs):
     train, _ = qwen_servers
-    sender = WeightSender([train.ref], init_timeout_s=30, timeout_s=30)
+    sender = WeightSender([train.ref], WeightSyncSettings(init_timeout_s=30, timeout_s=30))
     try:
         with pytest.raises(CanaryError, match=r"server 'train-0' \(rank 1\): received checksum"):
             sender.push(
@@ -132,7 +138,9 @@ def test_update_during_an_inflight_request(
     inflight_kv, qwen_servers, hf_models, hf_token_logprobs, stale_kv_logprobs
 ):
     train, _ = qwen_servers
-    sender = WeightSender([train.ref], init_timeout_s=30, timeout_s=30, inflight_kv=inflight_kv)
+    sender = WeightSender(
+        [train.ref], WeightSyncSettings(init_timeout_s=30, timeout_s=30, inflight_kv=inflight_kv)
+    )
     try:
         sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=10)
         before = train.engine.stats().generation_tokens_total
@@ -178,7 +186,8 @@ def test_untied_model_per_tensor_mode(tiny_llama_path, hf_token_logprobs):
 
     new = AutoModelForCausalLM.from_pretrained(tiny_llama(seed=3), dtype=torch.float32).eval()
     server = ThreadServer("llama-0", tiny_llama_path)
-    sender = WeightSender([server.ref], mode="per_tensor", init_timeout_s=30, timeout_s=30)
+    settings = WeightSyncSettings(broadcast_mode="per_tensor", init_timeout_s=30, timeout_s=30)
+    sender = WeightSender([server.ref], settings)
     try:
         result = sender.push(iter_buckets(new.named_parameters(), 1 << 20), version=1)
         (report,) = result.reports["llama-0"]
@@ -217,7 +226,9 @@ def test_a_server_failing_mid_update_is_named_in_bounded_time(failure, tiny_qwen
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        sender = WeightSender([ServerRef("doomed-0", url)], init_timeout_s=30, timeout_s=3)
+        sender = WeightSender(
+            [ServerRef("doomed-0", url)], WeightSyncSettings(init_timeout_s=30, timeout_s=3)
+        )
 
         all_buckets = list(iter_buckets(hf_models[1].named_parameters(), 64 << 10))
         consumed = []
@@ -251,12 +262,11 @@ def test_the_inflight_kv_key_reaches_the_sender():
     quickstart = Path(__file__).resolve().parents[2] / "configs" / "examples" / "quickstart.yaml"
     servers = [ServerRef("server-0", "http://127.0.0.1:9")]
     for value in ("recompute", "keep"):
-        sender = WeightSender.from_config(
-            load_config(quickstart, {"weight_sync_inflight_kv": value}), servers
-        )
-        assert sender.inflight_kv == value
+        settings = WeightSyncSettings.from_config(load_config(quickstart, {"weight_sync_inflight_kv": value}))
+        sender = WeightSender(servers, settings)
+        assert sender.settings.inflight_kv == value
         sender.close()
     with pytest.raises(ConfigError, match="weight_sync_inflight_kv"):
         load_config(quickstart, {"weight_sync_inflight_kv": "stale"})
     with pytest.raises(ValueError, match="inflight_kv must be 'recompute' or 'keep', got 'stale'"):
-        WeightSender(servers, inflight_kv="stale")
+        WeightSyncSettings(inflight_kv="stale")

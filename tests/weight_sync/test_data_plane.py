@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refractor.inference.weight_transfer.buckets import TensorMeta, iter_buckets, plan_buckets
-from refractor.inference.weight_transfer.group import CollectiveTimeout, TransferGroup, host_store
-from refractor.inference.weight_transfer.protocol import BucketReceiver, BucketSender, RunningChecksum
-from refractor.inference.weight_transfer.sender import CanaryError, check_canary, rank_layout
+from refractor.weight_sync.buckets import TensorMeta, iter_buckets, plan_buckets
+from refractor.weight_sync.data_plane import BucketReceiver, BucketSender, RunningChecksum
+from refractor.weight_sync.process_group import CollectiveTimeout, TransferGroup, host_store
+from refractor.weight_sync.sender import CanaryError, check_canary, rank_layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
@@ -215,11 +215,11 @@ def test_rank_layout_gives_each_worker_of_each_server_its_own_rank():
 
 
 def test_data_plane_backend_follows_device_and_cpu_staging():
-    from refractor.inference.weight_transfer import ServerRef, WeightSender
+    from refractor.weight_sync import ServerRef, WeightSender, WeightSyncSettings
 
     servers = [ServerRef("a", "http://127.0.0.1:1")]
     on_gpu = WeightSender(servers, device="cuda:0")
-    staged = WeightSender(servers, device="cuda:0", cpu_staging=True)  # weight_broadcast_cpu_staging
+    staged = WeightSender(servers, WeightSyncSettings(cpu_staging=True), device="cuda:0")
     on_cpu = WeightSender(servers)
     assert (on_gpu.backend, on_gpu.device) == ("nccl", torch.device("cuda:0"))
     assert (staged.backend, staged.device) == (
