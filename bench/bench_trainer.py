@@ -85,48 +85,11 @@ def timed(fn, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
-def trainer_config(model_dir, **overrides):
-    """RefractorConfig when pydantic is installed; else (GPU images) the trainer's keys with their defaults."""
-    values = dict(environments=[{"name": "countdown"}], model=str(model_dir), learning_rate=1e-6, **overrides)
-    try:
-        from refractor.config import RefractorConfig
-    except ImportError:
-        from dataclasses import asdict
-        from types import SimpleNamespace
+def trainer_settings(model_dir, **overrides):
+    """The trainer's settings: the config defaults, a benchmark learning rate and ``overrides``."""
+    from refractor.trainer.settings import TrainerSettings
 
-        from refractor.algorithms.loss import LossSettings
-
-        defaults = dict(
-            model_dtype="float32",
-            mixed_precision_dtype="bfloat16",
-            seed=0,
-            activation_checkpointing=True,
-            weight_decay=0.0,
-            grad_clip=1.0,
-            lr_scheduler="constant",
-            warmup_steps=0,
-            number_of_steps=300,
-            min_lr_ratio=0.0,
-            checkpoint_dir=None,
-            run_name=None,
-            run_dir="runs",
-            number_of_minibatches=1,
-            ppo_clip_ref_logprobs="rollout",
-            weight_broadcast_bucket_mb=256,
-            checkpoint_save_training_state=True,
-            checkpoint_keep_last=None,
-            checkpoint_keep_every=None,
-            resume_from_checkpoint=False,
-            seq_len=4096,
-            pad_to_multiple_of=64,
-            temperature=1.0,
-            entropy_chunk_size=1024,
-            trainer_compile=True,
-            trainer_max_tokens_per_forward=16384,
-            trainer_pass_pad_multiple=4096,
-        )
-        return SimpleNamespace(**{**asdict(LossSettings()), **defaults, **values})
-    return RefractorConfig(**values)
+    return TrainerSettings.from_keys(model=str(model_dir), learning_rate=1e-6, **overrides)
 
 
 def bench_refractor(
@@ -145,13 +108,13 @@ def bench_refractor(
 
     batches = batches if isinstance(batches, list) else [batches]
     policy_model.COMPILE_DYNAMIC = compile == "dynamic"
-    cfg = trainer_config(
+    settings = trainer_settings(
         model_dir,
         activation_checkpointing=activation_checkpointing,
         trainer_compile=bool(compile),
         trainer_max_tokens_per_forward=tokens_per_forward,
     )
-    trainer = Trainer(cfg, random_init=True)
+    trainer = Trainer(settings, random_init=True)
     out: dict = {"n_params": sum(p.numel() for p in trainer.model.parameters())}
     if export:
         # Weight export for sync (256 MiB bf16 buckets): time and peak memory above the resident
@@ -219,7 +182,7 @@ def time_export(trainer, repeats: int = 3) -> float:
 def bench_export_only(model_dir) -> dict:
     from refractor.trainer import Trainer
 
-    trainer = Trainer(trainer_config(model_dir, trainer_compile=False), random_init=True)
+    trainer = Trainer(trainer_settings(model_dir, trainer_compile=False), random_init=True)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

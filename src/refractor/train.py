@@ -166,7 +166,7 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
             "trainer_num_workers",
         )
         servers = RayServerGroup(cfg, server_pg, engine, str(paths.logs))
-        trainers = RayTrainerGroup(cfg, trainer_pg, str(paths.root), pad_token_id=tokenizer.pad_token_id)
+        trainers = RayTrainerGroup(cfg, trainer_pg, pad_token_id=tokenizer.pad_token_id)
         with ThreadPoolExecutor(2) as pool:  # servers and trainer ranks boot side by side
             server_future = pool.submit(servers.start)
             trainer_future = pool.submit(trainers.setup)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refractor.algorithms import LossSettings, pack_train_batch, policy_loss
-from refractor.algorithms.packing import first_fit_decreasing, split_minibatches
+from refractor.algorithms.packing import PackingSettings, first_fit_decreasing, pack_step, split_minibatches
 from refractor.records import TrainSample
 
 PAD_ID = 7
@@ -264,3 +264,62 @@ def test_errors_name_the_culprit():
         pack_train_batch(
             samples_from([3]), step=0, seq_len=8, pad_to_multiple_of=1, pad_token_id=0, num_dp_ranks=0
         )
+
+
+def assert_same_batch(a, b) -> None:
+    assert (a.step, a.loss_normalizer, a.num_samples, a.metrics) == (
+        b.step,
+        b.loss_normalizer,
+        b.num_samples,
+        b.metrics,
+    )
+    assert [len(rows) for rows in a.micro_batches] == [len(rows) for rows in b.micro_batches]
+    for rows_a, rows_b in zip(a.micro_batches, b.micro_batches, strict=True):
+        for x, y in zip(rows_a, rows_b, strict=True):
+            assert (x.sample_ids, x.minibatch, x.loss_normalizer) == (
+                y.sample_ids,
+                y.minibatch,
+                y.loss_normalizer,
+            )
+            assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+
+
+def test_settings_from_a_config_pack_as_the_explicit_call():
+    from refractor.config import load_config
+
+    cfg = load_config(
+        None,
+        {
+            "environments": [{"name": "countdown"}],
+            "algorithm": "dr_grpo",
+            "dr_grpo_loss_agg_mode": "token_sum_norm",
+            "max_tokens": 100,
+            "max_model_len": 200,
+            "seq_len": 64,
+            "pad_to_multiple_of": 8,
+            "number_of_minibatches": 2,
+        },
+    )
+    settings = PackingSettings.from_config(cfg, pad_token_id=PAD_ID)
+    assert settings == PackingSettings(
+        seq_len=64,
+        pad_to_multiple_of=8,
+        pad_token_id=PAD_ID,
+        number_of_minibatches=2,
+        aggregation="token_sum_norm",
+        max_tokens=100,
+    )
+    samples = samples_from([10, 70, 30, 25, 5], seed=3)
+    expected = pack_train_batch(
+        samples,
+        step=4,
+        seq_len=64,
+        pad_to_multiple_of=8,
+        pad_token_id=PAD_ID,
+        num_dp_ranks=2,
+        number_of_minibatches=2,
+        aggregation="token_sum_norm",
+        max_tokens=100,
+    )
+    assert_same_batch(pack_step(samples, 4, settings, num_dp_ranks=2), expected)
+    assert expected.loss_normalizer == 500.0 and expected.metrics["packing/truncated_samples"] == 1.0

@@ -1,17 +1,16 @@
-"""Shared builders for the trainer tests: config, deterministic samples, packing, HF reference."""
+"""Shared builders for the trainer tests: settings, deterministic samples, packing, HF reference."""
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import asdict
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from refractor.algorithms.packing import pack_train_batch
 from refractor.records import TrainBatch, TrainSample
+from refractor.trainer.settings import TrainerSettings
 
 SEQ_LEN = 128
 PAD_TO = 16
@@ -23,50 +22,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_cfg(model: Any, **overrides: Any):
-    base = dict(
-        environments=[{"name": "countdown"}],
+def make_settings(model: Any, **overrides: Any) -> TrainerSettings:
+    """The trainer's settings for the tests: a few test values over the config defaults."""
+    keys = dict(
         model=str(model),
         learning_rate=1e-3,
-        seq_len=SEQ_LEN,
         pad_to_multiple_of=PAD_TO,
         entropy_chunk_size=48,
         temperature=0.8,
     )
-    base.update(overrides)
+    keys.update(overrides)
     try:
         from refractor.config import RefractorConfig
-    except ImportError:  # GPU device images lack pydantic; the trainer only reads attributes
-        return _light_config(base)
-    return RefractorConfig(**base)
-
-
-def _light_config(values: dict[str, Any]) -> SimpleNamespace:
-    from refractor.algorithms.loss import LossSettings
-
-    defaults = dict(
-        model_dtype="float32",
-        mixed_precision_dtype="bfloat16",
-        seed=0,
-        activation_checkpointing=True,
-        weight_decay=0.0,
-        grad_clip=1.0,
-        lr_scheduler="constant",
-        warmup_steps=0,
-        number_of_steps=300,
-        min_lr_ratio=0.0,
-        checkpoint_dir=None,
-        run_name=None,
-        run_dir="runs",
-        number_of_minibatches=1,
-        ppo_clip_ref_logprobs="rollout",
-        weight_broadcast_bucket_mb=256,
-        checkpoint_save_training_state=True,
-        checkpoint_keep_last=None,
-        checkpoint_keep_every=None,
-        resume_from_checkpoint=False,
+    except ImportError:  # GPU device images lack pydantic
+        return TrainerSettings.from_keys(**keys)
+    return TrainerSettings.from_config(
+        RefractorConfig(environments=[{"name": "countdown"}], seq_len=SEQ_LEN, **keys)
     )
-    return SimpleNamespace(**{**asdict(LossSettings()), **defaults, **values})
 
 
 def make_samples(n: int = 9, seed: int = 0, vocab: int = 500) -> list[TrainSample]:

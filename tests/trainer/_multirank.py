@@ -7,13 +7,13 @@ import torch
 from refractor.trainer import Trainer
 from refractor.weight_sync.gather import iter_weight_buckets
 
-from ._helpers import full_params, make_cfg, make_samples, pack, quiet_env
+from ._helpers import full_params, make_samples, make_settings, pack, quiet_env
 
 BUCKET_BYTES = 128 * 1024
 
 
-def schedule_cfg(model_path, checkpoint_dir):
-    return make_cfg(
+def schedule_settings(model_path, checkpoint_dir):
+    return make_settings(
         model_path,
         checkpoint_dir=checkpoint_dir,
         lr_scheduler="cosine",
@@ -70,8 +70,8 @@ def clip_known_gradients(trainer: Trainer, max_norm: float = 1.0) -> dict:
 
 def worker(rank: int, world_size: int, port: int, model_path: str, checkpoint_dir: str, out: str) -> None:
     quiet_env()
-    cfg = schedule_cfg(model_path, checkpoint_dir)
-    trainer = Trainer(cfg, rank, world_size, master_port=port)
+    settings = schedule_settings(model_path, checkpoint_dir)
+    trainer = Trainer(settings, rank, world_size, master_port=port)
     result = run_reference(trainer, world_size)
     buckets = list(iter_weight_buckets(trainer.model, BUCKET_BYTES, torch.float32))
     result["bucket_names"] = [[name for name, _ in b] for b in buckets]
@@ -79,7 +79,7 @@ def worker(rank: int, world_size: int, port: int, model_path: str, checkpoint_di
 
     result["clip"] = clip_known_gradients(trainer)
 
-    resumed = Trainer(cfg, rank, world_size)  # same process group
+    resumed = Trainer(settings, rank, world_size)  # same process group
     assert resumed.load_checkpoint("latest") == 2
     result["resumed_metrics"] = resumed.train_step(batches(world_size)[2]).metrics
     result["resumed_params"] = full_params(resumed)

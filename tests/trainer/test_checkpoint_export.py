@@ -14,13 +14,13 @@ from refractor.trainer import Trainer
 from refractor.trainer.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, read_meta
 from refractor.trainer.convert import export_hf
 
-from ._helpers import full_params, make_cfg, make_samples, pack, quiet_env
+from ._helpers import full_params, make_samples, make_settings, pack, quiet_env
 
 quiet_env()
 
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_qwen2_path, tmp_path):
-    cfg = make_cfg(
+    settings = make_settings(
         tiny_qwen2_path,
         checkpoint_dir=str(tmp_path),
         lr_scheduler="cosine",
@@ -30,7 +30,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_qwen2_path, tm
         checkpoint_keep_last=2,
     )
     batches = [pack(make_samples(seed=10 + i), step=i) for i in range(3)]
-    first = Trainer(cfg)
+    first = Trainer(settings)
     first.train_step(batches[0])
     first.train_step(batches[1])
     first.save_checkpoint(extra_files={"orchestrator.json": json.dumps({"next_sample_idx": 7})})
@@ -38,14 +38,16 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_qwen2_path, tm
     expected = first.train_step(batches[2]).metrics
     expected_params = full_params(first)
 
-    resumed = Trainer(cfg)
+    resumed = Trainer(settings)
     torch.rand(11)  # a different RNG position: load must restore it
     assert resumed.load_checkpoint("latest") == 2 and resumed.step == 2
     assert torch.equal(torch.rand(4), rng_after_save)
     got = resumed.train_step(batches[2]).metrics
     for key in ("loss", "grad_norm", "learning_rate", "entropy", "kl_divergence_inference"):
         assert got[key] == expected[key], key  # bitwise on CPU fp32
-    assert got["learning_rate"] != cfg.learning_rate  # the schedule position was restored, not restarted
+    assert (
+        got["learning_rate"] != settings.optimizer.learning_rate
+    )  # the schedule position was restored, not restarted
     for name, p in full_params(resumed).items():
         assert torch.equal(p, expected_params[name]), name
 
@@ -65,7 +67,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_qwen2_path, tm
 
 
 def test_a_save_interrupted_mid_write_is_never_picked(tiny_qwen2_path, tmp_path):
-    trainer = Trainer(make_cfg(tiny_qwen2_path, checkpoint_dir=str(tmp_path)))
+    trainer = Trainer(make_settings(tiny_qwen2_path, checkpoint_dir=str(tmp_path)))
     trainer.train_step(pack(make_samples(n=3)))
     trainer.save_checkpoint(1)
     # Fails after the DCP shards are written, before meta.json and the rename (a crash there).
@@ -77,15 +79,17 @@ def test_a_save_interrupted_mid_write_is_never_picked(tiny_qwen2_path, tmp_path)
 
 
 def test_weights_only_checkpoint_initializes_a_run_but_cannot_resume(tiny_llama_path, tmp_path):
-    cfg = make_cfg(tiny_llama_path, checkpoint_dir=str(tmp_path), checkpoint_save_training_state=False)
-    trainer = Trainer(cfg)
+    settings = make_settings(
+        tiny_llama_path, checkpoint_dir=str(tmp_path), checkpoint_save_training_state=False
+    )
+    trainer = Trainer(settings)
     trainer.train_step(pack(make_samples(n=3)))
     path = trainer.save_checkpoint()
     assert not (path / "rng_state_rank_0.pt").exists() and not read_meta(path)["training_state"]
     with pytest.raises(CheckpointError, match="weights only"):
         trainer.load_checkpoint(1)
     saved = full_params(trainer)
-    fresh = Trainer(make_cfg(path))
+    fresh = Trainer(make_settings(path))
     assert fresh.step == 0
     for name, p in full_params(fresh).items():
         assert torch.equal(p, saved[name]), name
@@ -106,8 +110,8 @@ def trainer_logits(trainer: Trainer, ids: torch.Tensor) -> torch.Tensor:
 def test_hf_export_round_trip_loads_in_transformers_with_the_trainers_logits(fixture, request, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    cfg = make_cfg(request.getfixturevalue(fixture), checkpoint_dir=str(tmp_path / "ckpt"))
-    trainer = Trainer(cfg)
+    settings = make_settings(request.getfixturevalue(fixture), checkpoint_dir=str(tmp_path / "ckpt"))
+    trainer = Trainer(settings)
     trainer.train_step(pack(make_samples(n=4)))
     ckpt = trainer.save_checkpoint()
     out = tmp_path / "hf"
@@ -139,7 +143,7 @@ def test_convert_refuses_a_non_checkpoint_with_one_clear_message(tmp_path, tiny_
 
 
 def test_weight_buckets_concatenate_to_the_full_weights_one_bucket_at_a_time(tiny_llama_path):
-    trainer = Trainer(make_cfg(tiny_llama_path))
+    trainer = Trainer(make_settings(tiny_llama_path))
     expected = full_params(trainer)
     bucket_bytes = 96 * 1024
     seen: dict[str, torch.Tensor] = {}

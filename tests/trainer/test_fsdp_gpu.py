@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ._helpers import free_port, full_params, make_cfg, make_samples, pack, quiet_env
+from ._helpers import free_port, full_params, make_samples, make_settings, pack, quiet_env
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +31,7 @@ def worker(rank: int, world_size: int, port: int, model_path: str, case: str, ou
     quiet_env()
     overrides, _ = CASES[case]
     trainer = Trainer(
-        make_cfg(model_path, **overrides),
+        make_settings(model_path, **overrides),
         rank,
         world_size,
         master_port=port,

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from refractor.trainer import Trainer
 
 from ._helpers import free_port, quiet_env
-from ._multirank import clip_known_gradients, run_reference, schedule_cfg, worker
+from ._multirank import clip_known_gradients, run_reference, schedule_settings, worker
 
 quiet_env()
 
@@ -27,7 +27,7 @@ def _per_rank(key: str) -> bool:
 
 
 def test_two_ranks_match_one_rank_on_the_same_global_batch(two_ranks, tiny_qwen2_path, tmp_path):
-    single = run_reference(Trainer(schedule_cfg(tiny_qwen2_path, str(tmp_path))), world_size=1)
+    single = run_reference(Trainer(schedule_settings(tiny_qwen2_path, str(tmp_path))), world_size=1)
     rank0, rank1 = two_ranks
     for m0, m1 in zip(rank0["metrics"], rank1["metrics"], strict=True):  # same global metrics on every rank
         assert {k: v for k, v in m0.items() if not _per_rank(k)} == {
@@ -78,4 +78,4 @@ def test_gradient_norm_and_clipping_on_sharded_gradients(two_ranks, tiny_qwen2_p
     gradients on 2 ranks and on 1 (FSDP2 DTensors either way) as the float64 reference."""
     for rank in two_ranks:
         check_clip(rank["clip"])
-    check_clip(clip_known_gradients(Trainer(schedule_cfg(tiny_qwen2_path, str(tmp_path)))))
+    check_clip(clip_known_gradients(Trainer(schedule_settings(tiny_qwen2_path, str(tmp_path)))))

@@ -11,7 +11,7 @@ from refractor.algorithms.attention import block_causal_mask
 from refractor.trainer import Trainer
 from refractor.trainer.rows import merge_rows, pad_row
 
-from ._helpers import make_cfg, make_samples, pack, quiet_env
+from ._helpers import make_samples, make_settings, pack, quiet_env
 
 quiet_env()
 
@@ -52,7 +52,7 @@ def test_a_step_with_merged_passes_equals_the_step_with_one_pass_per_row(tiny_qw
     batch = pack(make_samples(n=9, seed=13))
     runs = []
     for max_tokens, pad_multiple in ((0, 0), (512, 0), (512, 160)):
-        trainer = Trainer(make_cfg(tiny_qwen2_path, kl_penalty_tau=0.1))
+        trainer = Trainer(make_settings(tiny_qwen2_path, kl_penalty_tau=0.1))
         assert trainer.step_settings.max_tokens_per_forward == 0  # CPU default: one pass per row
         assert trainer.step_settings.pass_pad_multiple == 0  # padding only for compiled (CUDA) layers
         trainer.step_settings = replace(
@@ -93,12 +93,14 @@ def test_pad_row_appends_one_isolated_segment_that_the_loss_ignores():
 def test_passes_are_merged_on_cuda_and_padded_only_for_compiled_layers(tiny_qwen2_path):
     from refractor.trainer.step import StepSettings
 
-    cfg = make_cfg(tiny_qwen2_path, trainer_max_tokens_per_forward=8192, trainer_pass_pad_multiple=2048)
-    compiled = StepSettings.from_config(cfg, pad_token_id=0, on_cuda=True, compiled=True)
+    settings = make_settings(
+        tiny_qwen2_path, trainer_max_tokens_per_forward=8192, trainer_pass_pad_multiple=2048
+    )
+    compiled = StepSettings.from_settings(settings, pad_token_id=0, on_cuda=True, compiled=True)
     assert (compiled.max_tokens_per_forward, compiled.pass_pad_multiple) == (8192, 2048)
-    eager = StepSettings.from_config(cfg, pad_token_id=0, on_cuda=True, compiled=False)
+    eager = StepSettings.from_settings(settings, pad_token_id=0, on_cuda=True, compiled=False)
     assert (eager.max_tokens_per_forward, eager.pass_pad_multiple) == (8192, 0)
-    cpu = StepSettings.from_config(cfg, pad_token_id=0, on_cuda=False)
+    cpu = StepSettings.from_settings(settings, pad_token_id=0, on_cuda=False)
     assert (cpu.max_tokens_per_forward, cpu.pass_pad_multiple) == (0, 0)
 
 
@@ -120,7 +122,7 @@ def compiled_lengths(tiny_qwen2_path, monkeypatch, pad_multiple: int) -> list[tu
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=recording_backend))
-    trainer = Trainer(make_cfg(tiny_qwen2_path, trainer_pass_pad_multiple=pad_multiple), compile=True)
+    trainer = Trainer(make_settings(tiny_qwen2_path, trainer_pass_pad_multiple=pad_multiple), compile=True)
     assert trainer.step_settings.pass_pad_multiple == pad_multiple
     trainer.step_settings = replace(trainer.step_settings, max_tokens_per_forward=256)
     for seed in (21, 22, 23, 21, 22):  # five steps, three batches of different pass lengths
@@ -148,15 +150,15 @@ def test_a_compiled_step_with_padded_passes_equals_the_eager_step(tiny_qwen2_pat
 
     import torch._dynamo
 
-    cfg = make_cfg(
+    settings = make_settings(
         tiny_qwen2_path, use_ppo_clip=True, ppo_clip_ref_logprobs="batch", trainer_pass_pad_multiple=128
     )
     batches = [pack(make_samples(n=7, seed=seed)) for seed in (31, 32)]
-    eager = Trainer(cfg)
+    eager = Trainer(settings)
     expected = [eager.train_step(b).metrics for b in batches]
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    compiled = Trainer(cfg, compile=True)
+    compiled = Trainer(settings, compile=True)
     compiled.step_settings = replace(compiled.step_settings, max_tokens_per_forward=256)
     assert compiled.step_settings.batch_ref_logprobs
     got = [compiled.train_step(b).metrics for b in batches]

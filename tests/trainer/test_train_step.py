@@ -11,7 +11,7 @@ from refractor.algorithms.loss import LossSettings, policy_loss
 from refractor.trainer import Trainer
 from refractor.trainer.policy_model import hf_name
 
-from ._helpers import full_params, make_cfg, make_samples, pack, quiet_env
+from ._helpers import full_params, make_samples, make_settings, pack, quiet_env
 
 quiet_env()
 
@@ -42,17 +42,17 @@ def hf_reference(model_path, samples, temperature: float):
 @pytest.mark.parametrize("impl", ["native", "hf"])
 def test_first_step_matches_hf_reference(tiny_qwen2_path, impl):
     samples = make_samples()
-    cfg = make_cfg(tiny_qwen2_path)
-    trainer = Trainer(cfg, model_impl=impl)
+    settings = make_settings(tiny_qwen2_path)
+    trainer = Trainer(settings, model_impl=impl)
     before = full_params(trainer)
     result = trainer.train_step(pack(samples))
-    ref = hf_reference(tiny_qwen2_path, samples, cfg.temperature)
+    ref = hf_reference(tiny_qwen2_path, samples, settings.forward.temperature)
     m = result.metrics
     assert m["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
     assert m["entropy"] == pytest.approx(ref["entropy"], rel=1e-5)
     assert m["kl_divergence_inference"] == pytest.approx(ref["kl"], rel=1e-4)
     assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
-    assert m["learning_rate"] == cfg.learning_rate
+    assert m["learning_rate"] == settings.optimizer.learning_rate
     assert m["trainer/batch/trainable_tokens"] == sum(sum(s.loss_mask[1:]) for s in samples)
     assert m["timing_forward_total"] > 0 and m["timing_backward_total"] > 0
     assert {e.name for e in result.timeline} >= {"forward", "backward", "optimizer", "step"}
@@ -61,12 +61,12 @@ def test_first_step_matches_hf_reference(tiny_qwen2_path, impl):
     for name, g in ref["grads"].items():
         big = g.abs() > 1e-5
         delta = (after[name] - before[name])[big]
-        expected = -cfg.learning_rate * g.sign()[big]
+        expected = -settings.optimizer.learning_rate * g.sign()[big]
         torch.testing.assert_close(delta, expected, rtol=2e-2, atol=2e-6, msg=name)
 
 
 def test_a_few_grpo_steps_reduce_the_loss(tiny_llama_path):
-    trainer = Trainer(make_cfg(tiny_llama_path, learning_rate=2e-3))
+    trainer = Trainer(make_settings(tiny_llama_path, learning_rate=2e-3))
     batch = pack(make_samples(seed=1))
     losses = [trainer.train_step(batch).metrics["loss"] for _ in range(3)]
     assert losses[0] > losses[1] > losses[2], losses
@@ -77,7 +77,8 @@ def packed_loss_and_grads(trainer: Trainer, rows, settings: LossSettings, normal
     trainer.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for mb in rows:
-        logprobs, entropy = trainer.model(mb, trainer.cfg.temperature, trainer.cfg.entropy_chunk_size)
+        forward = trainer.settings.forward
+        logprobs, entropy = trainer.model(mb, forward.temperature, forward.entropy_chunk_size)
         out = policy_loss(
             logprobs,
             mb.rollout_logprobs,
@@ -98,18 +99,17 @@ def packed_loss_and_grads(trainer: Trainer, rows, settings: LossSettings, normal
 def test_packed_rows_equal_samples_run_one_by_one(tiny_qwen3_path, impl, checkpointing):
     """Packing must not leak attention across samples: a packed row's loss and gradients equal the
     sum over the same samples run alone (each its own row), with the same global normalizer."""
-    cfg = make_cfg(
+    settings = make_settings(
         tiny_qwen3_path, activation_checkpointing=checkpointing, kl_penalty_tau=0.1, entropy_coef=0.01
     )
-    trainer = Trainer(cfg, model_impl=impl)
+    trainer = Trainer(settings, model_impl=impl)
     samples = make_samples(n=5, seed=2)
     packed = pack(samples).micro_batches[0]
     assert any(len(mb.sample_ids) > 1 for mb in packed)
     singles = [pack([s]).micro_batches[0][0] for s in samples]
-    settings = LossSettings.from_config(cfg)
     normalizer = float(sum(sum(s.loss_mask[1:]) for s in samples))
-    loss_packed, grads_packed = packed_loss_and_grads(trainer, packed, settings, normalizer)
-    loss_single, grads_single = packed_loss_and_grads(trainer, singles, settings, normalizer)
+    loss_packed, grads_packed = packed_loss_and_grads(trainer, packed, settings.loss, normalizer)
+    loss_single, grads_single = packed_loss_and_grads(trainer, singles, settings.loss, normalizer)
     assert loss_packed == pytest.approx(loss_single, rel=1e-6, abs=1e-7)
     for name, g in grads_packed.items():
         torch.testing.assert_close(g, grads_single[name], rtol=1e-5, atol=1e-7, msg=name)
@@ -119,7 +119,7 @@ def test_activation_checkpointing_gives_the_same_step(tiny_qwen2_path):
     batch = pack(make_samples(seed=3))
     results = []
     for checkpointing in (False, True, "selective"):
-        trainer = Trainer(make_cfg(tiny_qwen2_path, activation_checkpointing=checkpointing))
+        trainer = Trainer(make_settings(tiny_qwen2_path, activation_checkpointing=checkpointing))
         results.append((trainer.train_step(batch).metrics, full_params(trainer)))
     (m_off, p_off), *checkpointed = results
     for m_on, p_on in checkpointed:
@@ -131,7 +131,7 @@ def test_activation_checkpointing_gives_the_same_step(tiny_qwen2_path):
 
 
 def test_non_finite_gradient_skips_the_update_and_is_counted(tiny_qwen2_path):
-    trainer = Trainer(make_cfg(tiny_qwen2_path))
+    trainer = Trainer(make_settings(tiny_qwen2_path))
     samples = make_samples(n=4, seed=4)
     samples[1].advantage = float("nan")
     before = full_params(trainer)
@@ -147,13 +147,13 @@ def test_non_finite_gradient_skips_the_update_and_is_counted(tiny_qwen2_path):
 
 
 def test_warmup_first_step_uses_lr_zero(tiny_qwen2_path):
-    cfg = make_cfg(tiny_qwen2_path, lr_scheduler="linear", warmup_steps=2, number_of_steps=10)
-    trainer = Trainer(cfg)
+    settings = make_settings(tiny_qwen2_path, lr_scheduler="linear", warmup_steps=2, number_of_steps=10)
+    trainer = Trainer(settings)
     batch = pack(make_samples(n=4, seed=5))
     before = full_params(trainer)
     lrs = [trainer.train_step(batch).metrics["learning_rate"] for _ in range(3)]
     assert lrs == pytest.approx([0.0, 0.5e-3, 1e-3])
-    trainer2 = Trainer(cfg)
+    trainer2 = Trainer(settings)
     trainer2.train_step(batch)
     for name, p in full_params(trainer2).items():
         assert torch.equal(p, before[name]), name
@@ -172,7 +172,7 @@ def test_batch_reference_logprobs_make_the_first_ppo_step_a_policy_gradient_step
         "ppo_batch": dict(use_ppo_clip=True, ppo_clip_ref_logprobs="batch"),
         "ppo_rollout": dict(use_ppo_clip=True),
     }.items():
-        trainer = Trainer(make_cfg(tiny_qwen2_path, **over))
+        trainer = Trainer(make_settings(tiny_qwen2_path, **over))
         result = trainer.train_step(batch)
         norms[name] = result.metrics["grad_norm"]
         if name == "ppo_batch":
@@ -182,7 +182,7 @@ def test_batch_reference_logprobs_make_the_first_ppo_step_a_policy_gradient_step
 
 
 def test_minibatches_take_one_optimizer_step_each(tiny_qwen2_path):
-    trainer = Trainer(make_cfg(tiny_qwen2_path, number_of_minibatches=3))
+    trainer = Trainer(make_settings(tiny_qwen2_path))
     samples = make_samples(n=9, seed=7)
     result = trainer.train_step(pack(samples, number_of_minibatches=3))
     steps = {int(s["step"]) for s in trainer.optimizer.state.values()}
@@ -203,5 +203,5 @@ def test_auto_picks_the_native_model_and_falls_back_to_hf_for_uncovered_architec
     )
     assert choose_impl(tiny_qwen2_path, "auto") == "native"
     assert choose_impl(sliding, "auto") == "hf"  # the native decoder has no sliding-window attention
-    trainer = Trainer(make_cfg(sliding))
+    trainer = Trainer(make_settings(sliding))
     assert trainer.impl == "hf" and math.isfinite(trainer.train_step(pack(make_samples(n=3))).metrics["loss"])

@@ -25,7 +25,7 @@ from refractor.trainer import Trainer
 from refractor.weight_sync.control_plane import ServerRef
 from refractor.weight_sync.sender import WeightSender
 from refractor.weight_sync.settings import WeightSyncSettings
-from trainer._helpers import make_cfg, make_samples, pack, quiet_env
+from trainer._helpers import make_samples, make_settings, pack, quiet_env
 
 quiet_env()
 BUCKET_MB = 0.25
@@ -79,7 +79,7 @@ def server(tiny_qwen2_path):
 
 @pytest.fixture(scope="module")
 def trainer(tiny_qwen2_path):
-    return Trainer(make_cfg(tiny_qwen2_path))
+    return Trainer(make_settings(tiny_qwen2_path))
 
 
 def observed(buckets, server: NativeServer, log: list[dict]):

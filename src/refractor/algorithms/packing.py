@@ -21,11 +21,35 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from refractor.algorithms.loss import Aggregation, loss_normalizer
+from refractor.algorithms.loss import Aggregation, LossSettings, loss_normalizer
 from refractor.records import MicroBatch, TrainBatch, TrainSample
+
+
+@dataclass(frozen=True)
+class PackingSettings:
+    """The config fields packing reads, and the tokenizer's pad id."""
+
+    seq_len: int
+    pad_to_multiple_of: int
+    pad_token_id: int
+    number_of_minibatches: int
+    aggregation: Aggregation  # selects the loss normalizer (LossSettings.aggregation)
+    max_tokens: int  # the token_sum_norm budget per sample
+
+    @classmethod
+    def from_config(cls, cfg: Any, pad_token_id: int) -> PackingSettings:
+        return cls(
+            seq_len=cfg.seq_len,
+            pad_to_multiple_of=cfg.pad_to_multiple_of,
+            pad_token_id=pad_token_id,
+            number_of_minibatches=cfg.number_of_minibatches,
+            aggregation=LossSettings.from_config(cfg).aggregation,
+            max_tokens=cfg.max_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -211,4 +235,21 @@ def pack_train_batch(
         loss_normalizer=step_normalizer,
         num_samples=len(prepared),
         metrics=metrics,
+    )
+
+
+def pack_step(
+    samples: Sequence[TrainSample], step: int, settings: PackingSettings, num_dp_ranks: int
+) -> TrainBatch:
+    """``pack_train_batch`` with a run's packing settings: one step's samples for ``num_dp_ranks`` ranks."""
+    return pack_train_batch(
+        samples,
+        step=step,
+        seq_len=settings.seq_len,
+        pad_to_multiple_of=settings.pad_to_multiple_of,
+        pad_token_id=settings.pad_token_id,
+        num_dp_ranks=num_dp_ranks,
+        number_of_minibatches=settings.number_of_minibatches,
+        aggregation=settings.aggregation,
+        max_tokens=settings.max_tokens,
     )

@@ -1,22 +1,25 @@
 """Inference servers as Ray actors: each actor owns one server process (native engine or vLLM).
 
-The actor starts the server subprocess with the resolved config (translated into the engine's own
-arguments), waits for ``/health`` and returns its URL; on failure the error carries the server's
-last log lines. Stopping kills the server's whole process group. The orchestrator talks to the
-servers over HTTP with :mod:`refractor.inference.client`, the same for both engines.
+The group reads the resolved config once into :class:`ServerGroupSettings`; each actor starts its
+server subprocess from them (translated into the engine's own arguments), waits for ``/health``
+and returns its URL; on failure the error carries the server's last log lines. Stopping kills the
+server's whole process group. The orchestrator talks to the servers over HTTP with
+:mod:`refractor.inference.client`, the same for both engines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from refractor.inference.process import ServerStartError
+from refractor.inference.process import ServerProcess, ServerStartError
+from refractor.inference.vllm.launcher import VllmServerSettings
 from refractor.runtime.cluster import Reservation
 
 
@@ -32,54 +35,97 @@ def choose_engine(requested: str, has_gpu: bool) -> str:
     return "vllm" if has_gpu and importlib.util.find_spec("vllm") is not None else "native"
 
 
-def native_engine_args(cfg) -> dict:
-    """The refractor keys that size the native engine, as its `refractor serve` options."""
-    return {
-        "max_model_len": cfg.max_model_len,
-        "kv_cache_memory_gb": cfg.kv_cache_memory_gb,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "max_num_seqs": cfg.max_num_seqs,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "seed": cfg.seed,
-    }
+@dataclass(frozen=True)
+class NativeEngineArgs:
+    """The refractor keys that size the native engine, passed as its `refractor serve` options."""
+
+    max_model_len: int
+    kv_cache_memory_gb: float | None
+    gpu_memory_utilization: float
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    seed: int
+
+
+@dataclass(frozen=True)
+class ServerGroupSettings:
+    """What every inference server actor needs to start its server, read once from the resolved config."""
+
+    model: str  # also the served model name
+    host: str  # inference_host: the bind address
+    chat_template: str | None
+    startup_timeout_s: float  # ray_placement_timeout_s: how long a server may take to become healthy
+    native: NativeEngineArgs
+    vllm: VllmServerSettings
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ServerGroupSettings:
+        return cls(
+            model=cfg.model,
+            host=cfg.inference_host,
+            chat_template=cfg.chat_template,
+            startup_timeout_s=float(cfg.ray_placement_timeout_s),
+            native=NativeEngineArgs(
+                max_model_len=cfg.max_model_len,
+                kv_cache_memory_gb=cfg.kv_cache_memory_gb,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                seed=cfg.seed,
+            ),
+            vllm=VllmServerSettings.from_config(cfg, served_model_name=cfg.model),
+        )
+
+
+def launch_server(settings: ServerGroupSettings, engine: str, log_path: Path) -> ServerProcess:
+    """Start one server process with ``engine`` and wait until it is healthy (ServerStartError if not)."""
+    if engine == "vllm":
+        from refractor.inference.vllm.launcher import start_vllm_server
+
+        return start_vllm_server(
+            settings.model,
+            host=settings.host,
+            settings=settings.vllm,
+            log_path=log_path,
+            die_with_parent=True,
+        )
+    from refractor.inference.server import start_native_server
+
+    return start_native_server(
+        settings.model,
+        host=settings.host,
+        engine_args=asdict(settings.native),
+        served_model_name=settings.model,
+        chat_template=settings.chat_template,
+        startup_timeout_s=settings.startup_timeout_s,
+        log_path=str(log_path),
+        die_with_parent=True,
+    )
+
+
+def reachable_url(url: str, node_address: str) -> str:
+    """A server bound to the wildcard address is reached through its node's address (the driver
+    may run on another node)."""
+    return url.replace("://0.0.0.0:", f"://{node_address}:")
 
 
 @ray.remote(max_restarts=0)
 class InferenceServerActor:
-    def __init__(self, cfg, name: str, engine: str, log_dir: str) -> None:
-        self.cfg, self.name, self.engine, self.log_dir = cfg, name, engine, Path(log_dir)
+    def __init__(self, settings: ServerGroupSettings, name: str, engine: str, log_dir: str) -> None:
+        self.settings = settings
+        self.name = name
+        self.engine = engine
+        self.log_dir = Path(log_dir)
         self.server = None
 
     def start(self) -> str:
-        host = self.cfg.inference_host
-        log_path = self.log_dir / f"{self.name}.log"
         try:
-            if self.engine == "vllm":
-                from refractor.inference.vllm.launcher import VllmServerSettings, start_vllm_server
-
-                settings = VllmServerSettings.from_config(self.cfg, served_model_name=self.cfg.model)
-                self.server = start_vllm_server(
-                    self.cfg.model, host=host, settings=settings, log_path=log_path, die_with_parent=True
-                )
-            else:
-                from refractor.inference.server import start_native_server
-
-                self.server = start_native_server(
-                    self.cfg.model,
-                    host=host,
-                    engine_args=native_engine_args(self.cfg),
-                    served_model_name=self.cfg.model,
-                    chat_template=self.cfg.chat_template,
-                    startup_timeout_s=float(self.cfg.ray_placement_timeout_s),
-                    log_path=str(log_path),
-                    die_with_parent=True,
-                )
+            self.server = launch_server(self.settings, self.engine, self.log_dir / f"{self.name}.log")
         except Exception as err:  # noqa: BLE001 - re-raised with the server's name
             raise ServerStartError(
                 f"inference server {self.name} ({self.engine}) failed to start: {err}"
             ) from None
-        # a wildcard bind is reached through this node's address (the driver may run elsewhere)
-        return self.server.url.replace("://0.0.0.0:", f"://{ray.util.get_node_ip_address()}:")
+        return reachable_url(self.server.url, ray.util.get_node_ip_address())
 
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
@@ -100,7 +146,10 @@ class ServerInfo:
 
 
 class RayServerGroup:
+    """One server actor per bundle of ``reservation``; ``start`` returns their names and URLs."""
+
     def __init__(self, cfg, reservation: Reservation, engine: str, log_dir: str) -> None:
+        self.settings = ServerGroupSettings.from_config(cfg)
         self.engine = engine
         self.names = [f"server-{i}" for i in range(reservation.count)]
         self.actors = [
@@ -110,7 +159,7 @@ class RayServerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     reservation.group, placement_group_bundle_index=i
                 ),
-            ).remote(cfg, name, engine, log_dir)
+            ).remote(self.settings, name, engine, log_dir)
             for i, name in enumerate(self.names)
         ]
         self.infos: list[ServerInfo] = []

@@ -1,10 +1,11 @@
 """Trainer ranks as Ray actors, and the orchestrator-facing handle that drives them.
 
 Each actor is one torch.distributed rank (NCCL on GPU, gloo on CPU) wrapping
-:class:`refractor.trainer.Trainer`. Rank 0 also owns the :class:`WeightSender` that pushes the
-new weights into the inference servers after every step; the other ranks take part in the
-bucket gathers. :class:`RayTrainerGroup` packs each step's samples once on the driver and gives
-every rank the same :class:`TrainBatch`.
+:class:`refractor.trainer.Trainer`, built from the :class:`TrainerSettings` that the group reads
+once from the config. Rank 0 also owns the :class:`WeightSender` that pushes the new weights into
+the inference servers after every step; the other ranks take part in the bucket gathers.
+:class:`RayTrainerGroup` packs each step's samples once on the driver (``PackingSettings``) and
+gives every rank the same :class:`TrainBatch`.
 """
 
 from __future__ import annotations
@@ -14,23 +15,51 @@ import contextlib
 import json
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from refractor.algorithms.packing import PackingSettings, pack_step
 from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.runtime.cluster import Reservation
 from refractor.runtime.health import await_ranks
-from refractor.weight_sync import SyncReport, UpdateTarget
+from refractor.trainer.settings import TrainerSettings
+from refractor.weight_sync import SyncReport, UpdateTarget, WeightSyncSettings
+
+
+@dataclass(frozen=True)
+class TrainerGroupSettings:
+    """What the trainer group reads from the config: each rank's settings, rank 0's weight sender,
+    packing, the call deadline."""
+
+    trainer: TrainerSettings
+    weight_sync: WeightSyncSettings
+    packing: PackingSettings
+    call_timeout_s: float  # trainer_call_timeout_s: a rank that does not answer by then failed
+
+    @classmethod
+    def from_config(cls, cfg: Any, pad_token_id: int) -> TrainerGroupSettings:
+        return cls(
+            trainer=TrainerSettings.from_config(cfg),
+            weight_sync=WeightSyncSettings.from_config(cfg),
+            packing=PackingSettings.from_config(cfg, pad_token_id),
+            call_timeout_s=float(cfg.trainer_call_timeout_s),
+        )
 
 
 @ray.remote(max_restarts=0)
 class TrainerActor:
     """One trainer rank. Construction is cheap; ``setup`` joins the process group and loads the model."""
 
-    def __init__(self, cfg, rank: int, world_size: int, run_dir: str) -> None:
-        self.cfg, self.rank, self.world_size, self.run_dir = cfg, rank, world_size, run_dir
+    def __init__(
+        self, settings: TrainerSettings, weight_sync: WeightSyncSettings, rank: int, world_size: int
+    ) -> None:
+        self.settings = settings
+        self.weight_sync = weight_sync
+        self.rank = rank
+        self.world_size = world_size
         self.trainer = None
         self.sender = None
 
@@ -45,24 +74,19 @@ class TrainerActor:
         from refractor.trainer import Trainer
 
         self.trainer = Trainer(
-            self.cfg,
-            self.rank,
-            self.world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            run_dir=self.run_dir,
+            self.settings, self.rank, self.world_size, master_addr=master_addr, master_port=master_port
         )
         return {"rank": self.rank, "device": str(self.trainer.device), "node": ray.util.get_node_ip_address()}
 
     def init_weight_sync(self, servers: list[tuple[str, str]], eval_servers: list[str]) -> None:
         if self.rank != 0:
             return
-        from refractor.weight_sync import ServerRef, WeightSender, WeightSyncSettings
+        from refractor.weight_sync import ServerRef, WeightSender
 
         refs = [ServerRef(name, url) for name, url in servers]
         self.sender = WeightSender(
             refs,
-            WeightSyncSettings.from_config(self.cfg),
+            self.weight_sync,
             eval_servers=eval_servers,
             master_address=ray.util.get_node_ip_address(),
             device=self.trainer.device,
@@ -106,9 +130,9 @@ class TrainerActor:
 class RayTrainerGroup:
     """What the orchestrator calls (``train_step``, ``update_weights``, ``save_checkpoint``), on Ray."""
 
-    def __init__(self, cfg, reservation: Reservation, run_dir: str, pad_token_id: int) -> None:
-        self.cfg, self.pad_token_id = cfg, pad_token_id
-        self.call_timeout_s = float(cfg.trainer_call_timeout_s)
+    def __init__(self, cfg, reservation: Reservation, pad_token_id: int) -> None:
+        self.settings = TrainerGroupSettings.from_config(cfg, pad_token_id)
+        self.call_timeout_s = self.settings.call_timeout_s
         self.world_size = reservation.count
         self.actors = [
             TrainerActor.options(
@@ -118,7 +142,7 @@ class RayTrainerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     reservation.group, placement_group_bundle_index=rank
                 ),
-            ).remote(cfg, rank, self.world_size, run_dir)
+            ).remote(self.settings.trainer, self.settings.weight_sync, rank, self.world_size)
             for rank in range(self.world_size)
         ]
 
@@ -139,21 +163,7 @@ class RayTrainerGroup:
 
     # --- the orchestrator's Trainer protocol ---
     async def train_step(self, step: int, samples: list[TrainSample]) -> StepResult:
-        from refractor.algorithms.loss import LossSettings
-        from refractor.algorithms.packing import pack_train_batch
-
-        batch = await asyncio.to_thread(
-            pack_train_batch,
-            samples,
-            step=step,
-            seq_len=self.cfg.seq_len,
-            pad_to_multiple_of=self.cfg.pad_to_multiple_of,
-            pad_token_id=self.pad_token_id,
-            num_dp_ranks=self.world_size,
-            number_of_minibatches=self.cfg.number_of_minibatches,
-            aggregation=LossSettings.from_config(self.cfg).aggregation,
-            max_tokens=self.cfg.max_tokens,
-        )
+        batch = await asyncio.to_thread(pack_step, samples, step, self.settings.packing, self.world_size)
         batch_ref = ray.put(batch)
         results = await await_ranks(
             [a.train_step.remote(batch_ref) for a in self.actors],

@@ -2,10 +2,18 @@
 
 Entry point
 -----------
-``Trainer(cfg, rank=None, world_size=None, *, master_addr=None, master_port=None, device=None,
-run_dir=None, model_impl="auto", random_init=False, compile=None)``
+``TrainerSettings.from_config(cfg)`` (``refractor.trainer.settings``)
+    The config keys the trainer reads, as a frozen, picklable dataclass with typed sections:
+    ``optimizer`` (AdamW, ``grad_clip``, LR schedule), ``forward`` (temperature, chunking, passes),
+    ``loss`` (``LossSettings``) and ``checkpoint`` (directory, retention, resume). Field names are
+    the config keys; the dataclass defaults equal the schema's. ``from_config`` only reads
+    attributes, and ``TrainerSettings.from_keys(model=..., **keys)`` builds the settings from plain
+    keys, so the trainer runs where pydantic is absent (GPU device images).
+
+``Trainer(settings, rank=None, world_size=None, *, master_addr=None, master_port=None, device=None,
+model_impl="auto", random_init=False, compile=None)``
     Joins (or creates) the default process group: NCCL on CUDA, gloo on CPU; missing rank/world/
-    address come from torchrun's environment, a lone process is rank 0 of 1. Loads ``cfg.model``
+    address come from torchrun's environment, a lone process is rank 0 of 1. Loads ``settings.model``
     (an HF directory / cached id / ``refractor-testing/...``, or a native checkpoint directory whose
     weights become the initial weights), with refractor's shared model for Llama/Qwen2/Qwen3 and
     HF ``AutoModelForCausalLM`` otherwise (``model_impl`` forces one). Master weights in
@@ -16,8 +24,7 @@ run_dir=None, model_impl="auto", random_init=False, compile=None)``
     ``compile=``) compiles each decoder layer with its activation checkpoint, and the rows of a
     minibatch are concatenated into passes of ``trainer_max_tokens_per_forward`` tokens (``rows.py``),
     padded to multiples of ``trainer_pass_pad_multiple`` when compiled (a few static lengths).
-    ``cfg`` is only read (attributes), so a plain namespace with the
-    same keys works where pydantic is missing (GPU benchmark images).
+    Checkpoints go to ``checkpoint_dir``, else ``<run_dir>/<run_name>/checkpoints``.
 
 ``trainer.train_step(batch: TrainBatch) -> StepResult``
     Call on every rank with the same batch (``refractor.algorithms.packing.pack_train_batch`` with
@@ -49,9 +56,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from refractor.trainer.settings import TrainerSettings
     from refractor.trainer.trainer import Trainer
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "TrainerSettings"]
 
 
 def __getattr__(name: str) -> Any:
@@ -59,4 +67,8 @@ def __getattr__(name: str) -> Any:
         from refractor.trainer.trainer import Trainer
 
         return Trainer
+    if name == "TrainerSettings":
+        from refractor.trainer.settings import TrainerSettings
+
+        return TrainerSettings
     raise AttributeError(name)

@@ -28,6 +28,7 @@ from refractor.records import MicroBatch, TrainBatch
 from refractor.trainer.distributed import all_reduce_
 from refractor.trainer.policy_model import PolicyModel
 from refractor.trainer.rows import merge_rows, pad_row
+from refractor.trainer.settings import TrainerSettings
 from refractor.trainer.timing import StepTimer
 
 RATIO_ALGORITHMS = {"cispo", "gspo", "sapo"}
@@ -35,7 +36,7 @@ RATIO_ALGORITHMS = {"cispo", "gspo", "sapo"}
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The config fields a step reads."""
+    """What a step reads, resolved for this rank (model pad id, device, compiled layers)."""
 
     temperature: float
     chunk_size: int
@@ -47,22 +48,23 @@ class StepSettings:
     pass_pad_multiple: int = 0  # every pass is padded to a multiple of this (static compiled shapes); 0 = off
 
     @classmethod
-    def from_config(
-        cls, cfg, pad_token_id: int, on_cuda: bool = True, compiled: bool = False
+    def from_settings(
+        cls, settings: TrainerSettings, pad_token_id: int, on_cuda: bool = True, compiled: bool = False
     ) -> StepSettings:
         """Rows are merged only on CUDA: there the attention is FlexAttention (cost ~ the tokens of each
         sample), while the CPU path builds a dense [T, T] mask per pass. Passes are padded to static
         lengths only for compiled layers (eager kernels take any length at no cost)."""
-        uses_ratio = cfg.use_ppo_clip or cfg.algorithm in RATIO_ALGORITHMS
+        forward = settings.forward
+        uses_ratio = settings.loss.use_ppo_clip or settings.loss.algorithm in RATIO_ALGORITHMS
         return cls(
-            temperature=cfg.temperature,
-            chunk_size=cfg.entropy_chunk_size,
-            grad_clip=cfg.grad_clip,
-            batch_ref_logprobs=cfg.ppo_clip_ref_logprobs == "batch" and uses_ratio,
+            temperature=forward.temperature,
+            chunk_size=forward.entropy_chunk_size,
+            grad_clip=settings.optimizer.grad_clip,
+            batch_ref_logprobs=forward.ppo_clip_ref_logprobs == "batch" and uses_ratio,
             pad_token_id=pad_token_id,
-            pad_to_multiple_of=min(cfg.pad_to_multiple_of, 64),
-            max_tokens_per_forward=getattr(cfg, "trainer_max_tokens_per_forward", 0) if on_cuda else 0,
-            pass_pad_multiple=getattr(cfg, "trainer_pass_pad_multiple", 0) if compiled else 0,
+            pad_to_multiple_of=min(forward.pad_to_multiple_of, 64),
+            max_tokens_per_forward=forward.trainer_max_tokens_per_forward if on_cuda else 0,
+            pass_pad_multiple=forward.trainer_pass_pad_multiple if compiled else 0,
         )
 
 

@@ -8,7 +8,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,11 +19,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from refractor.algorithms.loss import LossSettings
 from refractor.records import StepResult, TrainBatch
 from refractor.trainer import checkpoint as ckpt
 from refractor.trainer.distributed import init_distributed
-from refractor.trainer.optim import LRSchedule, build_lr_scheduler, build_optimizer
+from refractor.trainer.optim import build_lr_scheduler, build_optimizer
 from refractor.trainer.policy_model import (
     LM_PREFIX,
     ModelImpl,
@@ -34,63 +33,56 @@ from refractor.trainer.policy_model import (
     prepare_layers,
     shard_model,
 )
+from refractor.trainer.settings import TrainerSettings
 from refractor.trainer.step import StepSettings, run_step, step_metrics
 from refractor.trainer.timing import StepTimer
 from refractor.weight_sync.gather import WeightBucket, iter_weight_buckets
-
-if TYPE_CHECKING:  # the trainer only reads attributes: it also runs where pydantic is absent (GPU images)
-    from refractor.config import RefractorConfig
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def checkpoint_root(cfg: RefractorConfig, run_dir: str | Path | None = None) -> Path | None:
-    """``checkpoint_dir``, else ``<run_dir>/checkpoints`` (run_dir defaults to ``<cfg.run_dir>/<run_name>``)."""
-    if cfg.checkpoint_dir:
-        return Path(cfg.checkpoint_dir)
-    if run_dir is None and cfg.run_name:
-        run_dir = Path(cfg.run_dir) / cfg.run_name
-    return None if run_dir is None else Path(run_dir) / "checkpoints"
-
-
 class Trainer:
-    """See ``refractor.trainer`` for the contract. Construct on every rank with the same config."""
+    """See ``refractor.trainer`` for the contract. Construct on every rank with the same settings."""
 
     def __init__(
         self,
-        cfg: RefractorConfig,
+        settings: TrainerSettings,
         rank: int | None = None,
         world_size: int | None = None,
         *,
         master_addr: str | None = None,
         master_port: int | None = None,
         device: str | torch.device | None = None,
-        run_dir: str | Path | None = None,
         model_impl: ModelImpl = "auto",
         random_init: bool = False,
         compile: bool | None = None,
     ):
-        self.cfg = cfg
+        self.settings = settings
         self.info = init_distributed(
             rank, world_size, master_addr=master_addr, master_port=master_port, device=device
         )
-        self.rank, self.world_size, self.device = self.info.rank, self.info.world_size, self.info.device
-        self.checkpoint_dir = checkpoint_root(cfg, run_dir)
+        self.rank = self.info.rank
+        self.world_size = self.info.world_size
+        self.device = self.info.device
+        self.checkpoint_dir = settings.checkpoint.root
 
-        source, init_checkpoint = self._model_source(cfg.model)
+        source, init_checkpoint = self._model_source(settings.model)
         self.model_dir = source
         self.hf_config = json.loads((source / "config.json").read_text())
-        master, compute = _DTYPES[cfg.model_dtype], _DTYPES.get(cfg.mixed_precision_dtype or "")
+        master = _DTYPES[settings.model_dtype]
+        compute = _DTYPES.get(settings.mixed_precision_dtype or "")
         if not self.info.is_cuda and (master != torch.float32 or compute not in (None, torch.float32)):
             log.info(
                 "trainer on CPU: mixed precision is slow or unsupported there; computing in float32 "
                 "(model_dtype=%s, mixed_precision_dtype=%s ignored)",
-                cfg.model_dtype,
-                cfg.mixed_precision_dtype,
+                settings.model_dtype,
+                settings.mixed_precision_dtype,
             )
-            master, compute = torch.float32, None
-        self.master_dtype, self.compute_dtype = master, (None if compute == master else compute)
+            master = torch.float32
+            compute = None
+        self.master_dtype = master
+        self.compute_dtype = None if compute == master else compute
 
         self.impl = choose_impl(source, model_impl)
         lm = load_lm(
@@ -99,16 +91,14 @@ class Trainer:
             master,
             self.device,
             random_init=random_init or init_checkpoint is not None,
-            seed=cfg.seed,
+            seed=settings.seed,
         )
         self.model = PolicyModel(lm, self.impl)
         # ``trainer_compile`` applies on CUDA only (Inductor on CPU needs a C++ toolchain and gains little
         # there); an explicit ``compile=`` argument is obeyed on any device (tests trace on CPU).
-        self.compiled = (
-            (self.info.is_cuda and getattr(cfg, "trainer_compile", True)) if compile is None else compile
-        )
+        self.compiled = (self.info.is_cuda and settings.trainer_compile) if compile is None else compile
         prepare_layers(
-            self.model.layers, checkpoint_activations=cfg.activation_checkpointing, compile=self.compiled
+            self.model.layers, checkpoint_activations=settings.activation_checkpointing, compile=self.compiled
         )
         shard_model(
             self.model,
@@ -119,17 +109,15 @@ class Trainer:
         if init_checkpoint is not None:
             self.load_weights(init_checkpoint)
 
+        optimizer = settings.optimizer
         self.optimizer = build_optimizer(
-            self.model.parameters(), cfg.learning_rate, cfg.weight_decay, fused=self.info.is_cuda
+            self.model.parameters(), optimizer.learning_rate, optimizer.weight_decay, fused=self.info.is_cuda
         )
-        self.scheduler = build_lr_scheduler(
-            self.optimizer,
-            LRSchedule(cfg.lr_scheduler, cfg.warmup_steps, cfg.number_of_steps, cfg.min_lr_ratio),
-        )
-        self.loss_settings = LossSettings.from_config(cfg)
+        self.scheduler = build_lr_scheduler(self.optimizer, optimizer.schedule)
+        self.loss_settings = settings.loss
         pad_id = self.hf_config.get("pad_token_id")
-        self.step_settings = StepSettings.from_config(
-            cfg,
+        self.step_settings = StepSettings.from_settings(
+            settings,
             pad_token_id=pad_id if isinstance(pad_id, int) else 0,
             on_cuda=self.info.is_cuda,
             compiled=self.compiled,
@@ -145,7 +133,7 @@ class Trainer:
             self.impl,
             master,
             self.compute_dtype or master,
-            cfg.activation_checkpointing,
+            settings.activation_checkpointing,
             self.compiled,
             self.step_settings.max_tokens_per_forward or "one row",
         )
@@ -229,7 +217,7 @@ class Trainer:
     ) -> Iterator[WeightBucket]:
         """Full weights with HF names in buckets of ``bucket_mb`` MiB (default ``weight_broadcast_bucket_mb``)
         cast to ``dtype`` (default: the checkpoint's dtype). Iterate on every rank; rank 0 gets the tensors."""
-        mb = bucket_mb or self.cfg.weight_broadcast_bucket_mb
+        mb = bucket_mb or self.settings.weight_broadcast_bucket_mb
         return iter_weight_buckets(self.model, mb * 2**20, dtype or self.inference_dtype())
 
     # ------------------------------------------------------------------ checkpoints
@@ -238,10 +226,7 @@ class Trainer:
 
     def _require_checkpoint_dir(self) -> Path:
         if self.checkpoint_dir is None:
-            raise ValueError(
-                "no checkpoint directory: set `checkpoint_dir` or `run_name` in the config, "
-                "or pass run_dir= to Trainer"
-            )
+            raise ValueError("no checkpoint directory: set `checkpoint_dir` or `run_name` in the config")
         return self.checkpoint_dir
 
     def save_checkpoint(
@@ -256,7 +241,8 @@ class Trainer:
         """
         root = self._require_checkpoint_dir()
         step = self._step if step is None else step
-        training_state = self.cfg.checkpoint_save_training_state
+        checkpoint = self.settings.checkpoint
+        training_state = checkpoint.checkpoint_save_training_state
         if training_state:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             state = {
@@ -268,12 +254,11 @@ class Trainer:
         else:
             state = {"model": self._hf_model_state(), "trainer": {"step": self._step}}
         meta = {
-            "base_model": self.cfg.model,
+            "base_model": self.settings.model,
             "model_impl": self.impl,
             "model_dtype": str(self.master_dtype),
             "trainer_step": self._step,
         }
-        cfg = self.cfg
         return ckpt.save_checkpoint(
             root,
             step,
@@ -283,7 +268,7 @@ class Trainer:
             extra_files=extra_files,
             save_rng=training_state,
             after_rename=lambda: ckpt.apply_retention(
-                root, step, cfg.checkpoint_keep_last, cfg.checkpoint_keep_every
+                root, step, checkpoint.checkpoint_keep_last, checkpoint.checkpoint_keep_every
             ),
         )
 
@@ -318,7 +303,7 @@ class Trainer:
 
     def maybe_resume(self) -> int | None:
         """Apply ``resume_from_checkpoint`` (true = latest, N = step N); returns the loaded step or None."""
-        which = self.cfg.resume_from_checkpoint
+        which = self.settings.checkpoint.resume_from_checkpoint
         if which is False:
             return None
         return self.load_checkpoint(which)

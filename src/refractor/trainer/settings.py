@@ -1,0 +1,123 @@
+"""``TrainerSettings``: the config keys the trainer reads, as typed sections, read once from the config.
+
+Field names are the config keys, so a section reads like the YAML it came from. The dataclass
+defaults are the trainer's only copy of the defaults; a test asserts that each equals the
+``RefractorConfig`` schema default of the same key. This module imports neither pydantic nor
+``refractor.config``: ``from_config`` only reads attributes, and ``from_keys`` builds the settings
+from plain keys where pydantic is absent (GPU device images).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from refractor.algorithms.loss import LossSettings
+from refractor.trainer.optim import LRSchedule
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW, gradient clipping and the learning-rate schedule (``optim.py``)."""
+
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max gradient norm; 0 reports the norm without clipping
+    lr_scheduler: str = "constant"  # none | constant | linear | cosine
+    warmup_steps: int = 0
+    number_of_steps: int = 300  # the schedule's horizon
+    min_lr_ratio: float = 0.0
+
+    @property
+    def schedule(self) -> LRSchedule:
+        return LRSchedule(self.lr_scheduler, self.warmup_steps, self.number_of_steps, self.min_lr_ratio)
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How the packed rows of a step run through the model (``step.py``, ``rows.py``)."""
+
+    temperature: float = 1.0  # logits are divided by the sampling temperature
+    entropy_chunk_size: int = 1024
+    pad_to_multiple_of: int = 64
+    ppo_clip_ref_logprobs: str = "rollout"  # rollout | batch
+    trainer_max_tokens_per_forward: int = 16384  # CUDA: rows are concatenated up to this; 0 = one per pass
+    trainer_pass_pad_multiple: int = 4096  # compiled CUDA layers: passes padded to a multiple of this
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where checkpoints live, what they hold, which ones are kept, and which one a run resumes from."""
+
+    run_dir: str = "runs"
+    run_name: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_save_training_state: bool = True
+    checkpoint_keep_last: int | None = None
+    checkpoint_keep_every: int | None = None
+    resume_from_checkpoint: bool | int = False  # true = the latest step, an int = that step
+
+    @property
+    def root(self) -> Path | None:
+        """``checkpoint_dir``, else ``<run_dir>/<run_name>/checkpoints``; None without a run name."""
+        if self.checkpoint_dir:
+            return Path(self.checkpoint_dir)
+        if self.run_name:
+            return Path(self.run_dir) / self.run_name / "checkpoints"
+        return None
+
+
+_SECTIONS: dict[str, type] = {
+    "optimizer": OptimizerSettings,
+    "forward": ForwardSettings,
+    "loss": LossSettings,
+    "checkpoint": CheckpointSettings,
+}
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Everything ``Trainer`` reads: model and precision keys, then one section per concern."""
+
+    model: str  # HF directory / cached id / refractor-testing/..., or a native checkpoint directory
+    model_dtype: str = "float32"  # master weights
+    mixed_precision_dtype: str | None = "bfloat16"  # compute; None = the master dtype
+    seed: int = 0
+    activation_checkpointing: bool | str = True  # true | false | "selective"
+    trainer_compile: bool = True  # CUDA only
+    weight_broadcast_bucket_mb: int = 256
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    forward: ForwardSettings = field(default_factory=ForwardSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        """The config keys the trainer reads: the plain fields and those of every section."""
+        keys = []
+        for f in fields(cls):
+            section = _SECTIONS.get(f.name)
+            keys += [g.name for g in fields(section)] if section else [f.name]
+        return keys
+
+    @classmethod
+    def from_keys(cls, **keys: Any) -> TrainerSettings:
+        """Settings from flat config keys (``model`` required), each routed to its section; keys not
+        given keep their defaults. Raises TypeError for a key the trainer does not read."""
+        unknown = sorted(set(keys) - set(cls.config_keys()))
+        if unknown:
+            raise TypeError(f"not trainer config keys: {', '.join(unknown)}")
+        values = {}
+        for f in fields(cls):
+            section = _SECTIONS.get(f.name)
+            if section is not None:
+                values[f.name] = section(**{g.name: keys[g.name] for g in fields(section) if g.name in keys})
+            elif f.name in keys:
+                values[f.name] = keys[f.name]
+        return cls(**values)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> TrainerSettings:
+        """The trainer's keys of a ``RefractorConfig`` (attributes only)."""
+        return cls.from_keys(**{key: getattr(cfg, key) for key in cls.config_keys()})

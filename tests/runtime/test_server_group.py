@@ -1,0 +1,152 @@
+"""The server group: settings read once from the config, translated into each engine's command line;
+a server that fails to start is named (real Ray actor)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from refractor.config import RefractorConfig
+from refractor.inference.process import ServerProcess, ServerStartError
+from refractor.inference.vllm.launcher import VllmServerSettings
+from refractor.runtime.cluster import reserve
+from refractor.runtime.server_group import (
+    NativeEngineArgs,
+    RayServerGroup,
+    ServerGroupSettings,
+    choose_engine,
+    launch_server,
+    reachable_url,
+)
+
+
+def server_config(**overrides) -> RefractorConfig:
+    values = dict(
+        environments=[{"name": "countdown"}],
+        model="/models/policy",
+        max_model_len=512,
+        max_tokens=256,
+        kv_cache_memory_gb=0.25,
+        max_num_seqs=4,
+        seed=3,
+        chat_template="{{ messages }}",
+        ray_placement_timeout_s=77,
+    )
+    return RefractorConfig(**{**values, **overrides})
+
+
+def test_settings_are_read_once_from_the_config():
+    cfg = server_config()
+    s = ServerGroupSettings.from_config(cfg)
+    assert (s.model, s.host, s.chat_template, s.startup_timeout_s) == (
+        "/models/policy",
+        "0.0.0.0",
+        "{{ messages }}",
+        77.0,
+    )
+    assert s.native == NativeEngineArgs(
+        max_model_len=512,
+        kv_cache_memory_gb=0.25,
+        gpu_memory_utilization=0.9,
+        max_num_seqs=4,
+        max_num_batched_tokens=None,
+        seed=3,
+    )
+    assert s.vllm == VllmServerSettings.from_config(cfg, served_model_name="/models/policy")
+    assert s.vllm.startup_timeout_s == 77.0
+
+
+class Spawned:
+    """Stands in for ServerProcess.spawn: records the command line, is healthy at once."""
+
+    def __init__(self) -> None:
+        self.argv: list[str] = []
+        self.url = ""
+        self.timeout_s = 0.0
+
+    def spawn(self, argv, *, url, log_path, what, env=None, die_with_parent=False):
+        self.argv = argv
+        self.url = url
+        assert die_with_parent  # the server dies with its actor
+        return self
+
+    def wait_healthy(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        return self
+
+
+def option(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+@pytest.fixture
+def spawned(monkeypatch) -> Spawned:
+    fake = Spawned()
+    monkeypatch.setattr(ServerProcess, "spawn", lambda argv, **kw: fake.spawn(argv, **kw))
+    return fake
+
+
+def test_native_server_command_line(spawned, tmp_path):
+    launch_server(ServerGroupSettings.from_config(server_config()), "native", tmp_path / "s.log")
+    argv = spawned.argv
+    assert argv[argv.index("serve") :][:5] == ["serve", "--model", "/models/policy", "--engine", "native"]
+    expected = {
+        "--host": "0.0.0.0",
+        "--max-model-len": "512",
+        "--kv-cache-memory-gb": "0.25",
+        "--gpu-memory-utilization": "0.9",
+        "--max-num-seqs": "4",
+        "--seed": "3",
+        "--served-model-name": "/models/policy",
+        "--chat-template": "{{ messages }}",
+    }
+    assert {flag: option(argv, flag) for flag in expected} == expected
+    assert "--max-num-batched-tokens" not in argv  # unset keys are left to the engine
+    port = int(option(argv, "--port"))
+    assert spawned.url == f"http://127.0.0.1:{port}" and spawned.timeout_s == 77.0
+
+
+def test_vllm_server_command_line(spawned, tmp_path):
+    launch_server(ServerGroupSettings.from_config(server_config()), "vllm", tmp_path / "s.log")
+    argv = spawned.argv
+    expected = {
+        "--model": "/models/policy",
+        "--host": "0.0.0.0",
+        "--max-model-len": "512",
+        "--seed": "3",
+        "--max-num-seqs": "4",
+        "--served-model-name": "/models/policy",
+        "--kv-cache-memory-bytes": str(2**28),
+    }
+    assert {flag: option(argv, flag) for flag in expected} == expected
+    assert spawned.url == f"http://127.0.0.1:{option(argv, '--port')}" and spawned.timeout_s == 77.0
+
+
+def test_wildcard_urls_are_reached_through_the_node_address():
+    assert reachable_url("http://0.0.0.0:8100", "10.0.0.5") == "http://10.0.0.5:8100"
+    assert reachable_url("http://127.0.0.1:8100", "10.0.0.5") == "http://127.0.0.1:8100"
+
+
+def test_explicit_engines_are_kept_and_auto_picks_native_without_a_gpu():
+    assert choose_engine("native", has_gpu=True) == "native"
+    assert choose_engine("auto", has_gpu=False) == "native"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_a_server_that_fails_to_start_is_named(local_ray, tmp_path):
+    cfg = server_config(inference_host="256.0.0.1")  # no such address: the start fails before any spawn
+    reservation = reserve("inference servers", 1, 1, 0, "PACK", 60, "cpus", "servers")
+    group = RayServerGroup(cfg, reservation, "native", str(tmp_path / "logs"))
+    try:
+        with pytest.raises(ServerStartError, match=r"inference server server-0 \(native\) failed to start"):
+            group.start()
+    finally:
+        group.shutdown()
+        remove_placement_group(reservation.group)
