@@ -37,6 +37,7 @@ from typing import Any
 
 from refractor.envs.base import Environment
 from refractor.envs.records import RewardResult, Sample
+from refractor.errors import RefractorUserError
 from refractor.evals.passk import PassKSpec, aggregate, parse_pass_k
 from refractor.orchestrator.chat import ChatTokens
 from refractor.orchestrator.records import DiscardReason, Rollout, RolloutStatus
@@ -53,7 +54,7 @@ log = logging.getLogger("refractor.evals")
 EVAL_ID_BASE = 10**12
 
 
-class EvalSetupError(RuntimeError):
+class EvalSetupError(RefractorUserError, RuntimeError):
     """An eval cannot be loaded as configured; the message names the eval and the fix."""
 
 
