@@ -9,6 +9,7 @@ from rich.console import Console
 
 from refractor import __version__
 from refractor.config import ConfigError, config_to_yaml, load_config
+from refractor.errors import RefractorUserError
 
 app = typer.Typer(
     name="refractor",
@@ -100,14 +101,12 @@ def train(
     cfg = load_or_exit(config, list(ctx.args))
     import signal
 
-    from refractor.runtime.errors import USER_ERRORS
-
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` shuts down as cleanly as Ctrl-C
     from refractor.train import run_training
 
     try:
         run_dir = run_training(cfg, quiet=quiet, overwrite=overwrite)
-    except USER_ERRORS as err:
+    except RefractorUserError as err:
         fail(str(err), code=1)
     except KeyboardInterrupt:
         fail("interrupted: every server and trainer process was stopped", code=130)

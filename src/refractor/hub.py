@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from refractor.errors import RefractorUserError
+
 TESTING_PREFIX = "refractor-testing/"
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(RefractorUserError, FileNotFoundError):
     pass
 
 

@@ -22,15 +22,12 @@ from typing import TYPE_CHECKING
 import yaml
 
 from refractor.config import RefractorConfig
+from refractor.errors import RunSetupError
 
 if TYPE_CHECKING:
     from refractor.runtime.health import ServerWatchdog
 
 log = logging.getLogger("refractor.train")
-
-
-class RunSetupError(RuntimeError):
-    """The run cannot start as configured; the message says what to change."""
 
 
 @dataclass(frozen=True)

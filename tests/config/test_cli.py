@@ -12,6 +12,9 @@ from typer.testing import CliRunner
 
 from refractor import __version__
 from refractor.cli import app
+from refractor.config import ConfigError
+from refractor.errors import RunSetupError
+from refractor.inference.process import ServerStartError
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "configs" / "examples").glob("*.yaml"))
@@ -94,3 +97,41 @@ def test_cross_field_error_from_console_script(tmp_path):
     assert proc.returncode == 2
     assert "requires `advantage_norm: batch`" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def _no_signal_handler(monkeypatch):
+    import signal
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # `train` routes SIGTERM to Ctrl-C
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RunSetupError("/runs/a already holds a run. Pick another `--run_name`."),
+        ServerStartError("native server for m exited during start-up"),
+        ConfigError("`learning_rate` must be > 0"),
+    ],
+)
+def test_train_prints_a_user_error_as_one_line_without_a_traceback(monkeypatch, error):
+    _no_signal_handler(monkeypatch)
+
+    def failing_run(cfg, *, quiet, overwrite):
+        raise error
+
+    monkeypatch.setattr("refractor.train.run_training", failing_run)
+    res = run("train", "--environments", '[{"name": "countdown"}]')
+    assert res.exit_code == 1
+    assert f"error: {error}" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_train_lets_an_unexpected_error_through_with_its_traceback(monkeypatch):
+    _no_signal_handler(monkeypatch)
+
+    def failing_run(cfg, *, quiet, overwrite):
+        raise RuntimeError("a bug, not a user mistake")
+
+    monkeypatch.setattr("refractor.train.run_training", failing_run)
+    res = run("train", "--environments", '[{"name": "countdown"}]')
+    assert isinstance(res.exception, RuntimeError) and "a bug" in str(res.exception)

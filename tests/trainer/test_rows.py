@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from refractor.algorithms.attention import block_causal_mask
+from refractor.models.attention import block_causal_mask
 from refractor.trainer import Trainer
 from refractor.trainer.rows import merge_rows, pad_row
 

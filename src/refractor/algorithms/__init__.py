@@ -18,8 +18,8 @@ Trainer (per step, per micro-batch):
                       LossSettings.from_config(cfg), mb.loss_normalizer, entropy=entropy)
     out.loss.backward()       # no division by the micro-batch count; SUM gradients over DP ranks
     stats = stats + out.stats # then all-reduce stats.values and call loss_metrics(stats, settings)
-Attention over packed rows: block_causal_attention (SDPA oracle), flex_block_causal_attention with
-document_block_mask (CUDA).
+Attention over packed rows (samples kept apart by ``mb.document_ids``) is the model's
+``refractor.models.attention.PackedAttention``.
 """
 
 from refractor.algorithms.advantages import (
@@ -31,12 +31,6 @@ from refractor.algorithms.advantages import (
     normalize_reward,
     overlong_penalty,
     score_group,
-)
-from refractor.algorithms.attention import (
-    block_causal_attention,
-    block_causal_mask,
-    document_block_mask,
-    flex_block_causal_attention,
 )
 from refractor.algorithms.filters import (
     FilterFlags,
@@ -72,10 +66,6 @@ __all__ = [
     "normalize_reward",
     "overlong_penalty",
     "score_group",
-    "block_causal_attention",
-    "block_causal_mask",
-    "document_block_mask",
-    "flex_block_causal_attention",
     "FilterFlags",
     "FilterSettings",
     "filter_metrics",

@@ -16,9 +16,10 @@ import yaml
 from pydantic import ValidationError
 
 from refractor.config.schema import IGNORED_KEYS, SECTIONS, EnvironmentEntry, EvalEntry, RefractorConfig
+from refractor.errors import RefractorUserError
 
 
-class ConfigError(ValueError):
+class ConfigError(RefractorUserError, ValueError):
     """A configuration the user must fix. ``str(err)`` is the full, human-readable message."""
 
 

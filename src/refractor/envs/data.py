@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from refractor.errors import RefractorUserError
+
 BUILTIN_DATA_DIR = Path(__file__).parent / "builtin" / "data"
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
-class DatasetLoadError(RuntimeError):
+class DatasetLoadError(RefractorUserError, RuntimeError):
     pass
 
 

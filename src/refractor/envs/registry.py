@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from refractor.envs.base import Environment, MultiTurnEnvironment, SingleTurnEnvironment
+from refractor.errors import RefractorUserError
 
 ENV_PATH_VAR = "REFRACTOR_ENV_PATH"
 ENTRY_POINT_GROUP = "refractor.environments"
@@ -36,7 +37,7 @@ _BASES = {Environment, SingleTurnEnvironment, MultiTurnEnvironment}
 _CLASS_CACHE: dict[tuple[str, str], type[Environment]] = {}
 
 
-class EnvironmentNotFoundError(LookupError):
+class EnvironmentNotFoundError(RefractorUserError, LookupError):
     pass
 
 

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import httpx
 
+from refractor.errors import RefractorUserError
+
 _PR_SET_PDEATHSIG = 1
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(RefractorUserError, RuntimeError):
     """The server exited or never became healthy; the message ends with its last log lines."""
 
 

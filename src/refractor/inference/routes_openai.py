@@ -10,13 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from refractor.inference.engine import RequestOutput, SamplingParams
-from refractor.inference.protocol import (
+from refractor.inference.request_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     TokenizeRequest,
 )
-from refractor.inference.server import BadRequest, ServerState, run_until_disconnect
+from refractor.inference.server_state import BadRequest, ServerState, run_until_disconnect
 
 router = APIRouter()
 

@@ -2,10 +2,11 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/inference/v1/generate``, ``/v1/models``,
 ``/tokenize`` (``routes_openai.py``); ``/health``, ``/metrics``, ``/pause``, ``/resume``,
-``/is_paused``, ``/abort_requests`` (here); the weight-update routes
-(``refractor.inference.weight_routes``), plus any ``extra_routers`` given to ``create_app``. Metrics keep vLLM's ``vllm:`` names so one
-scraper reads both engines. Malformed bodies get a 400 naming the field; a client that disconnects
-has its request aborted (KV freed at once).
+``/is_paused``, ``/abort_requests`` (here), all sharing one ``ServerState`` (``server_state.py``);
+the weight-update routes (``refractor.inference.weight_routes``), plus any ``extra_routers`` given to
+``create_app``. Metrics keep vLLM's ``vllm:`` names so one scraper reads both engines
+(``server_metrics.py``). Malformed bodies get a 400 naming the field; a client that disconnects has
+its request aborted (KV freed at once).
 
 Processes: ``refractor serve --engine native`` runs ``run_native_server`` in the foreground;
 ``start_native_server(...)`` starts that same command as a subprocess (its own session) and
@@ -14,183 +15,28 @@ returns a handle with ``.url`` and ``.stop()``, for Ray actors and tests.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import sys
 import tempfile
-import time
-from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from refractor.inference.engine.async_engine import PAUSE_MODES, AsyncLLMEngine, EngineDeadError
-from refractor.inference.engine.sequence import RequestOutput
 from refractor.inference.process import ServerProcess, client_host, free_port
-from refractor.inference.protocol import AbortRequest
+from refractor.inference.request_schemas import AbortRequest
+from refractor.inference.routes_openai import router as openai_router
+from refractor.inference.server_metrics import ServerMetrics
+from refractor.inference.server_state import BadRequest, ServerState, error_response
 from refractor.inference.weight_routes import weight_update_router
 
 log = logging.getLogger(__name__)
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
-
-
-class _EngineCollector:
-    """Scheduler gauges and token counters, read from the engine's latest stats at scrape time."""
-
-    def __init__(self, engine: AsyncLLMEngine, labels: list[str]):
-        self.engine, self.labels = engine, labels
-
-    def collect(self):
-        s = self.engine.stats()
-        names = ["model_name", "engine"]
-        for cls, name, doc, value in (
-            (
-                GaugeMetricFamily,
-                "vllm:num_requests_running",
-                "Sequences in the running batch.",
-                s.num_running,
-            ),
-            (
-                GaugeMetricFamily,
-                "vllm:num_requests_waiting",
-                "Sequences waiting to be scheduled.",
-                s.num_waiting,
-            ),
-            (
-                GaugeMetricFamily,
-                "vllm:kv_cache_usage_perc",
-                "Fraction of KV-cache blocks in use (0-1).",
-                s.kv_cache_usage,
-            ),
-            (CounterMetricFamily, "vllm:prompt_tokens", "Prefilled tokens.", s.prompt_tokens_total),
-            (CounterMetricFamily, "vllm:generation_tokens", "Generated tokens.", s.generation_tokens_total),
-            (
-                CounterMetricFamily,
-                "vllm:num_preemptions",
-                "Sequences preempted (KV recomputed).",
-                s.num_preemptions_total,
-            ),
-            (
-                CounterMetricFamily,
-                "refractor:engine_steps",
-                "Engine steps (prefill or decode).",
-                s.steps_total,
-            ),
-            (
-                CounterMetricFamily,
-                "refractor:engine_busy_seconds",
-                "Wall time the engine thread spent in steps.",
-                s.busy_seconds_total,
-            ),
-        ):
-            family = cls(name, doc, labels=names)
-            family.add_metric(self.labels, value)
-            yield family
-
-
-class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
-        self.registry = CollectorRegistry()
-        self.labels = [model_name, "0"]
-        names = ["model_name", "engine"]
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            names,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time to the first generated token.",
-            names,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.finished = Counter(
-            "vllm:request_success",
-            "Finished sequences by reason.",
-            [*names, "finished_reason"],
-            registry=self.registry,
-        )
-        self.registry.register(_EngineCollector(engine, self.labels))
-
-    def observe(self, output: RequestOutput) -> None:
-        self.e2e.labels(*self.labels).observe(output.finish_time - output.arrival_time)
-        if output.first_token_time is not None:
-            self.ttft.labels(*self.labels).observe(output.first_token_time - output.arrival_time)
-        for choice in output.outputs:
-            self.finished.labels(*self.labels, choice.finish_reason).inc()
-
-
-@dataclass
-class ServerState:
-    engine: AsyncLLMEngine
-    tokenizer: Any
-    model_name: str
-    max_model_len: int
-    chat_template: str | None
-    metrics: ServerMetrics
-    created: int = field(default_factory=lambda: int(time.time()))
-    active_request_ids: set[str] = field(default_factory=set)
-
-    def matching_ids(self, external_ids: Iterable[str]) -> list[str]:
-        """Engine request ids for vLLM-style external ids, or for the caller's bare ``request_id``."""
-        found = []
-        for rid in external_ids:
-            for active in list(self.active_request_ids):
-                if (
-                    active == rid
-                    or active in (f"chatcmpl-{rid}", f"generate-tokens-{rid}")
-                    or active.startswith(f"cmpl-{rid}-")
-                ):
-                    found.append(active)
-        return found
-
-
-class BadRequest(ValueError):
-    """A request the server refuses with 400 (also raised for unknown models: 404)."""
-
-    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST):
-        super().__init__(message)
-        self.status = status
-
-
-def error_response(message: str, status: HTTPStatus) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status.value, "InternalServerError")
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status.value}},
-        status_code=status.value,
-    )
-
-
-async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it (which aborts its engine requests)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
-    return task.result()
 
 
 def create_app(
@@ -202,8 +48,6 @@ def create_app(
     extra_routers: Iterable[APIRouter] = (),
     include_weight_routes: bool = True,
 ) -> FastAPI:
-    from refractor.inference.routes_openai import router as openai_router
-
     app = FastAPI(title="refractor native inference server")
     state = ServerState(
         engine,

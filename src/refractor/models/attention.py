@@ -4,6 +4,11 @@ Every backend takes q ``[T, H, D]`` and k/v ``[T, H_kv, D]`` for the flat token 
 forward (rope already applied) and returns ``[T, H, D]``. The decoder never knows which one it
 runs: training passes a ``PackedAttention`` (packed samples, block-causal), the inference engine
 passes its KV-cache backend (``refractor.inference.engine.attention``).
+
+Packed samples never attend to each other on either ``PackedAttention`` path: FlexAttention with a
+document ``mask_mod`` (CUDA by default) and SDPA with the explicit ``block_causal_mask`` (CPU, and
+the fallback). Both apply one rule: causal inside a sample, nothing across samples, and padding
+(document id -1) attends only to itself so no row is fully masked (no NaN).
 """
 
 from __future__ import annotations
@@ -14,8 +19,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-
-from refractor.algorithms.attention import block_causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,16 @@ def _flex_attention():
         # static kernel per length would recompile until Dynamo's limit, then run unfused.
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
+
+
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[T] document ids -> [T, T] bool mask, True where query t may attend to key s."""
+    t = document_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, None] == document_ids[None, :]
+    pad = document_ids < 0
+    eye = torch.eye(t, dtype=torch.bool, device=document_ids.device)
+    return (causal & same & ~pad[:, None]) | (eye & pad[:, None])
 
 
 @dataclass
@@ -106,10 +119,7 @@ class PackedAttention:
                     raise
                 _flex_broken = True
                 log.warning("FlexAttention failed (%s); falling back to SDPA with a block-causal mask", err)
-        out = block_causal_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.document_ids
-        )
-        return out.transpose(0, 1)
+        return _sdpa_call(q, k, v, block_causal_mask(self.document_ids))
 
     def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._block_mask is None:
@@ -135,6 +145,22 @@ def _flex_call(flex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
         enable_gqa=k.shape[1] != q.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] tensors -> SDPA with a [T, T] bool mask -> [T, H, D].
+
+    GQA repeats the k/v heads instead of ``enable_gqa``: SDPA kernels that take an explicit mask
+    do not all support grouped heads and would drop to the unfused math kernel.
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+    )
+    return out.transpose(0, 1)
 
 
 @dataclass

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from refractor.errors import RefractorUserError
+
 # HF architecture name -> (model_type, attention has q/k/v bias by default, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "LlamaForCausalLM": ("llama", False, False),
@@ -20,7 +22,7 @@ _ARCH_BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in SUPPORTE
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(RefractorUserError, ValueError):
     """The checkpoint is not a decoder refractor implements natively."""
 
 

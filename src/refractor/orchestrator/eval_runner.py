@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from refractor.envs.base import Environment
+from refractor.errors import RefractorUserError
 from refractor.evals.passk import PassKSpec, aggregate, parse_pass_k
 from refractor.orchestrator.chat import ChatTokens
 from refractor.orchestrator.rollout import (
@@ -52,7 +53,7 @@ log = logging.getLogger("refractor.evals")
 EVAL_ID_BASE = 10**12
 
 
-class EvalSetupError(RuntimeError):
+class EvalSetupError(RefractorUserError, RuntimeError):
     """An eval cannot be loaded as configured; the message names the eval and the fix."""
 
 

@@ -14,8 +14,10 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from refractor.errors import RefractorUserError
 
-class ClusterError(RuntimeError):
+
+class ClusterError(RefractorUserError, RuntimeError):
     """The Ray cluster cannot host the run as configured."""
 
 

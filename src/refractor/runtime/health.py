@@ -23,8 +23,10 @@ from typing import Any, Protocol
 
 import ray
 
+from refractor.errors import RefractorUserError
 
-class ComponentFailure(RuntimeError):
+
+class ComponentFailure(RefractorUserError, RuntimeError):
     """A server or trainer rank died or stopped answering; the message names it and says what it was doing."""
 
 

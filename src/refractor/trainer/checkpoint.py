@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from refractor.errors import RefractorUserError
+
 CHECKPOINT_FORMAT = "refractor-dcp-1"
 META_FILE = "meta.json"
 HF_META_DIR = "hf_meta"
@@ -39,7 +41,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".
 _WEIGHT_INDEX = re.compile(r".*\.(safetensors|bin)\.index\.json$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RefractorUserError, RuntimeError):
     """A checkpoint that cannot be used as asked (missing, incomplete, weights-only for resume)."""
 
 

@@ -15,8 +15,10 @@ from typing import Any
 
 import httpx
 
+from refractor.errors import RefractorUserError
 
-class WeightSyncError(RuntimeError):
+
+class WeightSyncError(RefractorUserError, RuntimeError):
     """A weight update could not be completed; the message names the server(s) involved."""
 
     def __init__(self, message: str, unresponsive: frozenset[str] = frozenset()):
