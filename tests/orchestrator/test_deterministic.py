@@ -220,7 +220,7 @@ def test_batches_do_not_depend_on_timing(tok, lag):
         logged = [
             r.rollout_id for r, _, _ in store.rollouts
         ]  # every rollout recorded once, requeued ones too
-        assert sorted(logged) == list(range(orch.next_rollout_id))
+        assert sorted(logged) == list(range(orch.dispatch.next_rollout_id))
     completion_orders = [run[3] for run in runs]
     # the timing really differed (groups finished in other orders), the batches did not
     assert len({tuple(order) for order in completion_orders}) > 1

@@ -56,13 +56,13 @@ def test_async_gate_bounds_generation_ahead_of_weights(tok):
     cfg = make_config(number_of_steps=6, max_async_rollout=1, max_concurrent_prompts_per_server=4)
     orch, _, trainer, store = build(tok, cfg, answer=alternating)
     created = []
-    original = orch._create_group
+    original = orch.dispatch._create_group
 
     def spy(server, prompt):
         created.append((orch.counters.inference_step, orch.counters.loaded_version))
         original(server, prompt)
 
-    orch._create_group = spy
+    orch.dispatch._create_group = spy
 
     async def main():
         trainer.gate = asyncio.Event()
@@ -229,7 +229,7 @@ def test_prompt_too_long_and_reward_failures_discard_with_reason(tok):
     async def main():
         task = asyncio.create_task(orch.run())
         await wait_until(lambda: len(orch.assembler.discarded) >= 4, "two groups discarded")
-        orch._stopping = True
+        orch.dispatch.stopping = True
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
