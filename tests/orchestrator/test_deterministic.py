@@ -161,7 +161,8 @@ def run_det(tok, cfg, timing_seed, state=None, envs=None):
         FakeServer(f"s{i}", tok, answer=weights.answer, seed=timing_seed * 10 + i, max_yields=60)
         for i in range(2)
     ]
-    trainer, store = FakeTrainer(), MemoryStore()
+    trainer = FakeTrainer()
+    store = MemoryStore()
     orch = Orchestrator(
         OrchestratorSettings.from_config(cfg),
         envs or [ToyEnv(n=6), ToyChatEnv(n=5, max_turns=2)],

@@ -92,7 +92,8 @@ def test_group_completing_past_the_async_limit_is_discarded(tok):
         trainer.gate = asyncio.Event()
         task = asyncio.create_task(orch.run())
         await wait_until(lambda: len(server.pending) == 4, "two groups dispatched")
-        q0, q1 = server.pending[0].prompt_text, server.pending[2].prompt_text
+        q0 = server.pending[0].prompt_text
+        q1 = server.pending[2].prompt_text
         assert q0 != q1
         for req in server.find(q0.split("user\n")[1].split("<")[0]):
             server.finish(req, "yes")
@@ -206,7 +207,8 @@ def test_free_lane_after_generation_releases_before_reward(tok):
         task = asyncio.create_task(orch.run())
         await wait_until(lambda: len(server.calls) >= 2, "first group generated")
         await settle()
-        in_use, calls = orch.lanes.in_use(), len(server.calls)
+        in_use = orch.lanes.in_use()
+        calls = len(server.calls)
         gate.set()
         await task
         return in_use, calls
@@ -331,9 +333,9 @@ def test_run_store_holds_every_rollout_and_the_dashboard_recomputes_the_same_met
 
 @pytest.mark.parametrize("cap", [False, True])
 def test_dispatch_only_needed_groups_removes_stale_over_dispatch(tok, cap):
-    """Sync mode, lanes for 8 groups, batches of 2: filling every free lane starts 8 groups, and the 6 that finish
-    after the cut are thrown away as `max_async`. The cap starts only the 2 the batch needs, and replaces a group
-    that gets discarded."""
+    """Sync mode, lanes for 8 groups, batches of 2: filling every free lane starts 8 groups, and the 6
+    that finish after the cut are thrown away as `max_async`. The cap starts only the 2 the batch needs,
+    and replaces a group that gets discarded."""
     cfg = make_config(
         number_of_steps=1,
         max_async_rollout=0,
