@@ -53,8 +53,8 @@ def prepare_run(cfg: RefractorConfig, overwrite: bool = False) -> tuple[Refracto
     if paths.db.exists() and not resuming:
         if not overwrite:
             raise RunSetupError(
-                f"{paths.root} already holds a run. Resume it with `--resume_from_checkpoint true`, pick another "
-                f"`--run_name`, or pass `--overwrite` to replace it."
+                f"{paths.root} already holds a run. Resume it with `--resume_from_checkpoint true`, "
+                f"pick another `--run_name`, or pass `--overwrite` to replace it."
             )
         import shutil
 
@@ -136,7 +136,8 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
         sinks.append(WandbSink.from_config(cfg))
 
     started_local = init_ray(RaySettings.from_config(cfg, run_dir=str(paths.root)))
-    servers = trainers = None
+    servers = None
+    trainers = None
     status = "failed"
     try:
         has_gpu = cluster_has_gpus()
@@ -226,7 +227,8 @@ async def run_watched(main: Awaitable[None], watchdog: ServerWatchdog) -> None:
     """Run ``main`` beside the watchdog. A dead or hung server cancels ``main`` (its cleanup runs) and
     fails the run with the server's name; when ``main`` fails first, a dead server process is
     reported as the cause (a weight sync or a request to it is usually what failed)."""
-    main_task, dog_task = asyncio.ensure_future(main), asyncio.ensure_future(watchdog.watch())
+    main_task = asyncio.ensure_future(main)
+    dog_task = asyncio.ensure_future(watchdog.watch())
     try:
         await asyncio.wait({main_task, dog_task}, return_when=asyncio.FIRST_COMPLETED)
         if dog_task.done() and not main_task.done():
@@ -246,7 +248,8 @@ async def run_watched(main: Awaitable[None], watchdog: ServerWatchdog) -> None:
 
 
 def write_config_file(cfg: RefractorConfig, paths: RunPaths) -> None:
-    """The resolved config as YAML in the run directory: rerun with `refractor train --config <run>/config.yaml`."""
+    """The resolved config as YAML in the run directory: rerun with
+    `refractor train --config <run>/config.yaml`."""
     from refractor.config.loader import config_to_dict
 
     path = paths.root / ("config.yaml" if cfg.resume_from_checkpoint is False else "config.resumed.yaml")

@@ -1,4 +1,5 @@
-"""Every default equals the reference (telescope.md §2.2), transcribed here independently."""
+"""Every default equals Telescope's, transcribed here independently of the schema
+(docs/config.md#telescope-compatibility)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from refractor.config.docs import render_defaults
 from refractor.config.schema import DELIBERATE_DEFAULT_CHANGES, IGNORED_KEYS, RefractorConfig
 
-REFERENCE_DEFAULTS = {
+TELESCOPE_DEFAULTS = {
     "debug": False,
     "model": "Qwen/Qwen2.5-3B",
     "model_dtype": "float32",
@@ -179,7 +180,7 @@ REFERENCE_DEFAULTS = {
     "otlp_receiver_port": 4318,
 }
 
-# Keys refractor adds (not in the reference); listed so a new key is a conscious decision.
+# Keys refractor adds (not in Telescope); listed so a new key is a conscious decision.
 REFRACTOR_KEYS = {
     "environments",
     "run_name",
@@ -196,22 +197,22 @@ def _default(name):
     return RefractorConfig.model_fields[name].get_default(call_default_factory=True)
 
 
-@pytest.mark.parametrize("key", sorted(REFERENCE_DEFAULTS))
-def test_default_equals_reference(key):
-    assert key in RefractorConfig.model_fields, f"reference key `{key}` missing from the schema"
+@pytest.mark.parametrize("key", sorted(TELESCOPE_DEFAULTS))
+def test_default_equals_telescopes(key):
+    assert key in RefractorConfig.model_fields, f"Telescope key `{key}` missing from the schema"
     if key in DELIBERATE_DEFAULT_CHANGES:
-        assert _default(key) != REFERENCE_DEFAULTS[key]  # the documented difference is real
+        assert _default(key) != TELESCOPE_DEFAULTS[key]  # the documented difference is real
         return
-    assert _default(key) == REFERENCE_DEFAULTS[key]
+    assert _default(key) == TELESCOPE_DEFAULTS[key]
 
 
-def test_every_schema_key_is_reference_or_declared_addition():
-    extra = set(RefractorConfig.model_fields) - set(REFERENCE_DEFAULTS)
+def test_every_schema_key_is_telescopes_or_a_declared_addition():
+    extra = set(RefractorConfig.model_fields) - set(TELESCOPE_DEFAULTS)
     # Helpers may add keys marked [refractor]; each must say so in its description.
     for key in extra:
         desc = RefractorConfig.model_fields[key].description or ""
         assert key in REFRACTOR_KEYS or desc.startswith("[refractor]"), (
-            f"`{key}` is neither a reference key nor marked [refractor]"
+            f"`{key}` is neither a Telescope key nor marked [refractor]"
         )
 
 

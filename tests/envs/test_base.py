@@ -46,7 +46,8 @@ def drive(env, sample, replies):
             env_msgs = await env.env_response(messages + completion, state)
             done, reason = env.is_done(state)
             if done:
-                state.is_completed, state.stop_reason = True, reason
+                state.is_completed = True
+                state.stop_reason = reason
                 break
             messages = env.get_next_prompt_messages(state, env_msgs)
         return state, messages, await score_rollout(env, state, timeout_s=5)

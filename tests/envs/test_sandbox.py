@@ -105,7 +105,8 @@ def test_cannot_write_outside_workdir(provider, tmp_path):
         provider,
         (
             "import os\n"
-            f"targets = ['/usr/{marker}', '/etc/{marker}', '/{marker}', '/root/{marker}', '{tmp_path}/{marker}',"
+            f"targets = ['/usr/{marker}', '/etc/{marker}', '/{marker}', '/root/{marker}', "
+            f"'{tmp_path}/{marker}',"
             f"           '/proc/{marker}', '/dev/{marker}']\n"
             "for t in targets:\n"
             "    try:\n        open(t, 'w').write('x'); print('WROTE', t)\n"
@@ -269,7 +270,8 @@ def test_user_namespace_mode_also_isolates(monkeypatch):
     result, _ = run_in_sandbox(
         provider,
         (
-            "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2); print('CONNECTED')\n"
+            "import socket\ntry:\n"
+            "    socket.create_connection(('1.1.1.1', 53), timeout=2); print('CONNECTED')\n"
             "except OSError: print('blocked')\n"
             "for p in ['/etc/shadow', '/usr/x']:\n    try:\n        open(p, 'a'); print('OPENED', p)\n"
             "    except OSError: print('denied')\n"

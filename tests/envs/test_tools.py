@@ -63,7 +63,8 @@ def test_xml_parsing_skips_invalid_json():
 
 def test_function_parsing_handles_nesting_strings_and_rejects_code():
     text = (
-        'I will call search("a (tricky) \\"string\\"", limit=2) then search(query="""x)y""", tags=["a", "b"]) '
+        'I will call search("a (tricky) \\"string\\"", limit=2) '
+        'then search(query="""x)y""", tags=["a", "b"]) '
         'and research(1) and search(__import__("os")) and slow_echo(-3)'
     )
     calls = parse_function_tool_calls(text, ["search", "slow_echo"])
@@ -89,7 +90,9 @@ class NotesEnv(ToolEnvironment):
 def play(env, replies):
     async def main():
         sample = env.samples[0]
-        state, messages, logged = env.create_initial_state(sample), env.get_initial_prompt(sample), []
+        state = env.create_initial_state(sample)
+        messages = env.get_initial_prompt(sample)
+        logged = []
         for text in replies:
             completion = [{"role": "assistant", "content": text}]
             state.add_step(TrajectoryStep(prompt=messages, completion=completion))

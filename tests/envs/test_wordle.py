@@ -10,7 +10,9 @@ from refractor.envs.builtin.wordle import score_guess
 
 def play(env, sample, guesses):
     async def main():
-        state, messages, replies = env.create_initial_state(sample), env.get_initial_prompt(sample), []
+        state = env.create_initial_state(sample)
+        messages = env.get_initial_prompt(sample)
+        replies = []
         for text in guesses:
             completion = [{"role": "assistant", "content": text}]
             state.add_step(TrajectoryStep(prompt=messages, completion=completion))

@@ -31,7 +31,9 @@ def test_estimators_equal_the_subset_average(n):
 
 def test_large_n_stays_exact_where_float_binomials_overflow():
     # C(2000, 1000) ~ 1e600 overflows float64; the estimator uses exact integers
-    n, c, k = 2000, 3, 1000
+    n = 2000
+    c = 3
+    k = 1000
     expected = 1.0 - np.prod([(n - c - i) / (n - i) for i in range(k)], dtype=np.float64)
     assert pass_at_k(n, c, k) == pytest.approx(expected, rel=1e-12)
     assert pass_pow_k(n, c, k) == 0.0
@@ -40,7 +42,8 @@ def test_large_n_stays_exact_where_float_binomials_overflow():
 
 
 def test_unbiased_over_all_completions_differs_from_the_first_k():
-    """The reference scores a prompt by its first k completions only; with n > k every completion counts."""
+    """Every completion counts, not only the first k (docs/config.md#deliberate-differences): with
+    n > k the estimate differs from scoring the first k completions."""
     completions = [[{"correct": v} for v in (0.0, 1.0, 1.0, 0.0)]]
     spec = parse_pass_k({"at_k": {"metrics": ["correct"], "k": [1, 2]}, "pow_k": {"k": [2]}})
     out = aggregate(completions, spec).metrics

@@ -53,7 +53,9 @@ class FakeServer:
     def __init__(
         self, name: str, tokenizer, manual: bool = False, answer=None, seed: int = 0, max_yields: int = 5
     ) -> None:
-        self.name, self.tok, self.manual = name, tokenizer, manual
+        self.name = name
+        self.tok = tokenizer
+        self.manual = manual
         self.answer = answer or (lambda prompt, sampling: "yes")
         self.rng = random.Random(seed)
         self.max_yields = max_yields
@@ -65,7 +67,8 @@ class FakeServer:
         ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
         finish = "stop"
         if len(ids) > max_tokens:
-            ids, finish = ids[:max_tokens], "length"
+            ids = ids[:max_tokens]
+            finish = "length"
         return FakeResult(ids, [-0.5 - 0.01 * i for i in range(len(ids))], finish)
 
     async def generate(self, token_ids, sampling, *, priority=0):
@@ -143,7 +146,10 @@ class ToyEnv(SingleTurnEnvironment):
         **kw,
     ) -> None:
         super().__init__(**kw)
-        self._name, self.n, self.reward_gate, self.fail = name, n, reward_gate, fail
+        self._name = name
+        self.n = n
+        self.reward_gate = reward_gate
+        self.fail = fail
         self.scored = 0
 
     def load_dataset(self, num_samples: int = -1, **kwargs):
@@ -166,7 +172,8 @@ class ToyChatEnv(MultiTurnEnvironment):
 
     def __init__(self, n: int = 8, max_turns: int = 2, name: str = "chat", **kw) -> None:
         super().__init__(max_turns=max_turns, **kw)
-        self._name, self.n = name, n
+        self._name = name
+        self.n = n
 
     def load_dataset(self, num_samples: int = -1, **kwargs):
         self._samples = [Sample(f"question {i}", "yes") for i in range(self.n)]

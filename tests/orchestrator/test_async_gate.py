@@ -36,7 +36,7 @@ def test_lanes_smallest_free_id_round_robin_and_misuse():
 
 
 def test_async_gate_worked_example_max_async_2():
-    # reference §1.6: with the base model loaded, batches for steps 0, 1, 2 may be generated
+    # docs/orchestrator.md#async-gate: with the base model loaded, batches for steps 0, 1, 2 may be generated
     c = StepCounters()
     allowed = []
     for step in range(5):

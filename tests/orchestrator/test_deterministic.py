@@ -161,7 +161,8 @@ def run_det(tok, cfg, timing_seed, state=None, envs=None):
         FakeServer(f"s{i}", tok, answer=weights.answer, seed=timing_seed * 10 + i, max_yields=60)
         for i in range(2)
     ]
-    trainer, store = FakeTrainer(), MemoryStore()
+    trainer = FakeTrainer()
+    store = MemoryStore()
     orch = Orchestrator(
         OrchestratorSettings.from_config(cfg),
         envs or [ToyEnv(n=6), ToyChatEnv(n=5, max_turns=2)],
@@ -220,7 +221,7 @@ def test_batches_do_not_depend_on_timing(tok, lag):
         logged = [
             r.rollout_id for r, _, _ in store.rollouts
         ]  # every rollout recorded once, requeued ones too
-        assert sorted(logged) == list(range(orch.next_rollout_id))
+        assert sorted(logged) == list(range(orch.dispatch.next_rollout_id))
     completion_orders = [run[3] for run in runs]
     # the timing really differed (groups finished in other orders), the batches did not
     assert len({tuple(order) for order in completion_orders}) > 1

@@ -38,8 +38,11 @@ class CountingServer:
     """A real client under its own name; records how many of its requests run at once."""
 
     def __init__(self, url: str, name: str) -> None:
-        self.client, self.name = InferenceClient(url, name=name), name
-        self.running = self.peak = self.calls = 0
+        self.client = InferenceClient(url, name=name)
+        self.name = name
+        self.running = 0
+        self.peak = 0
+        self.calls = 0
 
     async def generate(self, token_ids, sampling, *, priority=0):
         self.running += 1
@@ -124,7 +127,7 @@ def test_k_completions_lanes_clamp_and_failures(server, chat):
     assert {"pass@1/has_a", "pass@4/has_a", "pass^2/has_a"} <= set(result.metrics)
     assert result.metrics["num_prompts"] == 3 and result.metrics["num_failed"] == 4
     assert result.metrics["policy_version"] == 7
-    for r in ok:  # each row carries its prompt's pass values (reference eval tables)
+    for r in ok:  # each row carries its prompt's pass values (docs/metrics.md#eval-metrics)
         assert "pass@4/has_a" in r.sample_metrics
 
 

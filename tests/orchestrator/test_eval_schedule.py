@@ -31,7 +31,8 @@ class QuizEval(SingleTurnEnvironment):
 
     def __init__(self, n: int = 3) -> None:
         super().__init__()
-        self._name, self.n = "quiz", n
+        self._name = "quiz"
+        self.n = n
 
     def load_dataset(self, num_samples: int = -1, **kwargs):
         self._samples = [Sample(f"quiz {i}", "yes") for i in range(self.n)]
@@ -80,7 +81,8 @@ def setup(tok, gate=None, number_of_steps=5, **overrides):
         **overrides,
     )
     servers = [GatedServer("s0", tok), GatedServer("s1", tok, gate)]
-    trainer, store = TargetTrainer(), MergingStore()
+    trainer = TargetTrainer()
+    store = MergingStore()
     clock = FakeClock()
     loaded = [LoadedEval(cfg.evals[0], QuizEval(), 3, parse_pass_k(cfg.evals[0].pass_k))]
     scheduler = build_eval_schedule(cfg, loaded, [s.name for s in servers], tok, store, [], clock)

@@ -56,13 +56,13 @@ def test_async_gate_bounds_generation_ahead_of_weights(tok):
     cfg = make_config(number_of_steps=6, max_async_rollout=1, max_concurrent_prompts_per_server=4)
     orch, _, trainer, store = build(tok, cfg, answer=alternating)
     created = []
-    original = orch._create_group
+    original = orch.dispatch._create_group
 
     def spy(server, prompt):
         created.append((orch.counters.inference_step, orch.counters.loaded_version))
         original(server, prompt)
 
-    orch._create_group = spy
+    orch.dispatch._create_group = spy
 
     async def main():
         trainer.gate = asyncio.Event()
@@ -92,7 +92,8 @@ def test_group_completing_past_the_async_limit_is_discarded(tok):
         trainer.gate = asyncio.Event()
         task = asyncio.create_task(orch.run())
         await wait_until(lambda: len(server.pending) == 4, "two groups dispatched")
-        q0, q1 = server.pending[0].prompt_text, server.pending[2].prompt_text
+        q0 = server.pending[0].prompt_text
+        q1 = server.pending[2].prompt_text
         assert q0 != q1
         for req in server.find(q0.split("user\n")[1].split("<")[0]):
             server.finish(req, "yes")
@@ -206,7 +207,8 @@ def test_free_lane_after_generation_releases_before_reward(tok):
         task = asyncio.create_task(orch.run())
         await wait_until(lambda: len(server.calls) >= 2, "first group generated")
         await settle()
-        in_use, calls = orch.lanes.in_use(), len(server.calls)
+        in_use = orch.lanes.in_use()
+        calls = len(server.calls)
         gate.set()
         await task
         return in_use, calls
@@ -229,7 +231,7 @@ def test_prompt_too_long_and_reward_failures_discard_with_reason(tok):
     async def main():
         task = asyncio.create_task(orch.run())
         await wait_until(lambda: len(orch.assembler.discarded) >= 4, "two groups discarded")
-        orch._stopping = True
+        orch.dispatch.stopping = True
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
@@ -331,9 +333,9 @@ def test_run_store_holds_every_rollout_and_the_dashboard_recomputes_the_same_met
 
 @pytest.mark.parametrize("cap", [False, True])
 def test_dispatch_only_needed_groups_removes_stale_over_dispatch(tok, cap):
-    """Sync mode, lanes for 8 groups, batches of 2: filling every free lane starts 8 groups, and the 6 that finish
-    after the cut are thrown away as `max_async`. The cap starts only the 2 the batch needs, and replaces a group
-    that gets discarded."""
+    """Sync mode, lanes for 8 groups, batches of 2: filling every free lane starts 8 groups, and the 6
+    that finish after the cut are thrown away as `max_async`. The cap starts only the 2 the batch needs,
+    and replaces a group that gets discarded."""
     cfg = make_config(
         number_of_steps=1,
         max_async_rollout=0,

@@ -1,5 +1,6 @@
-"""Inference-server metrics: Prometheus names -> the reference's names, counter rates, and a real scrape of
-the native server (its engine thread's busy fraction agrees with the time the test kept it decoding)."""
+"""Inference-server metrics: Prometheus names -> the stored names (docs/metrics.md#inference-server-metrics),
+counter rates, and a real scrape of the native server (its engine thread's busy fraction agrees with
+the time the test kept it decoding)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from refractor.inference.server import start_native_server
 from refractor.telemetry.server_metrics import ServerMetricsScraper, rates, server_metrics
 
 
-def test_prometheus_names_become_the_reference_names():
+def test_prometheus_names_become_the_stored_names():
     samples = {
         "vllm:num_requests_running": 3.0,
         "vllm:num_requests_waiting": 1.0,
@@ -98,7 +99,8 @@ def test_a_real_native_server_is_scraped_and_a_dead_one_is_skipped(tiny_qwen2_pa
     assert {source for source, _, _ in rows} == {"inference:server-0"}  # server-9 skipped, the loop went on
     assert "server-9" in caplog.text and caplog.text.count("server-9") == 1  # warned once
     assert all(started <= ts <= time.time() for _, _, ts in rows)
-    first, last = rows[0][1], rows[-1][1]
+    first = rows[0][1]
+    last = rows[-1][1]
     assert first["requests_running"] == 0 and "engine_busy_fraction" not in first
     assert last["generation_tokens_total"] - first["generation_tokens_total"] == 1600
     assert last["requests_total"] - first.get("requests_total", 0.0) == 4

@@ -33,7 +33,8 @@ def test_rich_progress_renders_numbers():
 
 
 def test_quiet_mode_prints_plain_lines_with_eta():
-    out, clock = io.StringIO(), Ticks()
+    out = io.StringIO()
+    clock = Ticks()
     sink = ConsoleSink(4, quiet=True, stream=out, clock=clock)
     clock.t = 10.0
     sink.log_step(0, METRICS)

@@ -52,7 +52,8 @@ def make_rollout(rid, group, status=RolloutStatus.KEPT, reason="", reward=1.0, r
         r.turns.append(t)
         append_turn_tokens(r, t)
     r.stop_reason = "length"
-    r.first_start_version, r.off_policy_steps = 0, 2
+    r.first_start_version = 0
+    r.off_policy_steps = 2
     r.mark(status, reason)
     return r
 
@@ -128,7 +129,9 @@ def test_reader_never_blocks_while_writing(tmp_path):
     store.log_step_metrics(0, {"x": 0.0})
     store.flush()
     reader = RunReader(tmp_path / "r")
-    seen, errors, stop = [], [], threading.Event()
+    seen = []
+    errors = []
+    stop = threading.Event()
 
     def read_loop():
         try:

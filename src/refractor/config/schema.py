@@ -1,8 +1,8 @@
 """The one configuration model: every Telescope training key plus refractor's own.
 
 Fields are grouped in section classes (the order of ``configs/defaults.yaml``); ``RefractorConfig``
-inherits them all and adds the cross-field rules. Defaults live here, in code, and equal the
-reference's defaults except where ``DELIBERATE_DEFAULT_CHANGES`` says why not.
+inherits them all and adds the cross-field rules. Defaults live here, in code, and equal Telescope's
+defaults except where ``DELIBERATE_DEFAULT_CHANGES`` says why not (docs/config.md#telescope-compatibility).
 """
 
 from __future__ import annotations
@@ -361,7 +361,8 @@ class RewardShapingKeys(_Strict):
     normalize_rewards_to_range: bool = Field(
         False,
         description="[refractor] Map each environment's rewards onto [0, 1] with its "
-        "reward_min/reward_max before advantages (the reference uses the range only for UI colouring).",
+        "reward_min/reward_max before advantages (Telescope used the range only for UI colouring; "
+        "see docs/config.md#deliberate-differences).",
     )
 
 
@@ -535,7 +536,8 @@ IGNORED_KEYS: dict[str, str] = {
     "megatron_global_batch_size": "unused in Telescope too",
 }
 
-# Where a default differs from the reference on purpose (checked by the tests).
+# Where a default differs from Telescope's on purpose (checked by the tests;
+# docs/config.md#telescope-compatibility).
 DELIBERATE_DEFAULT_CHANGES: dict[str, str] = {
     "ray_namespace": "named after this project instead of 'telescope'",
     "wandb_project": "named after this project",
@@ -648,7 +650,7 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
                 f"`trainer_num_workers` ({c.trainer_num_workers}) must be a multiple of "
                 f"`fsdp_context_parallel_size` ({c.fsdp_context_parallel_size})"
             )
-    # Rules the reference left unchecked.
+    # Rules Telescope left unchecked (docs/config.md#validation).
     if c.train_backend == "megatron":
         e.append("`train_backend: megatron` is not implemented yet in refractor; use `train_backend: fsdp`")
     if (

@@ -1,4 +1,5 @@
-"""Environments: datasets, prompts, multi-turn logic and rewards (reference API, §5 of telescope.md).
+"""Environments: datasets, prompts, multi-turn logic and rewards, with Telescope's environment API
+(docs/config.md#telescope-compatibility; the turn protocol: docs/architecture.md#seams).
 
 Writing an environment
 ----------------------

@@ -1,4 +1,5 @@
-"""Environment base classes (reference API) and the one turn protocol the orchestrator drives.
+"""Environment base classes (Telescope-compatible API, docs/config.md#telescope-compatibility) and
+the one turn protocol the orchestrator drives (docs/architecture.md#seams).
 
 Every environment, single- or multi-turn, is driven the same way (see ``refractor.envs``):
 ``create_initial_state`` -> ``get_initial_prompt`` -> [generate, ``env_response``, ``is_done``]* ->
@@ -34,8 +35,8 @@ def _accepts(fn, name: str) -> bool:
 class Environment(ABC):
     """Base of every environment. Subclasses implement ``load_dataset`` and ``compute_reward``.
 
-    Plain ``Environment`` subclasses are single-turn with the reference signature
-    ``compute_reward(completion, sample, eos_token="")``.
+    Plain ``Environment`` subclasses are single-turn with Telescope's signature
+    ``compute_reward(completion, sample, eos_token="")`` (docs/config.md#telescope-compatibility).
     """
 
     eos_token: str = "<|endoftext|>"
@@ -57,9 +58,10 @@ class Environment(ABC):
         self.add_thinking_prefix = add_thinking_prefix
         if self.strict_kwargs and kwargs:
             raise TypeError(
-                f"{type(self).__name__} got unknown kwargs {sorted(kwargs)}; accepted: {self.accepted_kwargs()}"
+                f"{type(self).__name__} got unknown kwargs {sorted(kwargs)}; "
+                f"accepted: {self.accepted_kwargs()}"
             )
-        for key, value in kwargs.items():  # reference behaviour: extra kwargs become attributes
+        for key, value in kwargs.items():  # Telescope-compatible: extra kwargs become attributes
             setattr(self, key, value)
         self._samples: list[Sample] | None = None
         if not hasattr(self, "_name"):
@@ -170,7 +172,7 @@ class Environment(ABC):
         """Release resources (sandboxes, worker processes). Called once at shutdown; idempotent."""
 
     def describe(self) -> dict[str, Any]:
-        """Summary for run metadata and the dashboard (reference ``env_details`` entry)."""
+        """Summary for run metadata and the dashboard."""
         info: dict[str, Any] = {
             "name": self.name,
             "is_multi_turn": self.is_multi_turn,
@@ -214,9 +216,10 @@ class SingleTurnEnvironment(Environment):
         add_thinking_prefix: bool | None = None,
         chat_template_kwargs: dict | None = None,
     ) -> str:
-        """Reference helper: the rendered first prompt for a question string."""
+        """Telescope-compatible helper: the rendered first prompt for a question string."""
         thinking = self.add_thinking_prefix if add_thinking_prefix is None else add_thinking_prefix
-        saved, self.add_thinking_prefix = self.add_thinking_prefix, thinking
+        saved = self.add_thinking_prefix
+        self.add_thinking_prefix = thinking
         try:
             messages = self.get_initial_prompt(Sample(question))
         finally:

@@ -1,5 +1,5 @@
-"""Text parsers shared by environments (reference ``parsers.py``): think tags, boxed answers,
-answer/xml tags, code blocks, exact and mathematical answer checks."""
+"""Text parsers shared by environments: think tags, boxed answers, answer/xml tags, code blocks,
+exact and mathematical answer checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Composable rewards (reference ``rewards.py``): a ``Rubric`` is a weighted list of functions.
+"""Composable rewards: a ``Rubric`` is a weighted list of functions.
 
 Each function is called with only the keyword arguments it declares, chosen from ``completion``,
 ``sample``, ``state``, ``eos_token`` and ``answer`` (``sample.answer``); a function with
@@ -150,7 +150,7 @@ class Rubric:
             if isinstance(value, tuple):
                 value, answer = value
             return float(value), (None if answer is None else str(answer))
-        except Exception as err:  # reference behaviour: a failing function scores 0 (recorded, not raised)
+        except Exception as err:  # a failing function scores 0 (recorded, not raised)
             logger.warning("reward function %s failed: %s: %s", fn.name, type(err).__name__, err)
             info_turns.append(info_turn(f"{fn.name}_error", f"{type(err).__name__}: {err}"[:4000], "stderr"))
             return 0.0, None

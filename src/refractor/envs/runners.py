@@ -56,7 +56,9 @@ class _Worker:
         )
 
     def _read_exact(self, count: int, deadline: float) -> bytes:
-        fd, chunks, size = self.proc.stdout.fileno(), [], 0
+        fd = self.proc.stdout.fileno()
+        chunks = []
+        size = 0
         while size < count:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
@@ -135,7 +137,8 @@ class ProcessRunner:
 
     def close(self) -> None:
         with self._lock:
-            workers, self._idle = self._idle, []
+            workers = self._idle
+            self._idle = []
         for worker in workers:
             worker.kill()
 

@@ -31,7 +31,7 @@ _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", dic
 
 
 def type_to_schema(hint: Any) -> dict[str, Any]:
-    """JSON schema of a type hint; unknown or missing hints are strings (reference behaviour)."""
+    """JSON schema of a type hint; unknown or missing hints are strings."""
     if hint in _SCALARS:
         return {"type": _SCALARS[hint]}
     origin = typing.get_origin(hint)

@@ -1,4 +1,5 @@
-"""The ``Eval`` base class (reference §6.1) and ``DatasetEval``, the base of the built-in evals.
+"""The ``Eval`` base class and ``DatasetEval``, the base of the built-in evals
+(docs/orchestrator.md#loading).
 
 An ``Eval`` is an :class:`~refractor.envs.base.Environment` that is only evaluated, never trained
 on, so the orchestrator drives it with the training rollout code (one turn protocol) and scores it
@@ -11,10 +12,10 @@ with ``compute_eval_metrics``. Two kinds:
   attributes or constructor kwargs. The environment's dataset, prompts, turns and eval metrics are
   used; what the subclass defines itself wins, and other attributes are read from the environment.
 
-Chat template: prompts are rendered with the model's chat template, like training prompts. The
-reference sends standalone evals' prompts raw (its §11 calls that a defect: a chat-tuned or
-RL-trained policy is then measured on a format it never sees); ``use_chat_template = False`` (class
-attribute or ``kwargs: {use_chat_template: false}``) restores the raw prompt for single-turn evals.
+Chat template: prompts are rendered with the model's chat template, like training prompts, so a
+chat-tuned or RL-trained policy is measured on the format it was trained on
+(docs/config.md#deliberate-differences); ``use_chat_template = False`` (class attribute or
+``kwargs: {use_chat_template: false}``) restores the raw prompt for single-turn evals.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""pass@k and pass^k (reference §6.2), the ``pass_k`` entry of an eval, and per-eval aggregation.
+"""pass@k and pass^k (docs/orchestrator.md#passk), the ``pass_k`` entry of an eval, and per-eval
+aggregation.
 
 Config (``evals[].pass_k``): ``{"at_k": {"metrics": [...], "k": [...]}, "pow_k": {...}}``. A section
 without ``k`` means ``k: [1]``; a section given as a list (or one int) is the list of k. A section
-without ``metrics`` (or with an empty list) covers every metric the eval reports (the reference
-computes nothing then; naming no metric and getting no number is never what a user wants).
+without ``metrics`` (or with an empty list) covers every metric the eval reports: naming no metric
+and getting no number is never what a user wants (docs/config.md#deliberate-differences).
 Every prompt gets ``K = max k`` completions (1 when no k is configured).
 
 Estimators, for one prompt with ``n`` valid completions of which ``c`` have ``metric > 0``:
@@ -13,10 +14,10 @@ Estimators, for one prompt with ``n`` valid completions of which ``c`` have ``me
 * ``pass^k = C(c, k) / C(n, k)``: the unbiased estimate of "all of k independent completions are
   correct" (tau-bench).
 
-Both use *all* n completions. The reference feeds only the first k valid completions to the same
-formulas (so ``n = k`` and each prompt contributes a single 0/1 draw); the expectation is the same,
-but using every completion lowers the variance whenever ``n > k`` (e.g. pass@1 with K = 8 becomes
-the mean accuracy over 8 completions instead of the correctness of the first one). Binomials are
+Both use *all* n completions, not only the first k valid ones (which would make ``n = k``, each
+prompt a single 0/1 draw; docs/config.md#deliberate-differences): the expectation is the same, but
+using every completion lowers the variance whenever ``n > k`` (e.g. pass@1 with K = 8 becomes the
+mean accuracy over 8 completions instead of the correctness of the first one). Binomials are
 exact Python integers, so there is no overflow or log-space rounding for any n.
 """
 

@@ -1,12 +1,13 @@
-"""Finding evals by name: dedicated evals first, environments as the fallback (reference §6.1).
+"""Finding evals by name: dedicated evals first, environments as the fallback
+(docs/orchestrator.md#loading).
 
 A dedicated eval is a folder ``<dir>/<name>/eval.py``. Search order (first match wins):
 ``$REFRACTOR_EVAL_PATH`` (``os.pathsep`` separated), ``./evals``, then the built-ins shipped in
 ``refractor/evals/builtin/<name>/eval.py`` (math500, aime_2024, aime_2025, gpqa_diamond). The class
 is the module's ``EVAL_CLASS`` (a class or its name) if set, else the single concrete ``Eval``
-subclass defined in that module (the reference takes the first one in ``dir()`` order, which
-changes when another eval class is imported; see its §11.3). ``REQUIRED_PACKAGES`` are checked
-before import, as for environments.
+subclass defined in that module, never the first one in ``dir()`` order, which changes when
+another eval class is imported (docs/config.md#deliberate-differences). ``REQUIRED_PACKAGES`` are
+checked before import, as for environments.
 
 Any other name is resolved as an environment (``refractor.envs.get_environment``), so every
 training environment can be evaluated with its own ``compute_eval_metrics``.

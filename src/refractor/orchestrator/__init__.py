@@ -13,10 +13,13 @@ Entry point (all dependencies injected, so Ray actors, HTTP clients or test fake
   ``update_weights(version, target)``, ``save_checkpoint(step, orchestrator_state)``).
 * ``store``: :class:`refractor.telemetry.store.RunStore` (or anything with its ``log_*`` methods).
 
-Pure pieces, testable alone: :mod:`.lanes` (LaneManager), :mod:`.async_gate` (async gate,
-off-policy cancellation, checkpoint gating), :mod:`.prompts` (seeded checkpointable prompt stream
-and prefetch), :mod:`.batching` (acceptance test and batch cutting), :mod:`.chat` (token-exact
-multi-turn prompts). The records they pass around (Rollout, Group, ...) live in :mod:`refractor.records`.
+The :class:`Orchestrator` (train loop, checkpoints, the eval host) composes a
+:class:`~refractor.orchestrator.dispatch.Dispatcher` (lanes, groups in flight, their samples,
+cancellation). Pure pieces, testable alone: :mod:`.lanes` (LaneManager), :mod:`.async_gate`
+(async gate, off-policy cancellation, checkpoint gating), :mod:`.prompts` (seeded checkpointable
+prompt stream and prefetch), :mod:`.batching` (acceptance test and batch cutting), :mod:`.chat`
+(token-exact multi-turn prompts). The records they pass around (Rollout, Group, ...) live in
+:mod:`refractor.records`.
 """
 
 from refractor.inference.client import Sampling

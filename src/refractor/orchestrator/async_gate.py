@@ -1,12 +1,14 @@
 """Pure pipeline control: the async gate, off-policy cancellation and checkpoint gating.
 
-Counters (reference §1.6, with versions instead of ``model_step``; version = model_step + 1):
+Counters (docs/orchestrator.md#counters; a version counts updates: version ``v`` = weights after ``v``
+steps):
 
 * ``inference_step``  batches already cut = index of the training step being filled;
 * ``trainer_step``    completed training steps;
 * ``loaded_version``  weights the training servers hold (0 = base model, v = after v steps).
 
-``async_level = inference_step - loaded_version`` (the reference's ``inference_step - model_step - 1``).
+``async_level = inference_step - loaded_version`` (Telescope's ``inference_step - model_step - 1``;
+docs/config.md#deliberate-differences).
 A new group may be created only while ``async_level <= max_async_rollout``; a group that completes
 while ``async_level > max_async_rollout`` (measured with the version loaded at completion) is
 discarded with reason ``max_async``. With ``max_async_rollout = 2`` the base model fills the
@@ -148,7 +150,7 @@ class CheckpointSchedule:
 
 
 class CheckpointGate(Generic[T]):
-    """Keeps the trainer quiescent while a checkpoint is written (reference §1.9).
+    """Keeps the trainer quiescent while a checkpoint is written (docs/orchestrator.md#checkpoint-gating).
 
     The batch of a checkpoint step is submitted; batches cut after it are buffered and no new
     groups are created until that step has trained and its checkpoint is saved. Then buffered

@@ -102,7 +102,8 @@ class BatchAssembler:
                 return batches  # the rest waits for requeue_waiting(): it was generated with the old weights
 
     def requeue_waiting(self) -> list[PromptRef]:
-        """Give up the completed groups still waiting (marked cancelled, reason ``requeued``); their prompts."""
+        """Give up the completed groups still waiting (marked cancelled, reason ``requeued``);
+        return their prompts."""
         groups = [self.waiting[o] for o in sorted(self.waiting)]
         self.waiting.clear()
         for g in groups:
@@ -148,11 +149,13 @@ class BatchAssembler:
         while len(self.bucket) >= self.batch_size and (
             self.number_of_steps is None or counters.inference_step < self.number_of_steps
         ):
-            groups, self.bucket = self.bucket[: self.batch_size], self.bucket[self.batch_size :]
+            groups = self.bucket[: self.batch_size]
+            self.bucket = self.bucket[self.batch_size :]
             step = counters.inference_step
             for g in groups:
                 g.step = step
             batches.append(Batch(step, groups, self.discarded, self.cancelled))
-            self.discarded, self.cancelled = [], []
+            self.discarded = []
+            self.cancelled = []
             counters.inference_step += 1
         return batches

@@ -1,4 +1,4 @@
-"""When evals run during training, and on which servers (reference §1.13, §6.4).
+"""When evals run during training, and on which servers (docs/orchestrator.md#scheduling-evals).
 
 * **baseline** (``eval_before_training``): before the first rollout, reported at step 0; skipped
   when the run resumes from a checkpoint.
@@ -14,7 +14,7 @@
      the eval servers keep the weights being evaluated;
   4. when the eval is done, the next update is ``full`` again and the eval servers rejoin training
      right after it (fresh lanes, holding the newest weights). An eval step that arrives while the
-     previous step eval still runs waits for it first (as the reference's trainer does).
+     previous step eval still runs waits for it first.
 * **final** (``eval_after_training``): after the last step, reported at step ``number_of_steps``,
   skipping evals that already ran at that step. Eval servers still holding older weights first get
   a ``full`` update.

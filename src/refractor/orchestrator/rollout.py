@@ -107,7 +107,8 @@ class SerialServer:
     """
 
     def __init__(self, server: InferenceServer) -> None:
-        self.server, self.name = server, server.name
+        self.server = server
+        self.name = server.name
         self._turn = asyncio.Lock()
 
     def __getattr__(self, name: str) -> Any:
@@ -130,7 +131,8 @@ class SerialServer:
     def _finished(self, request: asyncio.Future) -> None:
         self._turn.release()
         if not request.cancelled():
-            request.exception()  # retrieved here, so an abandoned request's error is not reported as unhandled
+            # retrieved here, so an abandoned request's error is not reported as unhandled
+            request.exception()
 
 
 @dataclass
@@ -275,7 +277,8 @@ async def _generate_turns(run: SampleRun) -> None:
                 f"server {server.name}: {type(err).__name__}: {err}"[:2000],
             )
             return
-        turn.end_version, turn.end_time = hooks.current_version(), hooks.clock()
+        turn.end_version = hooks.current_version()
+        turn.end_time = hooks.clock()
         if result.finish_reason == "abort":  # the server dropped the request (restart, abort route)
             rollout.mark(
                 RolloutStatus.DISCARDED,
@@ -283,7 +286,8 @@ async def _generate_turns(run: SampleRun) -> None:
                 f"server {server.name} aborted the request",
             )
             return
-        turn.completion_ids, turn.logprobs = list(result.token_ids), list(result.logprobs)
+        turn.completion_ids = list(result.token_ids)
+        turn.logprobs = list(result.logprobs)
         turn.finish_reason = str(result.finish_reason or "")
         turn.server_weight_versions = list(result.weight_versions or [])
         turn.completion_text = strip_eos(chat.decode(turn.completion_ids), settings.eos_token)

@@ -23,7 +23,8 @@ class ZeroAdvantageWatch:
         if group.status == RolloutStatus.DISCARDED and group.reason == DiscardReason.ZERO_ADVANTAGE:
             self.streak += 1
         elif group.status != RolloutStatus.DISCARDED:
-            self.streak, self._next_warning = 0, self.threshold
+            self.streak = 0
+            self._next_warning = self.threshold
         if self.streak < self._next_warning:
             return None
         self._next_warning *= 2

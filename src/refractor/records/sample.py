@@ -1,7 +1,8 @@
 """Environment-facing records: samples, trajectories, reward results, tool calls.
 
-Field names follow the reference (Telescope) so user environments run unchanged. Chat messages
-stay plain dicts (``{"role", "content", "turn_type"?}``) because user code builds them literally.
+Field names are those Telescope environments use, so user environments run unchanged
+(docs/data-path.md#sample). Chat messages stay plain dicts (``{"role", "content", "turn_type"?}``)
+because user code builds them literally.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 ChatMessage = dict[str, Any]
 Messages = list[ChatMessage]
 
-# Framework keys in RolloutState.custom (reference names, kept for compatibility).
+# Framework keys in RolloutState.custom (Telescope's names, so user environments run unchanged;
+# docs/data-path.md#sample).
 PENDING_TOOL_CALLS = "_pending_tool_calls"
 
 
@@ -82,7 +84,8 @@ class TrajectoryStep:
 
 @dataclass
 class ToolCallRecord:
-    """One executed tool call, as logged (reference ``_pending_tool_calls`` keys)."""
+    """One executed tool call, as logged (the keys of ``_pending_tool_calls`` entries;
+    docs/data-path.md#sample)."""
 
     tool_name: str
     arguments: str = "{}"  # JSON text
@@ -130,7 +133,7 @@ class RolloutState:
 
     @property
     def completion_text(self) -> str:
-        """All assistant turns joined by newlines (the reference's multi-turn completion text)."""
+        """All assistant turns joined by newlines (Telescope-compatible multi-turn completion text)."""
         return "\n".join(step.completion_text for step in self.trajectory)
 
     def get_completion_token_ids(self) -> list[int]:

@@ -91,7 +91,8 @@ class TimelineEvent:
 
 @dataclass
 class StepResult:
-    """What the trainer returns after a step: metrics named `section/group/metric` or reference names."""
+    """What the trainer returns after a step: metrics named ``section/group/metric`` or plain loss
+    metric names (docs/metrics.md#loss-metrics)."""
 
     step: int
     metrics: dict[str, float]

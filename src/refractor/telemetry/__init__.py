@@ -4,7 +4,8 @@ console progress and the optional W&B sink.
 * :class:`~refractor.telemetry.store.RunStore` — single writer (the orchestrator), SQLite WAL.
 * :mod:`~refractor.telemetry.query` — ``list_runs``, ``RunReader`` (step metrics as rows,
   rollouts by step/status, turns and tool calls, timeline range, system metrics).
-* :func:`~refractor.telemetry.metrics.rollout_step_metrics` — reference §8 derived metrics;
+* :func:`~refractor.telemetry.metrics.rollout_step_metrics` — derived rollout metrics
+  (docs/metrics.md#rollout-metrics);
   :func:`~refractor.telemetry.step_metrics.step_metrics` — everything stored for one training step.
 * :class:`~refractor.telemetry.system.SystemMetricsLoop`,
   :class:`~refractor.telemetry.server_metrics.ServerMetricsScraper` — periodic driver and server metrics.

@@ -105,7 +105,9 @@ class ConsoleSink:
 
     def log_step(self, step: int, metrics: dict[str, float], rollouts: list[Any] | None = None) -> None:
         s = step_summary(metrics)
-        reward, kl, tps = _fmt(s["reward"], ".3f"), _fmt(s["kl"], ".4f"), _fmt(s["tokens_per_s"], ".0f")
+        reward = _fmt(s["reward"], ".3f")
+        kl = _fmt(s["kl"], ".4f")
+        tps = _fmt(s["tokens_per_s"], ".0f")
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, reward=reward, kl=kl, tps=tps)
         else:

@@ -1,4 +1,4 @@
-"""Derived per-step rollout metrics (names as in the reference dashboard, §8).
+"""Derived per-step rollout metrics (names and definitions: docs/metrics.md#rollout-metrics).
 
 One pure function, :func:`rollout_step_metrics`, over plain :class:`RolloutSummary` rows, so the
 orchestrator (live rollouts) and the dashboard (rows read from ``run.db``) compute identical

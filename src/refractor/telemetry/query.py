@@ -79,7 +79,8 @@ class RunReader:
 
     def step_metrics(self, names: list[str] | None = None) -> list[dict[str, Any]]:
         """One dict per step: {"step": s, "<metric>": value, ...} (optionally only ``names``)."""
-        sql, args = "SELECT step, name, value FROM step_metrics", ()
+        sql = "SELECT step, name, value FROM step_metrics"
+        args = ()
         if names:
             sql += f" WHERE name IN ({','.join('?' * len(names))})"
             args = tuple(names)
@@ -101,7 +102,8 @@ class RunReader:
     def rollouts(
         self, step: int | None = None, status: str | None = None, limit: int | None = None
     ) -> list[dict[str, Any]]:
-        clauses, args = [], []
+        clauses = []
+        args = []
         if step is not None:
             clauses.append("step = ?")
             args.append(step)
@@ -154,7 +156,8 @@ class RunReader:
         self, start: float | None = None, end: float | None = None, component: str | None = None
     ) -> list[dict[str, Any]]:
         """Events overlapping [start, end] (either bound optional), by start time."""
-        clauses, args = [], []
+        clauses = []
+        args = []
         if start is not None:
             clauses.append('"end" >= ?')
             args.append(start)

@@ -1,15 +1,17 @@
-"""Inference-server metrics scraped from each server's Prometheus ``/metrics`` (reference §8.5, vllm table).
+"""Inference-server metrics scraped from each server's Prometheus ``/metrics``.
 
-Every ``metrics_logger_interval_seconds`` the orchestrator reads every server's ``/metrics`` (vLLM's or the
-native engine's, which uses vLLM's names) and stores one row per metric in the run store's
-``system_metrics`` table with source ``inference:<server>``. Names follow the reference: the ``vllm:``
-prefix is dropped and the Prometheus names are shortened (``num_requests_running`` -> ``requests_running``);
-histogram means are cumulative since the server started (``_sum / _count``), as in the reference.
+Every ``metrics_logger_interval_seconds`` the orchestrator reads every server's ``/metrics`` (vLLM's or
+the native engine's, which uses vLLM's names) and stores one row per metric in the run store's
+``system_metrics`` table with source ``inference:<server>``. Stored names (the table:
+docs/metrics.md#inference-server-metrics): the ``vllm:`` prefix is dropped and the Prometheus names
+are shortened (``num_requests_running`` -> ``requests_running``); histogram means are cumulative
+since the server started (``_sum / _count``).
 
-Two rates are derived from counter deltas between scrapes: ``generation_tokens_per_s`` (any engine) and,
-for the native engine, ``engine_busy_fraction`` (the share of wall time its thread spent inside engine
-steps) and ``engine_step_ms`` (mean step time). A busy fraction well below 1 while requests wait means
-the engine is starved by its callers; near 1 with a low token rate means the steps themselves are slow.
+Two rates are derived from counter deltas between scrapes: ``generation_tokens_per_s`` (any engine)
+and, for the native engine, ``engine_busy_fraction`` (the share of wall time its thread spent inside
+engine steps) and ``engine_step_ms`` (mean step time). A busy fraction well below 1 while requests
+wait means the engine is starved by its callers; near 1 with a low token rate means the steps
+themselves are slow.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _short(name: str) -> str:
 
 
 def server_metrics(samples: Mapping[str, float]) -> dict[str, float]:
-    """Prometheus samples (summed over labels) -> the reference's metric names; unknown names are left out."""
+    """Prometheus samples (summed over labels) -> the stored metric names; unknown names are left out."""
     short = {_short(name): value for name, value in samples.items() if not name.endswith("_bucket")}
     out = {GAUGES[k]: v for k, v in short.items() if k in GAUGES}
     out.update({COUNTERS[k]: v for k, v in short.items() if k in COUNTERS})
@@ -73,7 +75,8 @@ def server_metrics(samples: Mapping[str, float]) -> dict[str, float]:
 def rates(
     previous: Mapping[str, float] | None, current: Mapping[str, float], seconds: float
 ) -> dict[str, float]:
-    """Rates from counter deltas between two scrapes ``seconds`` apart (empty on the first scrape or a restart)."""
+    """Rates from counter deltas between two scrapes ``seconds`` apart (empty on the first scrape or
+    after a restart)."""
     if not previous or seconds <= 0:
         return {}
     delta = {k: current[k] - previous[k] for k in current.keys() & previous.keys() if k.endswith("_total")}
@@ -106,12 +109,10 @@ class ServerMetricsScraper:
         clock: Callable[[], float] = time.time,
         timeout_s: float | None = None,
     ):
-        self.servers, self.log_metrics, self.interval_s, self.clock = (
-            list(servers),
-            log_metrics,
-            interval_s,
-            clock,
-        )
+        self.servers = list(servers)
+        self.log_metrics = log_metrics
+        self.interval_s = interval_s
+        self.clock = clock
         self.timeout_s = timeout_s if timeout_s is not None else max(interval_s, 1.0)
         self._last: dict[str, tuple[float, dict[str, float]]] = {}
         self._warned: set[str] = set()

@@ -2,7 +2,7 @@
 
 One pure function over what the train loop measured: the step's rollouts (kept, discarded and
 cancelled), the trainer's own metrics, the step's timing, and the timeline events of the trainer
-and of the weight sync (reference §8 names).
+and of the weight sync (names: docs/metrics.md#step-metrics).
 """
 
 from __future__ import annotations

@@ -81,7 +81,10 @@ def rollout_rows(
     rollouts: Iterable[Rollout], trainer_step: int, inference_step: int
 ) -> list[tuple[str, list[tuple]]]:
     """(sql, rows) pairs that store each rollout with its turns, tool calls and sample metrics."""
-    ro, tu, tc, sm = [], [], [], []
+    ro = []
+    tu = []
+    tc = []
+    sm = []
     for r in rollouts:
         status = str(r.status)
         step = stored_step(r, inference_step)
@@ -288,7 +291,8 @@ class RunStore:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            events, batch = [], []
+            events = []
+            batch = []
             for item in items:
                 if item is None:
                     stop = True

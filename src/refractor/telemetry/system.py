@@ -1,5 +1,6 @@
-"""Driver-node system metrics (reference §8.5 names), read with psutil: CPU utilization between two
-samples, and memory. :class:`SystemMetricsLoop` stores a sample every interval with source ``driver``."""
+"""Driver-node system metrics (docs/metrics.md#system-metrics), read with psutil: CPU utilization
+between two samples, and memory. :class:`SystemMetricsLoop` stores a sample every interval with
+source ``driver``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Optional Weights & Biases sink (``pip install 'refractor[wandb]'``, ``use_wandb: true``).
 
-Logs every step metric (plus ``rollout/reward_mean``, the reference's chart name) and a table of
-sample rollouts per step. ``WANDB_PROJECT`` / ``WANDB_RUN_NAME`` / ``WANDB_TAGS`` (comma list)
-override the config keys, as in the reference. The local run store is written either way.
+Logs every step metric (plus ``rollout/reward_mean``, Telescope's chart name) and a table of
+sample rollouts per step (docs/metrics.md#wb). ``WANDB_PROJECT`` / ``WANDB_RUN_NAME`` /
+``WANDB_TAGS`` (comma list) override the config keys. The local run store is written either way.
 """
 
 from __future__ import annotations

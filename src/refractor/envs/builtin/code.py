@@ -1,7 +1,7 @@
-"""Programming tasks whose tests run in a sandbox (reference ``i3_code``, §5.8.1, run locally).
+"""Programming tasks whose tests run in a local sandbox.
 
 Reward = ``passed``: 1.0 iff every selected test passes. Diagnostics are per-sample metrics with
-the reference names (``pass_rate``, ``num_test_cases``, ``num_timeouts``, ``test_time``...) and
+Telescope's names (``pass_rate``, ``num_test_cases``, ``num_timeouts``, ``test_time``...) and
 info turns (``generated_code``, ``error``, ``test_summary``, ``passed_tests``, ``failed_tests``).
 A sandbox infrastructure failure (after ``max_attempts``) raises, so the rollout is discarded
 with that reason instead of being trained on a false zero.

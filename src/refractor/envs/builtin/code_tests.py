@@ -164,7 +164,7 @@ async def run_tests(
 
 
 def summarize(outcomes: list[TestOutcome]) -> dict[str, float]:
-    """The per-sample metrics (reference names) of a test run."""
+    """The per-sample metrics (Telescope's names) of a test run."""
     times = [o.duration_s for o in outcomes] or [0.0]
     passed = sum(o.passed for o in outcomes)
     return {

@@ -1,10 +1,11 @@
-"""Countdown: combine the given numbers with + - * / to reach a target (reference §5.8).
+"""Countdown: combine the given numbers with + - * / to reach a target.
 
-Rewards (names as in the reference): ``_format_reward`` (1 for ``<think>..</think><answer>..</answer>``
+Rewards (Telescope's names): ``_format_reward`` (1 for ``<think>..</think><answer>..</answer>``
 with an arithmetic-only answer, 0.5 with other answer text, 0 otherwise) and ``_equation_reward``
 (1 if the last answer uses exactly the given numbers and evaluates to the target).
-Unlike the reference, the answer is evaluated by a tiny arithmetic interpreter, not ``eval``:
-``**`` and ``//`` are not countdown operators and ``9**9**9**9`` would hang the scorer.
+The answer is evaluated by a tiny arithmetic interpreter, never ``eval``
+(docs/config.md#deliberate-differences): ``**`` and ``//`` are not countdown operators and
+``9**9**9**9`` would hang the scorer.
 
 ``dataset_name: procedural`` generates seeded problems offline (used by the CPU quickstart).
 """

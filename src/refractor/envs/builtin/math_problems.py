@@ -1,4 +1,4 @@
-"""Math environments with a boxed final answer checked by math-verify (reference §5.8):
+"""Math environments with a boxed final answer checked by math-verify:
 ``hendrycks_math``, ``dapo_math``, ``deepscaler``. They differ only in how a dataset row becomes
 (question, answer). Reward: ``correct`` in {0, 1}: strip think -> last ``\\boxed{}`` -> verify.
 Verification runs in a worker process (hard timeout), never on the event loop.

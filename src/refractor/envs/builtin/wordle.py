@@ -1,9 +1,9 @@
-"""Wordle, multi-turn (reference §5.8): the model guesses a 5-letter word; the environment answers
+"""Wordle, multi-turn: the model guesses a 5-letter word; the environment answers
 with G/Y/X feedback in TextArena's words. Own game logic (TextArena's rules and texts; TextArena
 itself needs nltk downloads at import, which offline machines cannot do); secret words and the
 dictionary come from a shipped list (``word_list`` kwarg: another file, one word per line).
 
-Rewards (reference names): ``_reward_correct`` (last guess is the secret), ``_reward_partial``
+Rewards (Telescope's names): ``_reward_correct`` (last guess is the secret), ``_reward_partial``
 (if not correct: 0.2 per green + 0.1 per yellow of the last feedback), ``_reward_length``
 (1 / number of guesses when correct), ``format_reward`` (weight 0.2: per model message 0.4 for a
 ``<guess>[word]</guess>`` field, 0.2 for no stray spaces inside it, 0.2 for starting with

@@ -1,5 +1,5 @@
-"""Sandboxes for untrusted code (reference ``_sandbox``): a provider protocol, an isolated local
-provider on bubblewrap, an explicit opt-in unisolated provider, and a pre-warming pool.
+"""Sandboxes for untrusted code: a provider protocol, an isolated local provider on bubblewrap, an
+explicit opt-in unisolated provider, and a pre-warming pool.
 
     provider = get_provider("auto")                  # bwrap, or a clear error saying why not
     async with open_sandbox(provider, SandboxConfig(memory_mb=512)) as sandbox:

@@ -12,7 +12,7 @@ PROMPT_SUFFIX = "\nPlease reason step by step, and put your final answer within 
 
 
 class BoxedMathEval(DatasetEval):
-    """Prompt = problem + the reference's suffix; ``correct`` = last ``\\boxed{}`` (after any think
+    """Prompt = problem + Telescope's prompt suffix; ``correct`` = last ``\\boxed{}`` (after any think
     block) equals the answer under math-verify (run in a worker process, never on the event loop)."""
 
     metrics_ranges: ClassVar[dict[str, dict[str, Any]]] = {
