@@ -1,4 +1,5 @@
-"""User errors share one base the CLI catches, and keep the builtin base older handlers catch."""
+"""User errors share one base the CLI catches, and keep their builtin base so handlers written against the
+builtin type catch them too."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Fixtures of the inference tests: ONE vLLM CPU server per test session (a start costs ~30-60 s on
-2 cores), the trainer-side sender bound to it, and transformers references for log-prob parity."""
+"""Fixtures of the inference tests: ONE vLLM CPU server per test session (starting one is slow), the
+trainer-side sender bound to it, and transformers references for log-prob parity."""
 
 from __future__ import annotations
 
@@ -70,9 +70,10 @@ def hf_token_logprobs():
 
 @torch.no_grad()
 def _stale_kv_logprobs(old, new, prompt: list[int], completion: list[int], switch: int) -> torch.Tensor:
-    """log p(completion[i]), i >= switch, when ``old`` wrote the KV of prompt + completion[:switch - 1] and ``new``
-    runs from there on: an in-flight request that kept its KV across a weight update (the token sampled at
-    step i is fed, and cached, at step i + 1, so completion[switch - 1] is the first token ``new`` caches)."""
+    """log p(completion[i]), i >= switch, when ``old`` wrote the KV of prompt + completion[:switch - 1] and
+    ``new`` runs from there on: an in-flight request that kept its KV across a weight update (the token
+    sampled at step i is fed, and cached, at step i + 1, so completion[switch - 1] is the first token ``new``
+    caches)."""
     cache = old(torch.tensor([prompt + completion[: switch - 1]]), use_cache=True).past_key_values
     logits = (
         new(torch.tensor([completion[switch - 1 : -1]]), past_key_values=cache, use_cache=True)

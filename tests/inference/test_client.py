@@ -96,7 +96,8 @@ def test_cancel_aborts_on_the_server_and_control_calls(server):
             aborted = await running
             assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 480
 
-            assert await client.weight_version() in (None, 0)  # None until the weight-transfer routes exist
+            # 0: nothing pushed yet; None: a server without the weight-update routes
+            assert await client.weight_version() in (None, 0)
             with pytest.raises(InferenceServerError, match="400.*max_model_len"):
                 await client.generate(list(range(3, 600)), Sampling())
 

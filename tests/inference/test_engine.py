@@ -45,7 +45,8 @@ def _reference_logprobs(hf, prompt, completion, temperature=1.0, top_p=1.0):
 @pytest.mark.parametrize("fixture", ["tiny_qwen2_path", "tiny_llama_path", "tiny_qwen3_path"])
 def test_greedy_matches_transformers_generate(fixture, request):
     path = request.getfixturevalue(fixture)
-    hf, engine = _hf(path), _engine(path)
+    hf = _hf(path)
+    engine = _engine(path)
     prompts = _prompts(4, seed=1)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
@@ -57,7 +58,8 @@ def test_greedy_matches_transformers_generate(fixture, request):
 
 
 def test_sampled_logprobs_equal_a_fresh_forward(tiny_qwen2_path):
-    hf, engine = _hf(tiny_qwen2_path), _engine(tiny_qwen2_path)
+    hf = _hf(tiny_qwen2_path)
+    engine = _engine(tiny_qwen2_path)
     prompts = _prompts(6, seed=2)
     for params in (
         SamplingParams(temperature=1.0, max_tokens=20, n=2, seed=3),
@@ -71,7 +73,7 @@ def test_sampled_logprobs_equal_a_fresh_forward(tiny_qwen2_path):
 
 
 def test_sixty_four_concurrent_requests_with_preemption(tiny_llama_path):
-    """64 requests on a KV cache too small for all of them: new ones join, preempted ones resume, all exact."""
+    """64 requests on a KV cache too small for all: new ones join, preempted ones resume, all exact."""
     hf = _hf(tiny_llama_path)
     engine = _engine(tiny_llama_path, kv_cache_memory_gb=1400 * 2 * 2 * 64 * 4 * 2 / 2**30)  # ~1400 tokens
     prompts = _prompts(64, seed=3, high=48)
@@ -166,7 +168,8 @@ def test_stop_conditions_seeds_and_limits(tiny_qwen2_path):
 
 
 def test_top_logprobs_and_ranks(tiny_qwen2_path):
-    hf, engine = _hf(tiny_qwen2_path), _engine(tiny_qwen2_path)
+    hf = _hf(tiny_qwen2_path)
+    engine = _engine(tiny_qwen2_path)
     prompt = [9, 8, 7]
     out = engine.generate([prompt], SamplingParams(temperature=0.8, max_tokens=5, logprobs=3, seed=1))[
         0
@@ -186,7 +189,8 @@ def test_weight_update_switches_to_another_checkpoint(tiny_qwen2_path):
     from refractor.testing import TinyModelSpec, build_tiny_model
 
     other = build_tiny_model(TinyModelSpec(arch="qwen2", seed=1))
-    hf_old, hf_new = _hf(tiny_qwen2_path), _hf(other)
+    hf_old = _hf(tiny_qwen2_path)
+    hf_new = _hf(other)
     engine = _engine(tiny_qwen2_path)
     prompt = [5, 17, 33, 2, 90]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

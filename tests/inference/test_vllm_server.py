@@ -115,7 +115,8 @@ def test_token_completions_match_transformers(
     assert len(choices) == 3
     assert len({tuple(c["token_ids"]) for c in choices}) > 1  # n independent samples
     for choice in choices:
-        tokens, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        tokens = choice["token_ids"]
+        logprobs = choice["logprobs"]["token_logprobs"]
         assert len(tokens) == len(logprobs) == 12 and all(isinstance(t, int) for t in tokens)
         reference = hf_token_logprobs(hf_models[0], prompt, tokens, temperature)
         assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), reference, atol=1e-4, rtol=0)

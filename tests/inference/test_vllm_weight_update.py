@@ -75,7 +75,10 @@ def test_corrupted_bucket_fails_the_canary(vllm_server, vllm_sender, hf_models, 
 
 
 def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
-    """Stream one 450-token request; push new weights once 10 tokens arrived. Returns tokens, logprobs, spans."""
+    """Stream one 450-token request; push new weights once 10 tokens arrived.
+
+    Returns tokens, logprobs, spans.
+    """
     sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=old_version)
     body = {
         "model": model_name,
@@ -90,7 +93,10 @@ def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
             "seed": 5,
         },
     }
-    tokens, logprobs, spans, finish = [], [], None, None
+    tokens = []
+    logprobs = []
+    spans = None
+    finish = None
     pusher = threading.Thread(
         target=lambda: sender.push(
             iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=old_version + 1
@@ -104,7 +110,8 @@ def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
             (choice,) = json.loads(line.removeprefix("data: "))["choices"]
             tokens += choice["token_ids"]
             logprobs += [entry["logprob"] for entry in choice["logprobs"]["content"]]
-            spans, finish = choice["weight_versions"] or spans, choice["finish_reason"]
+            spans = choice["weight_versions"] or spans
+            finish = choice["finish_reason"]
             if len(tokens) >= 10 and not pusher.ident:
                 pusher.start()
     pusher.join(120)
@@ -135,7 +142,8 @@ def test_update_during_an_inflight_request(
         )
         if len(spans) > 1:
             break
-    old_v, new_v = str(first + 2 * attempt), str(first + 1 + 2 * attempt)
+    old_v = str(first + 2 * attempt)
+    new_v = str(first + 1 + 2 * attempt)
     assert [s["version"] for s in spans] == [old_v, new_v], spans
     switch = spans[0]["end"]
     assert spans[0]["start"] == 0 and spans[1] == {"version": new_v, "start": switch, "end": 450}

@@ -111,11 +111,11 @@ class InferenceClient:
         max_connections: int = 1024,
     ):
         self.base_url = base_url.rstrip("/")
-        self.name = (
-            name or self.base_url
-        )  # how the orchestrator, lanes and the run store refer to this server
+        # how the orchestrator, lanes and the run store refer to this server
+        self.name = name or self.base_url
         self.model = model
-        self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
@@ -144,7 +144,8 @@ class InferenceClient:
                 await asyncio.sleep(self.retry_backoff_s * 2**attempt)
         if response.status_code >= 400:
             raise InferenceServerError(
-                f"inference server {self.base_url}{path} returned {response.status_code}: {_error_text(response)}",
+                f"inference server {self.base_url}{path} returned {response.status_code}: "
+                f"{_error_text(response)}",
                 response.status_code,
             )
         return response

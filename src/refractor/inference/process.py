@@ -49,7 +49,10 @@ class ServerProcess:
     """Handle of a running server: ``url``, ``alive()``, ``log_tail()``, ``wait_healthy()``, ``stop()``."""
 
     def __init__(self, process: subprocess.Popen, url: str, log_path: Path, what: str):
-        self.process, self.url, self.log_path, self.what = process, url, Path(log_path), what
+        self.process = process
+        self.url = url
+        self.log_path = Path(log_path)
+        self.what = what
 
     @classmethod
     def spawn(

@@ -97,7 +97,9 @@ class _Text:
     """Token -> text helpers bound to one request's options."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool, as_ids: bool):
-        self.tokenizer, self.skip, self.as_ids = tokenizer, skip_special_tokens, as_ids
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.as_ids = as_ids
 
     def completion(self, token_ids: list[int], stop_reason: Any) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip)
@@ -111,7 +113,8 @@ class _Text:
 
 def _completion_logprobs(text: _Text, choice, k: int) -> dict[str, Any]:
     tokens = [text.token(t) for t in choice.token_ids]
-    offsets, position = [], 0
+    offsets = []
+    position = 0
     for token in tokens:
         offsets.append(position)
         position += len(token)

@@ -148,7 +148,8 @@ def run_native_server(
     app = create_app(engine, tokenizer, served_model_name or str(model), chat_template=chat_template)
     cfg = core.config
     print(
-        f"refractor native server (pid {os.getpid()}): {path} on {core.device}, max_model_len {cfg.max_model_len}, "
+        f"refractor native server (pid {os.getpid()}): {path} on {core.device}, "
+        f"max_model_len {cfg.max_model_len}, "
         f"serving http://{host}:{port}",
         flush=True,
     )  # the first line of the server's log

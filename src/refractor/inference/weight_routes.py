@@ -129,7 +129,8 @@ def weight_update_router(engine) -> APIRouter:
             names = {name for name, _ in engine.named_parameters()}
             start = time.perf_counter()
             try:
-                # the KV of running requests is kept here; /reset_prefix_cache decides whether it is recomputed
+                # the KV of running requests is kept here; /reset_prefix_cache decides whether it is
+                # recomputed
                 await _call(engine.update_weights, received, update_info.get("version"), False)
             except Exception as err:
                 # report anyway (nothing written: the canary fails) so the trainer is not left
