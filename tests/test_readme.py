@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,12 +34,20 @@ def test_readme_setup_command_is_what_ci_installs_with():
     assert "bash scripts/install.sh" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_lint_is_clean():
-    import shutil
-    import subprocess
-
+def _ruff(*args: str) -> subprocess.CompletedProcess:
     ruff = shutil.which("ruff")
     assert ruff, "ruff is part of the dev extra"
-    paths = [p for p in ("src", "tests", "bench", "train.py", "eval.py") if (ROOT / p).exists()]
-    proc = subprocess.run([ruff, "check", *paths], cwd=ROOT, capture_output=True, text=True)
+    paths = [
+        p for p in ("src", "tests", "bench", "environments", "train.py", "eval.py") if (ROOT / p).exists()
+    ]
+    return subprocess.run([ruff, *args, *paths], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_lint_is_clean():
+    proc = _ruff("check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_code_is_formatted():
+    proc = _ruff("format", "--check")
+    assert proc.returncode == 0, "run `ruff format`:\n" + proc.stdout + proc.stderr
