@@ -9,7 +9,8 @@ via position ids) with full fp32 logits, ``log_softmax`` and gather: forward + b
 optimizer), while refractor's time includes the whole step (loss, grad clip, AdamW, LR schedule).
 
     PYTHONPATH=src python bench/bench_trainer.py --sizes 0.5b,1.5b
-    PYTHONPATH=src torchrun --nproc-per-node 2 bench/bench_trainer.py --tokens 32768 --no-baseline   # FSDP, 2 GPUs
+    # FSDP over 2 GPUs:
+    PYTHONPATH=src torchrun --nproc-per-node 2 bench/bench_trainer.py --tokens 32768 --no-baseline
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, train
     "rows_noac": ("compiled layers, ckpt off, one pass per 4k row", False, True, 0),
     "eager": ("eager layers + ckpt, 16k-token passes", True, False, 16384),
     "eager_noac": ("eager layers, ckpt off, 16k-token passes", False, False, 16384),
-    "session1": ("session-1 default (eager layers + ckpt, one pass per 4k row)", True, False, 0),
+    "eager_rows": ("eager layers + ckpt, one pass per 4k row", True, False, 0),
 }
 BASELINE = "naive HF fwd+bwd (fp32 logits)"
 
@@ -287,7 +288,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument(
-        "--variants", default="default,noac,session1", help=f"comma list of {', '.join(VARIANTS)}"
+        "--variants", default="default,noac,eager_rows", help=f"comma list of {', '.join(VARIANTS)}"
     )
     ap.add_argument(
         "--export-only", action="store_true", help="only time the weight export (256 MiB buckets)"
@@ -365,7 +366,8 @@ def main() -> None:
             release()
             print(
                 f"== Qwen2.5-{size} weight export: {e['bytes'] / 2**20:.0f} MiB bf16, first call "
-                f"{e['time_s'] * 1e3:.1f} ms, warm {e['warm_s'] * 1e3:.1f} ms, peak +{e['peak_extra_gb']:.2f} GiB"
+                f"{e['time_s'] * 1e3:.1f} ms, warm {e['warm_s'] * 1e3:.1f} ms, "
+                f"peak +{e['peak_extra_gb']:.2f} GiB"
             )
             results.append({"size": size, "export": e})
             continue
@@ -402,8 +404,9 @@ def main() -> None:
             entry[label] = r
             labels.append(label)
             print(
-                f"{label}: {r['time_s'] * 1e3:.1f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, MFU {100 * r['mfu']:.1f}%, "
-                f"peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M ({time.perf_counter() - t:.0f} s incl. warmup)"
+                f"{label}: {r['time_s'] * 1e3:.1f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, "
+                f"MFU {100 * r['mfu']:.1f}%, peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M "
+                f"({time.perf_counter() - t:.0f} s incl. warmup)"
             )
             print(
                 "   spans (s):",
@@ -432,7 +435,8 @@ def main() -> None:
                 f"MFU {100 * base['mfu']:.1f}%, peak {base['peak_gb']:.1f} GiB"
             )
             if labels:
-                first, ref = entry[labels[0]]["first_loss"], base["first_loss"]
+                first = entry[labels[0]]["first_loss"]
+                ref = base["first_loss"]
                 print(
                     f"loss parity on identical weights (step 1, before the update): refractor {first:.6f} vs "
                     f"HF {ref:.6f} (rel diff {abs(first - ref) / max(abs(ref), 1e-9):.1e})"

@@ -196,9 +196,11 @@ def run_cpu(args) -> None:
                         extra_env={"VLLM_CPU_CI_ENV": "1"},
                     ),
                 )
-                url, stop = server.url, server.stop
+                url = server.url
+                stop = server.stop
             sender = WeightSender(
-                [ServerRef(f"{engine}-0", url)], WeightSyncSettings(init_timeout_s=120, timeout_s=300)
+                [ServerRef(f"{engine}-0", url)],
+                WeightSyncSettings(init_timeout_s=120, timeout_s=300, gather_before_pause_bytes=0),
             )
             try:
                 for bucket_mb in (int(b) for b in args.bucket_mb.split(",")):
@@ -249,7 +251,7 @@ def run_gpu(args) -> None:
         )
         sender = WeightSender(
             [ServerRef("native-gpu1", url)],
-            WeightSyncSettings(init_timeout_s=120, timeout_s=120),
+            WeightSyncSettings(init_timeout_s=120, timeout_s=120, gather_before_pause_bytes=0),
             device=device,
         )
         start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Independent float64 reference of the policy loss, written from reference §3.2 sample by sample.
+"""Independent float64 reference of the policy loss, written from docs/algorithms.md#policy-loss
+sample by sample.
 
 It does not import the code under test: one Python loop over samples, one over tokens' formulas.
 """
@@ -28,12 +29,20 @@ def _clip(x, lo, hi):
 def reference_loss(samples: list[RefSample], st: dict, normalizer: float) -> tuple[torch.Tensor, dict]:
     """Sum over samples of sum_t P_t m_t, divided by ``normalizer``; plus token-sum metrics."""
     total = torch.zeros((), dtype=torch.float64)
-    m_tis = m_kl = m_dual = m_kept = m_n = m_ent = m_kli = 0.0
-    lo, hi = 1 - st.get("clip_low", 0.4), 1 + st.get("clip_high", 0.5)
+    m_tis = 0.0
+    m_kl = 0.0
+    m_dual = 0.0
+    m_kept = 0.0
+    m_n = 0.0
+    m_ent = 0.0
+    m_kli = 0.0
+    lo = 1 - st.get("clip_low", 0.4)
+    hi = 1 + st.get("clip_high", 0.5)
     c = st.get("clip_ratio_c")
     alg = st.get("algorithm", "grpo")
     for s in samples:
-        lp, A = s.logprobs, s.advantage
+        lp = s.logprobs
+        A = s.advantage
         n = lp.shape[0]
         big_delta = lp - s.rollout
         small_delta = lp - s.ref

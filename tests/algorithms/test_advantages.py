@@ -109,7 +109,8 @@ def test_zero_advantage_detection():
     ],
 )
 def test_overlong_penalty_ramp(length, expected):
-    # max_tokens 1000, buffer 200: penalty starts after 800 tokens, reaches -factor at 1000, keeps going beyond
+    # max_tokens 1000, buffer 200: penalty starts after 800 tokens, reaches -factor at 1000,
+    # keeps going beyond
     assert overlong_penalty(length, max_tokens=1000, factor=0.5, buffer_tokens=200) == pytest.approx(expected)
     assert overlong_penalty(length, max_tokens=1000, factor=0.0, buffer_tokens=200) == 0.0
 

@@ -31,13 +31,16 @@ def inputs(n=45, h=24, v=97, seed=0, dtype=torch.float32):
 def test_matches_naive_values_and_gradients(chunk_size, temperature):
     hidden, weight, targets = inputs()
     g = torch.Generator().manual_seed(1)
-    w_lp, w_ent = torch.randn(len(targets), generator=g), torch.randn(len(targets), generator=g)
+    w_lp = torch.randn(len(targets), generator=g)
+    w_ent = torch.randn(len(targets), generator=g)
 
-    h1, W1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h1 = hidden.clone().requires_grad_()
+    W1 = weight.clone().requires_grad_()
     lp, ent = chunked_logprobs_entropy(h1, W1, targets, temperature=temperature, chunk_size=chunk_size)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
 
-    h2, W2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2 = hidden.clone().requires_grad_()
+    W2 = weight.clone().requires_grad_()
     lp_ref, ent_ref = naive(h2, W2, targets, temperature)
     ((lp_ref * w_lp).sum() + (ent_ref * w_ent).sum()).backward()
 
@@ -52,10 +55,12 @@ def test_matches_naive_values_and_gradients(chunk_size, temperature):
 def test_single_output_gradients(which):
     """Only one output used (entropy bonus off, or metric only): the other grad is None inside."""
     hidden, weight, targets = inputs(n=20)
-    h1, W1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h1 = hidden.clone().requires_grad_()
+    W1 = weight.clone().requires_grad_()
     out = chunked_logprobs_entropy(h1, W1, targets, temperature=0.8, chunk_size=6)
     out[0 if which == "logprobs" else 1].sum().backward()
-    h2, W2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2 = hidden.clone().requires_grad_()
+    W2 = weight.clone().requires_grad_()
     ref = naive(h2, W2, targets, 0.8)
     ref[0 if which == "logprobs" else 1].sum().backward()
     torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=1e-5)
@@ -110,7 +115,8 @@ def test_temperature_rules_and_errors():
 def test_bf16_inputs_follow_the_model_dtype():
     """bf16 hidden/weight: the matmul runs in bf16 (as the LM head does), softmax in fp32."""
     hidden, weight, targets = inputs(n=16)
-    hb, wb = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    hb = hidden.bfloat16().requires_grad_()
+    wb = weight.bfloat16().requires_grad_()
     lp, ent = chunked_logprobs_entropy(hb, wb, targets, chunk_size=5)
     ref_lp, ref_ent = naive(hb.detach(), wb.detach(), targets, 1.0)
     assert lp.dtype == torch.float32

@@ -187,19 +187,22 @@ def test_sapo_gradient_by_finite_differences():
 def test_gspo_gradient_is_that_of_the_sequence_objective(clip_ratio_c):
     """GSPO's token gradient is d/d(lp) of sum_s f(S_s) / N, with S_s the sequence's mean log-ratio
     (f = clipped surrogate, dual-clipped): checked by central finite differences of that objective.
-    (Its forward value, as in the reference, repeats f(S_s) on each of the n_s tokens.)"""
+    (Its forward value, as in Telescope, repeats f(S_s) on each of the n_s tokens.)"""
     row, parts = make_row(seed=3, spread=0.2)
-    lo, hi = 0.8, 1.25
+    lo = 0.8
+    hi = 1.25
     settings = LossSettings(algorithm="gspo", clip_low=0.2, clip_high=0.25, clip_ratio_c=clip_ratio_c)
     norm = 17.0
 
     def sequence_objective(lp: torch.Tensor) -> float:
-        total, start = 0.0, 0
+        total = 0.0
+        start = 0
         for p in parts:
             n = len(p[3])
             m = torch.tensor(p[3], dtype=torch.float64)
             S = float(((lp[start : start + n] - p[1]) * m).sum() / m.sum())
-            R, A = math.exp(S), p[4]
+            R = math.exp(S)
+            A = p[4]
             f = max(-R * A, -min(max(R, lo), hi) * A)
             if clip_ratio_c is not None:
                 f = min(f, clip_ratio_c * abs(A))

@@ -226,9 +226,9 @@ def test_a_server_failing_mid_update_is_named_in_bounded_time(failure, tiny_qwen
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        sender = WeightSender(
-            [ServerRef("doomed-0", url)], WeightSyncSettings(init_timeout_s=30, timeout_s=3)
-        )
+        # no gather-ahead: buckets stream while the server receives, so the failure lands mid-update
+        settings = WeightSyncSettings(init_timeout_s=30, timeout_s=3, gather_before_pause_bytes=0)
+        sender = WeightSender([ServerRef("doomed-0", url)], settings)
 
         all_buckets = list(iter_buckets(hf_models[1].named_parameters(), 64 << 10))
         consumed = []

@@ -32,7 +32,8 @@ def _hf(path):
 @pytest.mark.parametrize("fixture", ARCH_FIXTURES)
 def test_logits_match_transformers_fp32(fixture, request):
     path = request.getfixturevalue(fixture)
-    model, hf = load_model(path), _hf(path)
+    model = load_model(path)
+    hf = _hf(path)
     # 300 tokens: past the llama3 fixture's original_max_position_embeddings (256), so rope scaling matters
     ids = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -45,7 +46,8 @@ def test_logits_match_transformers_fp32(fixture, request):
 def test_packed_rows_equal_separate_forwards(fixture, request):
     """Three samples + padding packed in one row: each sample's logits equal HF on that sample alone."""
     path = request.getfixturevalue(fixture)
-    model, hf = load_model(path), _hf(path)
+    model = load_model(path)
+    hf = _hf(path)
     gen = torch.Generator().manual_seed(1)
     lengths = [7, 19, 12]
     samples = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
@@ -66,7 +68,8 @@ def test_packed_rows_equal_separate_forwards(fixture, request):
 
 
 def test_parameter_names_and_tied_head(tiny_qwen2_path, tiny_llama_path):
-    tied, untied = load_model(tiny_qwen2_path), load_model(tiny_llama_path)
+    tied = load_model(tiny_qwen2_path)
+    untied = load_model(tiny_llama_path)
     hf_names = set(_hf(tiny_llama_path).state_dict())
     assert {n for n, _ in untied.named_parameters()} == hf_names
     assert untied.lm_head_weight() is untied.lm_head.weight
@@ -143,7 +146,8 @@ def test_rope_frequencies_match_transformers(rope):
     ours = ModelConfig.from_hf(hf_config)
     for seq_len in (None, 4096):
         if rope["rope_type"] == "default":
-            ref, ref_scale = 1.0 / (1e4 ** (torch.arange(0, 64, 2).float() / 64)), 1.0
+            ref = 1.0 / (1e4 ** (torch.arange(0, 64, 2).float() / 64))
+            ref_scale = 1.0
         else:
             ref, ref_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu", seq_len=seq_len)
         inv, scale = rope_inv_freq(ours, seq_len)

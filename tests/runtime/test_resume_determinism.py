@@ -100,7 +100,8 @@ def test_resumed_run_matches_the_uninterrupted_run(tmp_path):
     run_training(det_cfg(tmp_path, "b", resume_from_checkpoint=True), quiet=True)
 
     with RunReader(uninterrupted) as a, RunReader(interrupted) as b:
-        metrics_a, metrics_b = metrics_of(a), metrics_of(b)
+        metrics_a = metrics_of(a)
+        metrics_b = metrics_of(b)
         assert sorted(metrics_a) == sorted(metrics_b) == [0, 1, 2]
         for step in range(3):
             batch = batch_of(a, step)

@@ -1,4 +1,4 @@
-"""LR schedules against the reference §3.5 table, written out independently here."""
+"""LR schedules against the table of docs/algorithms.md, written out independently here."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def reference_multiplier(kind: str, s: int, w: int, t: int, rho: float) -> float
 @pytest.mark.parametrize("kind", ["none", "constant", "linear", "cosine"])
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_schedule_matches_reference_table(kind, warmup):
-    total, rho = 10, 0.1
+    total = 10
+    rho = 0.1
     sched = LRSchedule(kind, warmup, total, rho)
     for s in range(total + 3):  # past the horizon the multiplier stays at the floor
         assert sched(s) == pytest.approx(reference_multiplier(kind, s, warmup, total, rho), abs=1e-12), (

@@ -106,7 +106,8 @@ def test_passes_are_merged_on_cuda_and_padded_only_for_compiled_layers(tiny_qwen
 
 def compiled_lengths(tiny_qwen2_path, monkeypatch, pad_multiple: int) -> list[tuple[int, ...]]:
     """Token lengths of the graphs Dynamo compiles for the decoder layers over steps whose passes differ
-    in length (CPU: Dynamo + AOTAutograd with the ``aot_eager`` backend, as Inductor would be fed on a GPU)."""
+    in length (CPU: Dynamo + AOTAutograd with the ``aot_eager`` backend, as Inductor would be fed on a
+    GPU)."""
     import functools
 
     import torch._dynamo
@@ -133,8 +134,8 @@ def compiled_lengths(tiny_qwen2_path, monkeypatch, pad_multiple: int) -> list[tu
 
 def test_compiled_layers_see_only_the_padded_static_lengths(tiny_qwen2_path, monkeypatch):
     """Why passes are padded (``trainer_pass_pad_multiple``): every distinct pass length is one more
-    compile of the decoder layer (static graphs; a dynamic-shape compile did not finish in 8 minutes on
-    an H100). Padded to multiples of 128, these steps compile fewer lengths, all multiples of 128, and
+    compile of the decoder layer (static graphs: a dynamic-shape compile is impractically slow).
+    Padded to multiples of 128, these steps compile fewer lengths, all multiples of 128, and
     batches seen before compile nothing new."""
     padded = compiled_lengths(tiny_qwen2_path, monkeypatch, 128)
     raw = compiled_lengths(tiny_qwen2_path, monkeypatch, 0)

@@ -23,7 +23,9 @@ def hf_reference(model_path, samples, temperature: float):
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     masks = [torch.tensor(s.loss_mask[1:], dtype=torch.float64) for s in samples]  # token 0 never trains
     n = sum(float(m.sum()) for m in masks)
-    loss = entropy = kl = 0.0
+    loss = 0.0
+    entropy = 0.0
+    kl = 0.0
     for s, m in zip(samples, masks, strict=True):
         ids = torch.tensor(s.input_ids)
         logits = hf(ids[None]).logits[0].double() / temperature

@@ -149,7 +149,8 @@ def test_modes_agree_with_each_other():
         threads[0].join(10)
         assert not errors
         per_mode[mode] = got
-    flat, per_tensor = per_mode["flattened_bucket"], per_mode["per_tensor"]
+    flat = per_mode["flattened_bucket"]
+    per_tensor = per_mode["per_tensor"]
     assert flat.keys() == per_tensor.keys()
     assert all(torch.equal(flat[k], per_tensor[k]) for k in flat)
 
@@ -179,7 +180,8 @@ def test_corrupted_bucket_fails_the_canary_naming_the_server():
 
 
 def test_checksum_sees_order_and_single_bit():
-    a, b = torch.arange(100, dtype=torch.int32), torch.arange(100, 200, dtype=torch.int32)
+    a = torch.arange(100, dtype=torch.int32)
+    b = torch.arange(100, 200, dtype=torch.int32)
     flipped = b.clone()
     flipped.view(torch.uint8)[17] ^= 1
     sums = []

@@ -99,7 +99,6 @@ def test_settings_come_from_the_run_config():
     settings = WeightSyncSettings.from_config(cfg)
     assert settings == WeightSyncSettings(
         broadcast_mode="per_tensor",
-        bucket_mb=cfg.weight_broadcast_bucket_mb,
         cpu_staging=True,
         init_timeout_s=42.0,
         timeout_s=42.0,
@@ -117,3 +116,11 @@ def test_the_weight_sync_package_imports_without_pydantic():
         "assert sys.modules['pydantic'] is None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_settings_defaults_are_the_config_defaults():
+    """One home per default: the dataclass's defaults equal the schema's for every key it reads."""
+    from refractor.config import RefractorConfig
+
+    cfg = RefractorConfig(model="some/model", environments=[{"name": "countdown"}])
+    assert WeightSyncSettings.from_config(cfg) == WeightSyncSettings()

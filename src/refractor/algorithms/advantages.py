@@ -1,4 +1,4 @@
-"""Rewards -> advantages (reference §3.1), for one group and then for one batch.
+"""Rewards -> advantages (docs/algorithms.md#advantages), for one group and then for one batch.
 
 The orchestrator calls, per completed group, ``score_group`` (reward range normalization,
 overlong penalty, stage-1 advantages, zero-advantage check), and per assembled batch
@@ -61,7 +61,8 @@ def group_advantages(rewards: Sequence[float], algorithm: str, advantage_norm: s
     if not rewards:
         raise ValueError("a group needs at least one reward")
     r = [float(x) for x in rewards]
-    n, mean = len(r), _mean(r)
+    n = len(r)
+    mean = _mean(r)
     if algorithm == "rloo":
         return [0.0] * n if n == 1 else [n / (n - 1) * (x - mean) for x in r]
     if algorithm == "dr_grpo":
@@ -77,7 +78,8 @@ def normalize_batch_advantages(advantages: Sequence[float], settings: AdvantageS
     a = [float(x) for x in advantages]
     if not settings.batch_whitening or not a:
         return a
-    mean, std = _mean(a), _std_ddof1(a)
+    mean = _mean(a)
+    std = _std_ddof1(a)
     return [(x - mean) / (std + STD_EPS) for x in a]
 
 
@@ -91,7 +93,7 @@ def overlong_penalty(num_completion_tokens: int, max_tokens: int, factor: float,
 
     ``num_completion_tokens`` counts model-sampled tokens (loss-mask 1) over all turns, so a
     single-turn rollout is just the one-turn case; in multi-turn it can exceed ``max_tokens``
-    (per-turn cap), and the penalty is then not bounded by ``factor`` (as in the reference).
+    (per-turn cap), and the penalty is then not bounded by ``factor`` (as in Telescope).
     """
     if factor <= 0:
         return 0.0
@@ -102,7 +104,7 @@ def overlong_penalty(num_completion_tokens: int, max_tokens: int, factor: float,
 def normalize_reward(reward: float, reward_min: float | None, reward_max: float | None) -> float:
     """Affine map of an environment's reward range onto [0, 1]; unchanged when the range is unset.
 
-    The reference only uses ``reward_min``/``reward_max`` for dashboard colouring; refractor applies
+    Telescope only uses ``reward_min``/``reward_max`` for dashboard colouring; refractor applies
     this map before advantages when ``normalize_rewards_to_range`` is on, so environments with
     different reward scales weigh alike in batch-level normalization and in rloo/dr_grpo.
     """

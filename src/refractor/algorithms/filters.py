@@ -1,4 +1,4 @@
-"""Output-quality filters (reference §3.4): flagged samples keep their tokens, lose their loss mask.
+"""Output-quality filters (docs/algorithms.md): flagged samples keep their tokens, lose their loss mask.
 
 Applied per rollout before packing, on the same inputs for single- and multi-turn rollouts: the
 model-sampled tokens (loss mask 1) with their engine log-probs, the completion text, and whether

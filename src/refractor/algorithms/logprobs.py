@@ -5,8 +5,8 @@ time: each chunk's logits exist only while that chunk is processed (forward), an
 in backward (a custom ``autograd.Function``), so peak memory is ``chunk_size x vocab`` instead of
 ``tokens x vocab``. Gradients flow to ``hidden`` and ``weight`` from both outputs (log-prob for
 the policy loss, entropy for the entropy bonus). On CUDA the per-chunk softmax math is compiled
-into fused kernels (bench/RESULTS.md: 16k tokens x 151,936 vocab on an H100, 27x less peak memory
-and 2.5x faster than the naive fp32 computation); elsewhere it runs eagerly.
+into fused kernels (memory and speed against the naive fp32 computation: bench/RESULTS.md);
+elsewhere it runs eagerly.
 
 Temperature: logits are divided by the sampling temperature before the softmax, exactly as the
 inference engines do when they report processed (temperature-scaled) log-probs. Temperature 0
@@ -100,7 +100,8 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if need_h else None
         # Accumulate the weight gradient over chunks in fp32 (summing bf16 partials loses bits).
         grad_w = (
@@ -138,7 +139,8 @@ def chunked_logprobs_entropy(
     """Row-wise log-prob of ``targets`` and entropy under ``softmax(hidden @ weight.T / T)``.
 
     hidden: [N, H] (any float dtype), weight: [V, H] (the LM head), targets: [N] int64.
-    Returns fp32 (float64 for float64 inputs) ``(logprobs [N], entropy [N])``, both differentiable w.r.t. hidden and weight.
+    Returns fp32 (float64 for float64 inputs) ``(logprobs [N], entropy [N])``, both differentiable
+    w.r.t. hidden and weight.
     ``chunk_size`` rows are processed at a time (<= 0: all rows at once).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:

@@ -1,7 +1,8 @@
 """The RL policy loss of one packed micro-batch, normalized by a global per-step constant.
 
-Formulas follow reference §3.2 (order: seq-IS mask, per-algorithm token loss, PPO clip, dual clip,
-TIS, KL penalty, entropy bonus, mask, aggregation), with these deliberate fixes:
+Formulas in docs/algorithms.md#policy-loss (order: seq-IS mask, per-algorithm token loss, PPO clip, dual clip,
+TIS, KL penalty, entropy bonus, mask, aggregation), with these deliberate differences from Telescope
+(docs/config.md#deliberate-differences):
 
 * Aggregation is explicit and global: ``loss = sum_t P_t * m_t / normalizer`` where the normalizer
   (see ``loss_normalizer``) is computed once per (mini)batch over all micro-batches and DP ranks.
@@ -12,10 +13,10 @@ TIS, KL penalty, entropy bonus, mask, aggregation), with these deliberate fixes:
 * DR-GRPO ``token_sum_norm`` divides by ``num_samples * max_tokens`` (a constant budget), not by the
   packed row length.
 * Dual clip for CISPO bounds the importance weight (``sg(min(clip(rho), c))`` for A < 0) instead of
-  comparing a log-prob-valued loss with ``c * |A|`` (reference §11.3.8).
+  comparing a log-prob-valued loss with ``c * |A|``.
 * The entropy bonus is a per-token term ``-entropy_coef * H_t`` aggregated like the policy term (a
   global token mean by default).
-* GSPO (as the reference): the token gradient is that of ``sum_s f(S_s) / normalizer`` (each of a
+* GSPO (as in Telescope): the token gradient is that of ``sum_s f(S_s) / normalizer`` (each of a
   sequence's n_s tokens carries 1/n_s of it), while the forward value repeats ``f(S_s)`` per token.
 * Seq-IS rejected tokens stay in the normalizer (they contribute 0, like clipped tokens in PPO); the
   normalizer has to be known before the forward pass to be global.
@@ -32,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0  # clamp on log-ratios before exp (reference: rho and seq-IS)
+LOG_RATIO_CLAMP = 20.0  # clamp on log-ratios before exp (rho and seq-IS): exp stays finite in fp32
 GSPO_LOG_RATIO_MAX = 10.0
 K3_MAX = 10.0
 
@@ -126,7 +127,7 @@ class LossStats:
 
 
 def loss_metrics(stats: LossStats, settings: LossSettings) -> dict[str, float]:
-    """Step metrics (reference names) from summed ``LossStats``."""
+    """Step metrics (docs/metrics.md#loss-metrics) from summed ``LossStats``."""
     s = stats.as_dict()
     n = max(s["num_tokens"], 1.0)
     kept = max(s["policy_tokens"], 1.0)
@@ -214,7 +215,8 @@ def policy_loss(
             mask0.dtype
         )
 
-    lo, hi = 1.0 - s.clip_low, 1.0 + s.clip_high
+    lo = 1.0 - s.clip_low
+    hi = 1.0 + s.clip_high
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     dual_clipped = torch.zeros_like(mask)
 

@@ -76,7 +76,8 @@ def split_minibatches(n: int, number_of_minibatches: int) -> list[range]:
     """Contiguous, nearly equal index ranges (sizes differ by at most 1); empty ones dropped."""
     k = max(1, min(number_of_minibatches, n))
     base, extra = divmod(n, k)
-    bounds, start = [], 0
+    bounds = []
+    start = 0
     for i in range(k):
         size = base + (1 if i < extra else 0)
         bounds.append(range(start, start + size))

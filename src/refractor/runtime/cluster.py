@@ -128,10 +128,12 @@ def reserve(
 ) -> Reservation:
     """Create a placement group of `count` bundles and wait until it is ready (or explain why not)."""
     total = ray.cluster_resources()
-    need_cpu, need_gpu = count * cpus, count * gpus
+    need_cpu = count * cpus
+    need_gpu = count * gpus
     if need_cpu > total.get("CPU", 0) or need_gpu > total.get("GPU", 0):
         raise ClusterError(
-            f"{name} needs {count} bundle(s) of {cpus:g} CPU + {gpus:g} GPU ({need_cpu:g} CPU, {need_gpu:g} GPU in all), "
+            f"{name} needs {count} bundle(s) of {cpus:g} CPU + {gpus:g} GPU "
+            f"({need_cpu:g} CPU, {need_gpu:g} GPU in all), "
             f"but the Ray cluster has {total.get('CPU', 0):g} CPU and {total.get('GPU', 0):g} GPU in total. "
             f"Lower `{cpus_key}` or `{count_key}`."
         )

@@ -60,12 +60,10 @@ class ServerWatchdog:
         process_check: ProcessCheck | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.servers, self.settings, self.process_check, self.clock = (
-            list(servers),
-            settings,
-            process_check,
-            clock,
-        )
+        self.servers = list(servers)
+        self.settings = settings
+        self.process_check = process_check
+        self.clock = clock
         self.last_ok = {s.name: clock() for s in self.servers}
 
     async def watch(self) -> None:
@@ -143,9 +141,11 @@ async def await_ranks(refs: Sequence[Any], what: str, timeout_s: float) -> list[
             late = [rank for rank, t in enumerate(tasks) if t in pending]
             finished = [rank for rank, t in enumerate(tasks) if t in done]
             raise ComponentFailure(
-                f"trainer rank(s) {late} did not finish {what} within {timeout_s:g} s (trainer_call_timeout_s)"
+                f"trainer rank(s) {late} did not finish {what} within {timeout_s:g} s "
+                "(trainer_call_timeout_s)"
                 + (f"; rank(s) {finished} did" if finished else "")
-                + ". A rank stuck in a collective (NCCL/gloo) or a hung step; see the rank logs under <run>/logs"
+                + ". A rank stuck in a collective (NCCL/gloo) or a hung step; "
+                "see the rank logs under <run>/logs"
             )
         return [t.result() for t in tasks]
     finally:

@@ -20,7 +20,7 @@ model_impl="auto", random_init=False, compile=None)``
     ``model_dtype``, compute in ``mixed_precision_dtype`` with fp32 gradient reduction (CPU: all
     fp32, logged), activation checkpointing per decoder layer (``activation_checkpointing``),
     FSDP2 ``fully_shard`` per layer + root (gradients summed: the loss is globally normalized),
-    AdamW, the LR schedule of reference §3.5. On CUDA, ``trainer_compile`` (default on; or
+    AdamW, the LR schedules of docs/algorithms.md. On CUDA, ``trainer_compile`` (default on; or
     ``compile=``) compiles each decoder layer with its activation checkpoint, and the rows of a
     minibatch are concatenated into passes of ``trainer_max_tokens_per_forward`` tokens (``rows.py``),
     padded to multiples of ``trainer_pass_pad_multiple`` when compiled (a few static lengths).

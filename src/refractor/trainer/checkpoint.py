@@ -7,7 +7,8 @@ Layout of ``<checkpoint_dir>/step_<N>/`` (written as ``step_<N>_tmp`` and rename
     rng_state_rank_<r>.pt      python / numpy / torch / cuda RNG of each rank (training state only)
     hf_meta/                   config.json, tokenizer and generation files of the base model
     <extra files>              e.g. the orchestrator's orchestrator.json
-    meta.json                  written last: {"format", "step", "backend", "base_model", "training_state", ...}
+    meta.json                  written last: {"format", "step", "backend", "base_model",
+                               "training_state", ...}
 
 A directory counts as a checkpoint only when it is named exactly ``step_<N>`` and holds
 ``meta.json``; a save interrupted at any point leaves a ``_tmp`` directory (or no meta.json) and
@@ -99,7 +100,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads(meta_file.read_text())
 
 
-# ---------------------------------------------------------------- retention (reference §7.3)
+# ---------------------------------------------------------------- retention (docs/run-store.md#checkpoints)
 def retained_steps(steps: list[int], current: int, keep_last: int | None, keep_every: int | None) -> set[int]:
     """Steps that survive retention: the current one, the last ``keep_last``, multiples of ``keep_every``."""
     if keep_last is None and keep_every is None:

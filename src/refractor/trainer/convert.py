@@ -71,7 +71,8 @@ def export_hf(
 
     from refractor.trainer.checkpoint import HF_META_DIR, read_meta
 
-    ckpt, out = Path(checkpoint), Path(out)
+    ckpt = Path(checkpoint)
+    out = Path(out)
     read_meta(ckpt)  # raises a clear error for a directory that is not a checkpoint
     hf_meta = ckpt / HF_META_DIR
     if not (hf_meta / "config.json").is_file():

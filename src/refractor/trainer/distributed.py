@@ -27,7 +27,8 @@ class RankInfo:
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
-    """The rank's device: explicit, else ``cuda:LOCAL_RANK`` when CUDA exists (Ray actors see one GPU), else CPU."""
+    """The rank's device: explicit, else ``cuda:LOCAL_RANK`` when CUDA exists (Ray actors see one
+    GPU), else CPU."""
     if device is not None:
         return torch.device(device)
     if torch.cuda.is_available():

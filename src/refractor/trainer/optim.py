@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedules of reference §3.5 (``W`` warmup, ``T`` horizon, ``ρ`` floor).
+"""AdamW and the learning-rate schedules (``W`` warmup, ``T`` horizon, ``ρ`` floor); docs/algorithms.md.
 
 | lr_scheduler | multiplier at scheduler step s |
 | none         | 1 |
@@ -26,7 +26,9 @@ class LRSchedule:
     min_lr_ratio: float
 
     def __call__(self, s: int) -> float:
-        w, t, rho = self.warmup_steps, self.total_steps, self.min_lr_ratio
+        w = self.warmup_steps
+        t = self.total_steps
+        rho = self.min_lr_ratio
         if self.kind == "none" or (self.kind == "constant" and w == 0):
             return 1.0
         if s < w:
@@ -44,7 +46,7 @@ class LRSchedule:
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], learning_rate: float, weight_decay: float, fused: bool = False
 ) -> torch.optim.AdamW:
-    """AdamW with PyTorch's defaults (β = (0.9, 0.999), ε = 1e-8), as the reference's FSDP backend."""
+    """AdamW with PyTorch's defaults (β = (0.9, 0.999), ε = 1e-8), as Telescope's FSDP backend uses."""
     return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=fused or None)
 
 

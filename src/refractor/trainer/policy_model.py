@@ -142,9 +142,9 @@ def load_lm(
 
 
 # ``dynamic`` for the compiled decoder layers: static graphs, one per pass length. The trainer pads
-# passes to a few lengths (``trainer_pass_pad_multiple``), because a dynamic-shape compile of a
-# layer did not finish within 8 minutes on an H100 (bench/RESULTS.md); torch's automatic dynamic
-# (None) would switch to it at the second distinct length. bench_trainer.py variant ``dyn`` sets True.
+# passes to a few lengths (``trainer_pass_pad_multiple``) because a dynamic-shape compile of a layer
+# is impractically slow (bench/RESULTS.md); torch's automatic dynamic (None) would switch to it at the
+# second distinct length. bench_trainer.py variant ``dyn`` sets True.
 COMPILE_DYNAMIC: bool | None = False
 
 
@@ -208,9 +208,9 @@ _SAVED_OPS = _saved_ops()
 
 
 def _checkpointed(forward, selective: bool = False):
-    """Full checkpointing passes no ``context_fn``: Dynamo (torch 2.11) rejects the default
-    ``noop_context_fn`` when it is passed explicitly from a closure (it arrives as a lazy variable),
-    so the compiled full-checkpoint layer failed to trace on the GPU while the selective one traced."""
+    """Full checkpointing passes no ``context_fn``: Dynamo cannot trace an explicit
+    ``noop_context_fn`` passed from a closure (it arrives as a lazy variable), so only the selective
+    mode passes one (its contexts are required)."""
     if not selective:
 
         def checkpointed_forward(*args, **kwargs):

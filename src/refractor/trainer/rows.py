@@ -38,7 +38,8 @@ def concat_rows(rows: list[MicroBatch]) -> MicroBatch:
     if len(rows) == 1:
         return rows[0]
     first = rows[0]
-    documents, offset = [], 0
+    documents = []
+    offset = 0
     for mb in rows:
         docs = mb.document_ids
         documents.append(torch.where(docs >= 0, docs + offset, docs))

@@ -2,7 +2,8 @@
 
 ``with timer.span("forward", microbatch=3): ...`` records a span; ``timer.finish()`` resolves them
 into ``TimelineEvent`` records (unix-second start/end) and ``timing_<name>_total`` seconds.
-Names nest with ``/`` like the reference's trainer events (``weight_broadcast/gather``).
+Names nest with ``/`` (a child span is ``parent/child``); the spans and their names are listed in
+docs/metrics.md#trainer-spans.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class StepTimer:
         events: list[TimelineEvent] = []
         totals: dict[str, float] = defaultdict(float)
         for name, start, end, attrs in self._spans:
-            s, e = self._offset(start), self._offset(end)
+            s = self._offset(start)
+            e = self._offset(end)
             events.append(
                 TimelineEvent(
                     name=name,

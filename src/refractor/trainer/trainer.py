@@ -216,7 +216,8 @@ class Trainer:
         self, bucket_mb: int | None = None, dtype: torch.dtype | None = None
     ) -> Iterator[WeightBucket]:
         """Full weights with HF names in buckets of ``bucket_mb`` MiB (default ``weight_broadcast_bucket_mb``)
-        cast to ``dtype`` (default: the checkpoint's dtype). Iterate on every rank; rank 0 gets the tensors."""
+        cast to ``dtype`` (default: the checkpoint's dtype). Iterate on every rank; rank 0 gets the
+        tensors."""
         mb = bucket_mb or self.settings.weight_broadcast_bucket_mb
         return iter_weight_buckets(self.model, mb * 2**20, dtype or self.inference_dtype())
 

@@ -358,13 +358,15 @@ def check_canary(stats: SendStats, reports: dict[str, list[WorkerReport]], versi
         for r in workers:
             if (r.checksum, r.tensors, r.bytes) != (stats.checksum, stats.tensors, stats.bytes):
                 problems.append(
-                    f"server {server!r} (rank {r.rank}): received checksum {r.checksum} over {r.tensors} tensors / "
-                    f"{r.bytes} bytes, the trainer sent checksum {stats.checksum} over {stats.tensors} tensors / "
+                    f"server {server!r} (rank {r.rank}): received checksum {r.checksum} "
+                    f"over {r.tensors} tensors / {r.bytes} bytes, "
+                    f"the trainer sent checksum {stats.checksum} over {stats.tensors} tensors / "
                     f"{stats.bytes} bytes"
                 )
             elif r.params_loaded != r.params_total:
                 problems.append(
-                    f"server {server!r} (rank {r.rank}): only {r.params_loaded} of its {r.params_total} parameters "
+                    f"server {server!r} (rank {r.rank}): only {r.params_loaded} "
+                    f"of its {r.params_total} parameters "
                     "were written (names the engine does not know are skipped; see the server log)"
                 )
     if problems:

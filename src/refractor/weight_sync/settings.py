@@ -17,11 +17,10 @@ InflightKv = Literal["recompute", "keep"]
 @dataclass(frozen=True)
 class WeightSyncSettings:
     broadcast_mode: BroadcastMode = "flattened_bucket"  # weight_broadcast_mode
-    bucket_mb: int = 256  # weight_broadcast_bucket_mb: the trainer's bucket size
     cpu_staging: bool = False  # weight_broadcast_cpu_staging: buckets travel over gloo, even from a GPU
     init_timeout_s: float = 300.0  # creating a transfer group (rendezvous of trainer and workers)
     timeout_s: float = 300.0  # every collective and HTTP call of an update
-    gather_before_pause_bytes: int = 0  # weight_sync_gather_before_pause_mb, in bytes
+    gather_before_pause_bytes: int = 4096 * 2**20  # weight_sync_gather_before_pause_mb, in bytes
     inflight_kv: InflightKv = "recompute"  # weight_sync_inflight_kv
 
     def __post_init__(self) -> None:
@@ -35,7 +34,6 @@ class WeightSyncSettings:
         """The weight-sync keys of a validated run config (``refractor.config``)."""
         return cls(
             broadcast_mode=cfg.weight_broadcast_mode,
-            bucket_mb=cfg.weight_broadcast_bucket_mb,
             cpu_staging=cfg.weight_broadcast_cpu_staging,
             init_timeout_s=float(cfg.ray_broadcast_init_timeout_s),
             timeout_s=float(cfg.ray_broadcast_init_timeout_s),
