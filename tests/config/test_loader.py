@@ -75,6 +75,24 @@ def test_bad_override_token():
         parse_overrides(["group_size", "4"])
 
 
+@pytest.mark.parametrize(
+    "args", [["--learning_rate"], ["--learning_rate", "--seed", "3"], ["--seed=3", "--model"]]
+)
+def test_a_key_that_is_not_true_false_needs_a_value(args):
+    """A bare `--learning_rate` used to become True, i.e. a learning rate of 1.0."""
+    flag = next(a for a in args if a in ("--learning_rate", "--model"))
+    with pytest.raises(ConfigError, match=f"command line: `{flag}` needs a value"):
+        parse_overrides(args)
+
+
+def test_a_bare_flag_is_true_for_true_false_keys():
+    assert parse_overrides(["--debug", "--use-tis"]) == {"debug": True, "use_tis": True}
+    with pytest.raises(
+        ConfigError, match="unknown key `no_such_flag`"
+    ):  # reported as unknown, not as valueless
+        load_config(None, ["--environments", "[{name: countdown}]", "--no_such_flag"])
+
+
 # ---------------------------------------------------------------- layers
 def test_layers_file_then_cli_lists_replaced_dicts_merged(tmp_path):
     p = write(
@@ -127,6 +145,43 @@ def test_non_mapping_file(tmp_path):
 def test_invalid_yaml(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "a: [1, 2\n"))
+
+
+def test_a_key_given_twice_names_both_lines(tmp_path):
+    p = write(
+        tmp_path, "environments: [{name: countdown}]\nlearning_rate: 1e-5\nseed: 1\nlearning_rate: 1e-3\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"not valid YAML: key `learning_rate` appears twice, on lines 2 and 4"
+    ):
+        load_config(p)
+    nested = write(tmp_path, "environments:\n  - name: countdown\n    weight: 1\n    weight: 2\n")
+    with pytest.raises(ConfigError, match="key `weight` appears twice, on lines 3 and 4"):
+        load_config(nested)
+
+
+def test_yaml_merge_keys_still_override(tmp_path):
+    p = write(
+        tmp_path,
+        "base: &b {name: countdown, weight: 1}\nenvironments: [{<<: *b, weight: 2}]\n",
+    )
+    with pytest.raises(ConfigError, match="unknown key `base`"):  # parsed fine; only the key is unknown
+        load_config(p)
+
+
+def test_an_alias_bomb_is_refused_before_it_is_built(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    p = write(tmp_path, "\n".join(lines) + "\n")  # 10**9 values once expanded
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values through YAML aliases"):
+        load_config(p)
+
+
+def test_a_binary_config_file_is_one_clear_error(tmp_path):
+    p = tmp_path / "config.yaml"
+    p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    with pytest.raises(ConfigError, match=r"config.yaml: not a text \(UTF-8\) file"):
+        load_config(p)
 
 
 # ---------------------------------------------------------------- error messages

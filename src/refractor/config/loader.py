@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,27 @@ class ConfigError(RefractorUserError, ValueError):
     """A configuration the user must fix. ``str(err)`` is the full, human-readable message."""
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names one key twice (YAML would silently keep the last value)."""
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-6`` as a string; accept it as a float like every other tool does."""
+    """YAML 1.1 reads ``1e-6`` as a string; accept it as a float like every other tool does.
+
+    A key given twice in one mapping is an error naming both lines, not a silent override.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(f"key `{key}` appears twice, on lines {seen[key]} and {line}")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _FLOAT = re.compile(
@@ -47,12 +67,48 @@ def parse_yaml_value(text: str) -> Any:
     return value
 
 
+# Aliases let a few lines of YAML stand for an exponentially large document ("billion laughs");
+# a run config has a few hundred values, so anything far beyond that is refused before it is built.
+MAX_YAML_VALUES = 100_000
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Values the document holds once every alias is expanded (shared nodes counted per use)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a recursive alias counts once here; yaml refuses recursion when building
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else:
+        size = 1
+    memo[id(node)] = size
+    return size
+
+
 def read_yaml_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p} (cwd: {Path.cwd()})")
     try:
-        data = yaml.load(p.read_text(), Loader=_Loader)
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not a text (UTF-8) file: byte {err.start} cannot be decoded") from None
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot be read: {err.strerror}") from None
+    try:
+        loader = _Loader(text)
+        try:
+            root = loader.get_single_node()
+            if root is not None and _expanded_size(root, {}) > MAX_YAML_VALUES:
+                raise ConfigError(
+                    f"{p}: expands to more than {MAX_YAML_VALUES:,} values through YAML aliases; "
+                    "a run config is a flat mapping of keys to values"
+                )
+            data = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML: {err}") from None
     if data is None:
@@ -83,13 +139,24 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             key = body
             raw = args[i + 1]
             i += 2
-        else:  # a bare flag
+        else:  # a bare flag: only a true/false key may omit its value
             key = body
             raw = "true"
             i += 1
+            name = key.replace("-", "_").lower()
+            if name in RefractorConfig.model_fields and not _is_bool_key(name):
+                raise ConfigError(
+                    f"command line: `--{body}` needs a value (`--{body} VALUE` or `--{body}=VALUE`); "
+                    "only true/false keys can be given as a bare flag"
+                )
         key = key.replace("-", "_").lower()
         out[key] = parse_yaml_value(raw)
     return out
+
+
+def _is_bool_key(name: str) -> bool:
+    annotation = RefractorConfig.model_fields[name].annotation
+    return annotation is bool or set(typing.get_args(annotation)) == {bool, type(None)}
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
