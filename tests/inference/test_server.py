@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -162,6 +163,11 @@ def test_generate_endpoint_matches_vllm_shape(server, hf):
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": "hi"}, "messages"),
         ("/pause?mode=sideways", None, "mode"),
+        ("/v1/completions", {"prompt": [1, 2], "top_k": 2**63}, "top_k"),
+        ("/v1/completions", {"prompt": [1, 2], "seed": 2**70}, "seed"),
+        ("/v1/completions", {"prompt": [1, 2], "stop": [""]}, "stop"),
+        ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"top_k": 2**40}}, "top_k"),
     ],
 )
 def test_bad_requests_are_400_and_harmless(server, path, body, needle):
@@ -175,6 +181,27 @@ def test_bad_requests_are_400_and_harmless(server, path, body, needle):
         == 400
     )
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_an_out_of_range_request_among_concurrent_ones_fails_alone(server):
+    """A top_k beyond int64 used to pass validation and crash the engine step: every request of the
+    batch got a 500. It is refused before it joins a batch now; the 20 others all finish."""
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            good = [
+                client.post(
+                    "/v1/completions", json={"prompt": [1, 2, i + 3], "max_tokens": 8, "ignore_eos": True}
+                )
+                for i in range(20)
+            ]
+            bad = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 8, "top_k": 2**63})
+            return await asyncio.gather(bad, *good)
+
+    bad, *good = asyncio.run(main())
+    assert bad.status_code == 400 and "top_k" in bad.json()["error"]["message"]
+    assert [r.status_code for r in good] == [200] * 20
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in good)
 
 
 def test_metrics_pause_abort_and_disconnect(server):

@@ -27,6 +27,13 @@ from refractor.models import CausalLM, load_model, read_hf_config
 log = logging.getLogger(__name__)
 
 
+def sequence_seed(seed: int, index: int) -> int:
+    """The generator seed of the ``index``-th sequence of a seeded request, within torch's seed range
+    (seeds whose product stays in range keep their plain value, so existing seeds sample as before)."""
+    derived = seed * 1_000_003 + index
+    return derived if -(2**63) <= derived < 2**64 else derived % 2**64
+
+
 class PromptTooLongError(ValueError):
     """A prompt leaves no room to generate within ``max_model_len``."""
 
@@ -120,7 +127,7 @@ class LLMEngine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(params.seed * 1_000_003 + i)
+                gen = torch.Generator(device=self.device).manual_seed(sequence_seed(params.seed, i))
             seqs.append(Sequence(request_id, i, prompt, params, priority, self._arrivals, max_tokens, gen))
         self.requests[request_id] = _Request(seqs, prompt)
         for seq in seqs:
