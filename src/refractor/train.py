@@ -26,6 +26,7 @@ from refractor.errors import RunSetupError
 
 if TYPE_CHECKING:
     from refractor.runtime.health import ServerWatchdog
+    from refractor.runtime.run_lock import RunLock
 
 log = logging.getLogger("refractor.train")
 
@@ -43,33 +44,77 @@ class RunPaths:
         return self.root / "run.db"
 
 
-def prepare_run(cfg: RefractorConfig, overwrite: bool = False) -> tuple[RefractorConfig, RunPaths]:
-    """Fix the run name and model path once, so every process sees the same resolved config."""
+def prepare_run(cfg: RefractorConfig, overwrite: bool = False) -> tuple[RefractorConfig, RunPaths, RunLock]:
+    """Fix the run name and model path once, so every process sees the same resolved config, and
+    take the run directory's lock (released by the caller, or by the process ending).
+
+    Every check that can refuse the run happens here, before anything starts or is written: a run
+    that is refused leaves an existing run directory exactly as it was.
+    """
     from refractor.hub import ModelNotFoundError, resolve_model_path
+    from refractor.runtime.run_lock import RunLock, RunLockedError
+    from refractor.telemetry.store import mark_crashed
 
     run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     paths = RunPaths(Path(cfg.run_dir) / run_name)
     resuming = cfg.resume_from_checkpoint is not False
-    if paths.db.exists() and not resuming:
-        if not overwrite:
-            raise RunSetupError(
-                f"{paths.root} already holds a run. Resume it with `--resume_from_checkpoint true`, "
-                f"pick another `--run_name`, or pass `--overwrite` to replace it."
-            )
-        import shutil
-
-        shutil.rmtree(paths.root)
     if resuming and not paths.root.exists():
         raise RunSetupError(
             f"`resume_from_checkpoint` is set but {paths.root} does not exist (check `run_name`/`run_dir`)"
         )
+    if paths.db.exists() and not resuming and not overwrite:
+        raise RunSetupError(
+            f"{paths.root} already holds a run. Resume it with `--resume_from_checkpoint true`, "
+            f"pick another `--run_name`, or pass `--overwrite` to replace it."
+        )
     try:
-        model_path = resolve_model_path(cfg.model)
-    except ModelNotFoundError as err:
+        lock = RunLock.acquire(paths.root)
+    except RunLockedError as err:
         raise RunSetupError(str(err)) from None
-    paths.logs.mkdir(parents=True, exist_ok=True)
+    try:
+        if paths.db.exists() and mark_crashed(paths.db):
+            log.warning(
+                "%s: the previous run there did not finish (its process died); marked crashed", paths.root
+            )
+        if resuming:
+            _check_resumable(cfg, paths)
+        elif paths.db.exists():  # --overwrite, and nobody else writes it (we hold its lock)
+            _clear_run_dir(paths.root)
+        try:
+            model_path = resolve_model_path(cfg.model)
+        except ModelNotFoundError as err:
+            raise RunSetupError(str(err)) from None
+        paths.logs.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        lock.release()
+        raise
     resolved = cfg.model_copy(update={"model": str(model_path), "run_name": run_name})
-    return resolved, paths
+    return resolved, paths, lock
+
+
+def _check_resumable(cfg: RefractorConfig, paths: RunPaths) -> None:
+    from refractor.trainer.checkpoint import CheckpointError, resolve_checkpoint_step
+
+    root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else paths.root / "checkpoints"
+    try:
+        resolve_checkpoint_step(root, cfg.resume_from_checkpoint)
+    except CheckpointError as err:
+        raise RunSetupError(f"cannot resume {paths.root}: {err}; the run is left as it was") from None
+
+
+def _clear_run_dir(root: Path) -> None:
+    """Everything of the old run except the lock file this process holds."""
+    import shutil
+
+    from refractor.runtime.run_lock import LOCK_FILE
+
+    for child in root.iterdir():
+        if child.name == LOCK_FILE:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def load_environments(cfg: RefractorConfig):
@@ -110,6 +155,14 @@ def load_tokenizer(cfg: RefractorConfig):
 
 def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool = False) -> Path:
     """Run a whole training job; returns the run directory. Raises RunSetupError for user mistakes."""
+    cfg, paths, lock = prepare_run(cfg, overwrite=overwrite)
+    try:
+        return _train(cfg, paths, quiet)
+    finally:
+        lock.release()
+
+
+def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     import ray
 
     from refractor.orchestrator import Orchestrator, OrchestratorSettings
@@ -123,7 +176,6 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
     from refractor.telemetry.store import RunStore
     from refractor.telemetry.system import SystemMetricsLoop
 
-    cfg, paths = prepare_run(cfg, overwrite=overwrite)
     envs = load_environments(cfg)
     evals = load_evals(cfg, envs)
     tokenizer = load_tokenizer(cfg)

@@ -73,6 +73,21 @@ def connect_writer(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def mark_crashed(path: Path) -> bool:
+    """A run store still marked ``running`` whose writer is gone (the caller holds the run lock):
+    mark it ``crashed``. Returns whether it was."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA busy_timeout=5000")
+        cur = conn.execute(
+            "UPDATE meta SET value = ? WHERE key = 'status' AND value = ?",
+            (_json("crashed"), _json("running")),
+        )
+        return cur.rowcount > 0
+    finally:
+        conn.close()
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
 
