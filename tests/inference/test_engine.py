@@ -218,5 +218,37 @@ def test_weight_update_switches_to_another_checkpoint(tiny_qwen2_path):
     assert (
         torch.tensor(fresh.logprobs, dtype=torch.float64) - _reference_logprobs(hf_new, prompt, ref)
     ).abs().max() <= 1e-4
-    with pytest.raises(KeyError, match="model.layers.9"):
+    with pytest.raises(ValueError, match="model.layers.9"):
         engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
+
+
+@pytest.mark.parametrize("bad", ["unknown_name", "wrong_shape", "integer", "nan", "inf"])
+def test_a_bad_weight_update_writes_nothing_and_keeps_the_version(tiny_qwen2_path, bad):
+    """A valid tensor first, then a bad one: the update used to be half applied (the valid tensor
+    written, the version label kept). Now the whole update is checked before anything is written."""
+    engine = _engine(tiny_qwen2_path)
+    engine.update_weights([], version=3)
+    before = {n: t.clone() for n, t in engine.named_parameters()}
+    good_name = "model.layers.0.mlp.up_proj.weight"
+    target = "model.layers.1.self_attn.o_proj.weight"
+    shape = before[target].shape
+    bad_tensor = {
+        "unknown_name": ("model.layers.99.mlp.up_proj.weight", torch.zeros(shape)),
+        "wrong_shape": (target, torch.zeros(shape[0], shape[1] + 1)),
+        "integer": (target, torch.zeros(shape, dtype=torch.int64)),
+        "nan": (target, torch.zeros(shape).index_fill_(0, torch.tensor([1]), float("nan"))),
+        "inf": (target, torch.zeros(shape).index_fill_(0, torch.tensor([0]), float("-inf"))),
+    }[bad]
+    update = [(good_name, torch.ones_like(before[good_name])), bad_tensor]
+    needle = {
+        "unknown_name": "is not a parameter",
+        "wrong_shape": "has shape",
+        "integer": "floating-point",
+        "nan": "non-finite",
+        "inf": "non-finite",
+    }[bad]
+    with pytest.raises(ValueError, match=f"{needle}.*nothing was written"):
+        engine.update_weights(update, version=4)
+    assert engine.weight_version == 3
+    for name, tensor in engine.named_parameters():
+        assert torch.equal(tensor, before[name]), name

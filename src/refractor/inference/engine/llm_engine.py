@@ -269,31 +269,52 @@ class LLMEngine:
         Call between steps. ``version`` (when given) tags every token sampled from now on.
         ``recompute_kv``: running sequences drop their KV and are re-prefilled with the new weights
         (exact; vLLM's default); False keeps the stale KV (PipelineRL-style). An empty iterable only
-        sets the version. Returns the number of tensors copied; an unknown name or a shape mismatch
-        raises before anything is left half-done for that tensor.
+        sets the version. Returns the number of tensors copied.
+
+        Atomic: every tensor is checked first (a known name, the parameter's shape, a floating dtype,
+        only finite values), and one bad tensor fails the whole update with nothing written and the
+        version unchanged.
         """
-        copied = 0
+        updates = self._checked_update(named_tensors)
+        for param, tensor in updates:
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        copied = len(updates)
+        if version is not None:
+            self.weight_version = version
+        if recompute_kv and copied:
+            self.recompute_running_kv()
+        return copied
+
+    def _checked_update(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         tied = self.model.lm_head is None
+        updates = []
+        names = []
+        errors = []
         for name, tensor in named_tensors:
             if name == "lm_head.weight" and tied:
                 continue  # the embedding is the head; vLLM ignores it as well
             try:
                 param = self.model.get_parameter_by_hf_name(name)
             except AttributeError:
-                raise KeyError(
-                    f"update_weights: {name!r} is not a parameter of this {self.model.config.architecture}"
-                ) from None
+                errors.append(f"{name!r} is not a parameter of this {self.model.config.architecture}")
+                continue
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                )
-            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
-            copied += 1
-        if version is not None:
-            self.weight_version = version
-        if recompute_kv and copied:
-            self.recompute_running_kv()
-        return copied
+                errors.append(f"{name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            elif not tensor.is_floating_point():
+                errors.append(f"{name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
+            else:
+                updates.append((param, tensor))
+                names.append(name)
+        if updates:  # one device sync for the whole update, not one per tensor
+            finite = torch.stack([torch.isfinite(t).all().to(self.device) for _, t in updates]).tolist()
+            non_finite = [repr(n) for n, ok in zip(names, finite, strict=True) if not ok]
+            if non_finite:
+                errors.append(f"non-finite values (NaN or Inf) in {', '.join(non_finite)}")
+        if errors:
+            raise ValueError("update_weights: " + "; ".join(errors) + "; nothing was written")
+        return updates
 
     def recompute_running_kv(self) -> None:
         """Drop the KV of every running sequence.
