@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -168,18 +169,26 @@ def test_generate_endpoint_matches_vllm_shape(server, hf):
         ("/v1/completions", {"prompt": [1, 2], "stop": [""]}, "stop"),
         ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": [-1]}, "stop_token_ids"),
         ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"top_k": 2**40}}, "top_k"),
+        ("/v1/completions", {"prompt": "hi \ud800 there", "max_tokens": 2}, "not valid Unicode"),
+        ("/v1/completions", {"prompt": "ok", "stop": ["\udfff"]}, "stop: text is not valid Unicode"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "content: text"),
+        ("/tokenize", {"prompt": "\ud800"}, "not valid Unicode"),
+        ("/abort_requests", {"request_ids": 5}, "request_ids"),
+        ("/abort_requests", {"request_ids": [None]}, "request_ids.0"),
+        ("/abort_requests", [1, 2], "body"),
     ],
 )
 def test_bad_requests_are_400_and_harmless(server, path, body, needle):
-    response = httpx.post(server.url + path, json=body)
+    # json.dumps escapes lone surrogates as \\udXXX, as a client in any language can send them
+    content = b"null" if body is None else json.dumps(body).encode()
+    response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
-    assert (
-        httpx.post(
-            server.url + "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}
-        ).status_code
-        == 400
-    )
+    for route in ("/v1/completions", "/abort_requests"):
+        malformed = httpx.post(
+            server.url + route, content=b"{oops", headers={"content-type": "application/json"}
+        )
+        assert malformed.status_code == 400, (route, malformed.text)
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -16,6 +16,36 @@ from refractor.inference.engine import SamplingParams
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="after")
+    def _valid_unicode(self):
+        # JSON can carry lone surrogates (``"\\ud800"``), which no tokenizer can encode: refuse them
+        # here, naming the field, instead of failing inside tokenization.
+        for name, value in self:
+            bad = _first_invalid_text(value)
+            if bad is not None:
+                raise ValueError(f"{name}: text is not valid Unicode (a lone surrogate in {bad!r})")
+        return self
+
+
+def _first_invalid_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return value[max(err.start - 8, 0) : err.end + 8]
+        return None
+    if isinstance(value, BaseModel):
+        value = dict(value)
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple) and value and not isinstance(value[0], int | float):
+        # validated lists are homogeneous: token ids and numbers hold no text (and are the long ones)
+        for item in value:
+            bad = _first_invalid_text(item)
+            if bad is not None:
+                return bad
+    return None
+
 
 class _SamplingFields(_Body):
     n: int = Field(1, ge=1, le=256)

@@ -27,6 +27,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from refractor.inference.engine.async_engine import PAUSE_MODES, AsyncLLMEngine, EngineDeadError
 from refractor.inference.process import ServerProcess, client_host, free_port
@@ -107,7 +108,13 @@ def create_app(
     @app.post("/inference/v1/abort_requests")
     async def abort_requests(request: Request) -> JSONResponse:
         raw = await request.body()
-        body = AbortRequest.model_validate_json(raw) if raw.strip() else AbortRequest()
+        try:
+            body = AbortRequest.model_validate_json(raw) if raw.strip() else AbortRequest()
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors()
+            )
+            raise BadRequest(f"invalid request: {problems}") from None
         ids = None if not body.request_ids else state.matching_ids(body.request_ids)
         aborted = await engine.abort(ids) if ids is None or ids else 0
         return JSONResponse({"status": "aborted", "aborted": aborted})
