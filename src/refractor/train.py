@@ -94,10 +94,13 @@ def prepare_run(cfg: RefractorConfig, overwrite: bool = False) -> tuple[Refracto
 
 def _check_resumable(cfg: RefractorConfig, paths: RunPaths) -> None:
     from refractor.trainer.checkpoint import CheckpointError, resolve_checkpoint_step
+    from refractor.trainer.settings import CheckpointSettings
 
-    root = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else paths.root / "checkpoints"
+    where = CheckpointSettings(
+        run_dir=str(paths.root.parent), run_name=paths.root.name, checkpoint_dir=cfg.checkpoint_dir
+    )
     try:
-        resolve_checkpoint_step(root, cfg.resume_from_checkpoint)
+        resolve_checkpoint_step(where.root, cfg.resume_from_checkpoint)
     except CheckpointError as err:
         raise RunSetupError(f"cannot resume {paths.root}: {err}; the run is left as it was") from None
 

@@ -63,10 +63,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        return error_response(f"invalid request: {problems}", HTTPStatus.BAD_REQUEST)
+        return error_response(_invalid_request(exc.errors()), HTTPStatus.BAD_REQUEST)
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest):
@@ -111,10 +108,7 @@ def create_app(
         try:
             body = AbortRequest.model_validate_json(raw) if raw.strip() else AbortRequest()
         except ValidationError as err:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors()
-            )
-            raise BadRequest(f"invalid request: {problems}") from None
+            raise BadRequest(_invalid_request(err.errors())) from None
         ids = None if not body.request_ids else state.matching_ids(body.request_ids)
         aborted = await engine.abort(ids) if ids is None or ids else 0
         return JSONResponse({"status": "aborted", "aborted": aborted})
@@ -126,6 +120,14 @@ def create_app(
     for extra in routers:
         app.include_router(extra)
     return app
+
+
+def _invalid_request(errors: Iterable[Any]) -> str:
+    """One line naming each invalid field of a request body (pydantic's error list)."""
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors
+    )
+    return f"invalid request: {problems}"
 
 
 # ---- processes ---------------------------------------------------------------------------------
