@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from refractor.testing import TEST_CONTROL_TOKEN
+
 
 def model_path(name: str, workdir: Path) -> Path:
     if name == "tiny":
@@ -143,10 +145,12 @@ def run_http(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict,
     from refractor.inference.server import start_native_server
 
     env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same intra-op threads as the other modes
-    server = start_native_server(str(path), engine_args=engine_args, log_path=str(log_path), env=env)
+    server = start_native_server(
+        str(path), control_token=TEST_CONTROL_TOKEN, engine_args=engine_args, log_path=str(log_path), env=env
+    )
 
     async def main():
-        async with InferenceClient(server.url) as client:
+        async with InferenceClient(server.url, control_token=TEST_CONTROL_TOKEN) as client:
 
             async def generate(i, ids, max_tokens):
                 result = await client.generate(ids, Sampling(max_tokens=max_tokens, ignore_eos=True))

@@ -30,7 +30,7 @@ import httpx
 import torch
 
 from refractor.inference.vllm.launcher import free_port
-from refractor.testing import QWEN25_05B_SHAPE, TinyModelSpec, build_tiny_model
+from refractor.testing import QWEN25_05B_SHAPE, TEST_CONTROL_TOKEN, TinyModelSpec, build_tiny_model
 from refractor.weight_sync import ServerRef, WeightSender, WeightSyncSettings, iter_buckets
 
 SIZES = {
@@ -72,7 +72,12 @@ def serve_native(model_dir: str, port: int, device: str, random_weights: bool) -
         )
     else:
         engine = LLMEngine.from_pretrained(model_dir, config)
-    app = create_app(AsyncLLMEngine(engine), AutoTokenizer.from_pretrained(model_dir), "bench")
+    app = create_app(
+        AsyncLLMEngine(engine),
+        AutoTokenizer.from_pretrained(model_dir),
+        "bench",
+        control_token=TEST_CONTROL_TOKEN,
+    )
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -200,7 +205,12 @@ def run_cpu(args) -> None:
                 stop = server.stop
             sender = WeightSender(
                 [ServerRef(f"{engine}-0", url)],
-                WeightSyncSettings(init_timeout_s=120, timeout_s=300, gather_before_pause_bytes=0),
+                WeightSyncSettings(
+                    control_token=TEST_CONTROL_TOKEN,
+                    init_timeout_s=120,
+                    timeout_s=300,
+                    gather_before_pause_bytes=0,
+                ),
             )
             try:
                 for bucket_mb in (int(b) for b in args.bucket_mb.split(",")):
@@ -251,7 +261,12 @@ def run_gpu(args) -> None:
         )
         sender = WeightSender(
             [ServerRef("native-gpu1", url)],
-            WeightSyncSettings(init_timeout_s=120, timeout_s=120, gather_before_pause_bytes=0),
+            WeightSyncSettings(
+                control_token=TEST_CONTROL_TOKEN,
+                init_timeout_s=120,
+                timeout_s=120,
+                gather_before_pause_bytes=0,
+            ),
             device=device,
         )
         start = time.perf_counter()

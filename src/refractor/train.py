@@ -168,12 +168,13 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
 def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     import ray
 
+    from refractor.inference.access import new_token
     from refractor.orchestrator import Orchestrator, OrchestratorSettings
     from refractor.orchestrator.eval_schedule import build_eval_schedule, eval_server_names
     from refractor.runtime.cluster import RaySettings, cluster_has_gpus, init_ray, reserve
     from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
     from refractor.runtime.server_group import RayServerGroup, choose_engine
-    from refractor.runtime.trainer_group import RayTrainerGroup
+    from refractor.runtime.trainer_group import RayTrainerGroup, TrainerGroupSettings
     from refractor.telemetry.console import ConsoleSink
     from refractor.telemetry.server_metrics import ServerMetricsScraper
     from refractor.telemetry.store import RunStore
@@ -190,7 +191,13 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
 
         sinks.append(WandbSink.from_config(cfg))
 
-    started_local = init_ray(RaySettings.from_config(cfg, run_dir=str(paths.root)))
+    connection = init_ray(RaySettings.from_config(cfg, run_dir=str(paths.root)))
+    if not quiet:
+        print(f"refractor: {connection.describe()}", flush=True)
+    # the secret of this run's server control routes: handed to the servers and to trainer rank 0
+    # in memory, never logged nor written to the run store or config files
+    control_token = new_token()
+    run_tag = f"{cfg.run_name}-{control_token[:6]}"  # names this run's placement groups
     servers = None
     trainers = None
     status = "failed"
@@ -207,6 +214,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
             cfg.ray_placement_timeout_s,
             "ray_inference_cpus_per_worker",
             "inference_num_workers",
+            run_tag,
         )
         trainer_pg = reserve(
             "trainer ranks",
@@ -217,9 +225,13 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
             cfg.ray_placement_timeout_s,
             "ray_trainer_cpus_per_worker",
             "trainer_num_workers",
+            run_tag,
         )
-        servers = RayServerGroup(cfg, server_pg, engine, str(paths.logs))
-        trainers = RayTrainerGroup(cfg, trainer_pg, pad_token_id=tokenizer.pad_token_id)
+        servers = RayServerGroup(cfg, server_pg, engine, str(paths.logs), control_token)
+        trainer_settings = TrainerGroupSettings.from_config(
+            cfg, tokenizer.pad_token_id, control_token=control_token, single_node=connection.nodes == 1
+        )
+        trainers = RayTrainerGroup(trainer_settings, trainer_pg)
         with ThreadPoolExecutor(2) as pool:  # servers and trainer ranks boot side by side
             server_future = pool.submit(servers.start)
             trainer_future = pool.submit(trainers.setup)
@@ -229,7 +241,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
         eval_servers = eval_server_names(cfg, [i.name for i in infos])
         trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
 
-        clients = _http_servers(infos, cfg)
+        clients = _http_servers(infos, cfg, control_token)
         telemetry = [
             SystemMetricsLoop(store.log_system_metrics, cfg.system_metrics_collection_interval_seconds),
             ServerMetricsScraper(clients, store.log_system_metrics, cfg.metrics_logger_interval_seconds),
@@ -273,7 +285,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
         for sink in sinks:
             sink.close()
         store.close(status)
-        if started_local:
+        if connection.started_local:
             ray.shutdown()
     return paths.root
 
@@ -311,10 +323,15 @@ def write_config_file(cfg: RefractorConfig, paths: RunPaths) -> None:
     path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
-def _http_servers(infos, cfg):
+def _http_servers(infos, cfg, control_token: str):
     from refractor.inference.client import InferenceClient
 
     return [
-        InferenceClient(info.url, name=info.name, timeout_s=float(cfg.ray_placement_timeout_s))
+        InferenceClient(
+            info.url,
+            name=info.name,
+            timeout_s=float(cfg.ray_placement_timeout_s),
+            control_token=control_token,
+        )
         for info in infos
     ]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refractor.testing import TEST_CONTROL_TOKEN
+
 VLLM_SERVED_NAME = "tiny"
 
 
@@ -31,7 +33,7 @@ def vllm_server(tiny_qwen2_path):
         startup_timeout_s=300,
         extra_env={"VLLM_CPU_CI_ENV": "1"},
     )  # CI env: skip the warm-up pass
-    server = start_vllm_server(tiny_qwen2_path, settings=settings)
+    server = start_vllm_server(tiny_qwen2_path, settings=settings, control_token=TEST_CONTROL_TOKEN)
     yield server
     server.stop()
 
@@ -41,7 +43,8 @@ def vllm_sender(vllm_server):
     from refractor.weight_sync import ServerRef, WeightSender, WeightSyncSettings
 
     sender = WeightSender(
-        [ServerRef("vllm-0", vllm_server.url)], WeightSyncSettings(init_timeout_s=60, timeout_s=60)
+        [ServerRef("vllm-0", vllm_server.url)],
+        WeightSyncSettings(control_token=TEST_CONTROL_TOKEN, init_timeout_s=60, timeout_s=60),
     )
     yield sender
     sender.close()

@@ -11,12 +11,15 @@ import torch
 from refractor.inference.client import InferenceClient, InferenceServerError, Sampling, WeightVersionSpan
 from refractor.inference.process import free_port
 from refractor.inference.server import start_native_server
+from refractor.testing import TEST_CONTROL_TOKEN
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_path):
     handle = start_native_server(
-        str(tiny_qwen3_path), engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05}
+        str(tiny_qwen3_path),
+        engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05},
+        control_token=TEST_CONTROL_TOKEN,
     )
     yield handle
     handle.stop()
@@ -29,7 +32,7 @@ def test_generate_tokens_logprobs_versions(server, tiny_qwen3_path):
     prompt = [11, 22, 33, 44, 55]
 
     async def main():
-        async with InferenceClient(server.url) as client:
+        async with InferenceClient(server.url, control_token=TEST_CONTROL_TOKEN) as client:
             one = await client.generate(
                 prompt, Sampling(temperature=0.7, max_tokens=12, seed=5, ignore_eos=True)
             )
@@ -64,7 +67,7 @@ def test_generate_tokens_logprobs_versions(server, tiny_qwen3_path):
 
 def test_cancel_aborts_on_the_server_and_control_calls(server):
     async def main():
-        async with InferenceClient(server.url) as client:
+        async with InferenceClient(server.url, control_token=TEST_CONTROL_TOKEN) as client:
             assert await client.health()
             task = asyncio.create_task(client.generate([1, 2, 3], Sampling(max_tokens=480, ignore_eos=True)))
             for _ in range(200):

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from refractor.inference.server import start_native_server
+from refractor.testing import TEST_CONTROL_TOKEN
+
+CONTROL = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}  # the control routes' credential
 
 MODEL = "tiny"
 
@@ -21,6 +24,7 @@ MODEL = "tiny"
 def server(tiny_qwen2_path):
     handle = start_native_server(
         str(tiny_qwen2_path),
+        control_token=TEST_CONTROL_TOKEN,
         served_model_name=MODEL,
         engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05, "block_size": 16},
     )
@@ -181,13 +185,12 @@ def test_generate_endpoint_matches_vllm_shape(server, hf):
 def test_bad_requests_are_400_and_harmless(server, path, body, needle):
     # json.dumps escapes lone surrogates as \\udXXX, as a client in any language can send them
     content = b"null" if body is None else json.dumps(body).encode()
-    response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json", **CONTROL}
+    response = httpx.post(server.url + path, content=content, headers=headers)
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
     for route in ("/v1/completions", "/abort_requests"):
-        malformed = httpx.post(
-            server.url + route, content=b"{oops", headers={"content-type": "application/json"}
-        )
+        malformed = httpx.post(server.url + route, content=b"{oops", headers=headers)
         assert malformed.status_code == 400, (route, malformed.text)
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -237,7 +240,12 @@ def test_metrics_pause_abort_and_disconnect(server):
     )
     worker.start()
     time.sleep(0.3)
-    assert httpx.post(url + "/abort_requests", json={"request_ids": ["to-abort"]}).json()["aborted"] == 1
+    assert (
+        httpx.post(url + "/abort_requests", json={"request_ids": ["to-abort"]}, headers=CONTROL).json()[
+            "aborted"
+        ]
+        == 1
+    )
     worker.join(10)
     assert {c["finish_reason"] for c in result["r"]["choices"]} == {"abort"}
     assert 0 < result["r"]["usage"]["completion_tokens"] < 960
@@ -250,15 +258,15 @@ def test_metrics_pause_abort_and_disconnect(server):
     )
     worker.start()
     time.sleep(0.2)
-    assert httpx.post(url + "/pause", params={"mode": "keep"}).json() == {"status": "paused"}
-    assert httpx.get(url + "/is_paused").json() == {"is_paused": True}
+    assert httpx.post(url + "/pause", params={"mode": "keep"}, headers=CONTROL).json() == {"status": "paused"}
+    assert httpx.get(url + "/is_paused", headers=CONTROL).json() == {"is_paused": True}
     frozen = _metrics(url)["vllm:generation_tokens_total"]
     time.sleep(0.2)
     assert _metrics(url)["vllm:generation_tokens_total"] == frozen
-    httpx.post(url + "/resume")
+    httpx.post(url + "/resume", headers=CONTROL)
     worker.join(20)
     assert {c["finish_reason"] for c in result["k"]["choices"]} == {"length"}
-    assert httpx.post(url + "/abort_requests", json={}).json()["aborted"] == 0
+    assert httpx.post(url + "/abort_requests", json={}, headers=CONTROL).json()["aborted"] == 0
 
 
 def test_stop_strings_cut_the_text(server):
@@ -296,8 +304,8 @@ def test_app_seams_chat_template_and_extra_routers(tiny_qwen2_path):
     )
     extra = APIRouter()
 
-    @extra.get("/weight_info")
-    async def weight_info():
+    @extra.get("/engine_version")
+    async def engine_version():
         return {"weight_version": str(engine.weight_version)}
 
     app = create_app(
@@ -305,6 +313,7 @@ def test_app_seams_chat_template_and_extra_routers(tiny_qwen2_path):
         tokenizer,
         "t",
         chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
+        control_token=TEST_CONTROL_TOKEN,
         extra_routers=[extra],
     )
 
@@ -324,7 +333,7 @@ def test_app_seams_chat_template_and_extra_routers(tiny_qwen2_path):
                     },
                 )
             ).json()
-            info = (await client.get("/weight_info")).json()
+            info = (await client.get("/engine_version", headers=CONTROL)).json()
         return tokens, chat, info
 
     try:

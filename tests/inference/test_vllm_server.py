@@ -44,7 +44,8 @@ def test_config_becomes_explicit_vllm_flags():
         },
     )
     settings = VllmServerSettings.from_config(cfg, served_model_name="policy")
-    argv, env = vllm_command("/models/m", "0.0.0.0", 8123, settings, on_cpu=True)
+    token = "a-control-token-for-this-test"
+    argv, env = vllm_command("/models/m", "0.0.0.0", 8123, settings, on_cpu=True, control_token=token)
     assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]  # not the broken CLI
     expected = {
         "--model": "/models/m",
@@ -63,10 +64,14 @@ def test_config_becomes_explicit_vllm_flags():
         "--otlp-traces-endpoint": "http://127.0.0.1:4999/v1/traces",
         "--worker-extension-cls": "refractor.inference.vllm.worker_ext.RefractorWorkerExtension",
         "--weight-transfer-config": '{"backend": "refractor"}',
+        "--middleware": "refractor.inference.access.EnvAccessGuard",
     }
     assert {k: flag(argv, k) for k in expected} == expected
     assert "--enable-scale-out" in argv and "--enforce-eager" in argv
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    # the secret travels in the environment, never on the command line; no API docs by default
+    assert env["REFRACTOR_CONTROL_TOKEN"] == token and token not in " ".join(argv)
+    assert "--disable-fastapi-docs" in argv
     # GPU: the memory fraction applies, CUDA graphs stay on, no tracing unless asked
     gpu_argv, gpu_env = vllm_command(
         "/m", "127.0.0.1", 1, VllmServerSettings(gpu_memory_utilization=0.8), on_cpu=False
@@ -74,6 +79,8 @@ def test_config_becomes_explicit_vllm_flags():
     assert flag(gpu_argv, "--gpu-memory-utilization") == "0.8" and "--kv-cache-memory-bytes" not in gpu_argv
     assert "--enforce-eager" not in gpu_argv and "--otlp-traces-endpoint" not in gpu_argv
     assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in gpu_env
+    # no control token: vLLM's development routes stay off, and an exported token is not inherited
+    assert gpu_env["VLLM_SERVER_DEV_MODE"] == "0" and gpu_env["REFRACTOR_CONTROL_TOKEN"] == ""
 
 
 @pytest.mark.vllm
@@ -151,3 +158,46 @@ def test_generate_endpoint_returns_tokens_logprobs_and_versions(
         assert choice["weight_versions"] == [{"version": "2", "start": 0, "end": len(tokens)}]
         reference = hf_token_logprobs(hf_models[0], prompt, tokens)
         assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.vllm
+def test_vllm_development_routes_need_the_control_token(vllm_server, vllm_model_name):
+    """vLLM's development mode exposes /collective_rpc, /sleep, the weight routes...: every one of
+    them needs the run's token; generation stays open; the server listens on loopback only."""
+    import psutil
+
+    from refractor.testing import TEST_CONTROL_TOKEN
+
+    control = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}
+    calls = [
+        ("POST", "/collective_rpc"),
+        ("POST", "/sleep"),
+        ("GET", "/server_info"),
+        ("POST", "/pause"),
+        ("POST", "/update_weights"),
+        ("POST", "/init_weight_transfer_engine"),
+        ("POST", "/abort_requests"),
+        ("GET", "/docs"),
+    ]
+    for method, path in calls:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-wrong-token"}):
+            response = httpx.request(method, vllm_server.url + path, headers=headers, timeout=30)
+            assert response.status_code == 401, (path, response.text)
+    assert httpx.get(vllm_server.url + "/is_paused", headers=control).json() == {"is_paused": False}
+    assert httpx.get(vllm_server.url + "/docs", headers=control).status_code == 404
+    bad = {"master_address": "127.0.0.1", "master_port": 29999, "world_size": 2, "rank_offset": 0}
+    response = httpx.post(
+        vllm_server.url + "/init_weight_transfer_engine", json={"init_info": bad}, headers=control, timeout=60
+    )
+    assert response.status_code >= 400 and "rank 0 is the trainer's" in response.text
+    assert httpx.get(vllm_server.url + "/health").status_code == 200
+    body = {"model": vllm_model_name, "prompt": [1, 2, 3], "max_tokens": 2}
+    assert httpx.post(vllm_server.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    server = psutil.Process(vllm_server.process.pid)
+    listening = {
+        c.laddr.ip
+        for p in [server, *server.children(recursive=True)]
+        for c in p.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == int(vllm_server.url.rsplit(":", 1)[1])
+    }
+    assert listening == {"127.0.0.1"}

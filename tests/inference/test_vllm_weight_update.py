@@ -12,8 +12,11 @@ import httpx
 import pytest
 import torch
 
+from refractor.testing import TEST_CONTROL_TOKEN
 from refractor.weight_sync.buckets import iter_buckets
 from refractor.weight_sync.sender import CanaryError
+
+CONTROL = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}  # the control routes' credential
 
 pytestmark = pytest.mark.vllm
 PROMPT = list(range(3, 40))
@@ -58,7 +61,9 @@ def test_push_switches_the_served_weights_both_ways(vllm_server, vllm_sender, hf
         (report,) = result.reports["vllm-0"]
         assert report.params_loaded == report.params_total > 0 and report.checksum == result.stats.checksum
         assert result.stats.buckets > 1  # 256 KiB buckets: the 1.4 MB model travels in several
-        assert httpx.get(vllm_server.url + "/weight_info").json() == {"weight_version": str(version)}
+        assert httpx.get(vllm_server.url + "/weight_info", headers=CONTROL).json() == {
+            "weight_version": str(version)
+        }
         samples = sample(vllm_server.url, seed=version)
         assert max_error(samples, hf_models[new]) < 1e-4  # exact in fp32, tied lm_head refreshed
         assert max_error(samples, hf_models[old]) > 0.05  # and it is not the previous model

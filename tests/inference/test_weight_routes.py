@@ -23,11 +23,14 @@ from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 from refractor.inference.engine.async_engine import AsyncLLMEngine
 from refractor.inference.server import create_app
 from refractor.inference.vllm.launcher import free_port
+from refractor.testing import TEST_CONTROL_TOKEN
 from refractor.weight_sync.buckets import iter_buckets
 from refractor.weight_sync.control_plane import ServerRef, WeightSyncError
 from refractor.weight_sync.records import UpdateTarget
 from refractor.weight_sync.sender import CanaryError, WeightSender
 from refractor.weight_sync.settings import WeightSyncSettings
+
+CONTROL = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}  # the control routes' credential
 
 PROMPT = list(range(3, 30))
 ENGINE_CONFIG = EngineConfig(
@@ -46,7 +49,9 @@ class ThreadServer:
     def __init__(self, name: str, model_path):
         self.name = name
         self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, ENGINE_CONFIG))
-        app = create_app(self.engine, AutoTokenizer.from_pretrained(model_path), name)
+        app = create_app(
+            self.engine, AutoTokenizer.from_pretrained(model_path), name, control_token=TEST_CONTROL_TOKEN
+        )
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -91,7 +96,7 @@ def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logpro
     train, evaluation = qwen_servers
     sender = WeightSender(
         [train.ref, evaluation.ref],
-        WeightSyncSettings(init_timeout_s=30, timeout_s=30),
+        WeightSyncSettings(control_token=TEST_CONTROL_TOKEN, init_timeout_s=30, timeout_s=30),
         eval_servers={"eval-0"},
     )
     try:
@@ -99,7 +104,7 @@ def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logpro
         assert sorted(result.reports) == ["eval-0", "train-0"]
         assert all(r.params_loaded == r.params_total > 0 for rs in result.reports.values() for r in rs)
         for server in qwen_servers:
-            assert httpx.get(server.url + "/weight_info").json() == {"weight_version": "5"}
+            assert httpx.get(server.url + "/weight_info", headers=CONTROL).json() == {"weight_version": "5"}
             outputs = server.generate(seed=1)
             assert worst_error(outputs, hf_models[1], hf_token_logprobs) < 1e-4
             assert worst_error(outputs, hf_models[0], hf_token_logprobs) > 0.05
@@ -111,8 +116,8 @@ def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logpro
             target=UpdateTarget.TRAINING_ONLY,
         )
         assert list(result.reports) == ["train-0"] and result.stats.metadata_sent  # its own group
-        assert httpx.get(train.url + "/weight_info").json() == {"weight_version": "6"}
-        assert httpx.get(evaluation.url + "/weight_info").json() == {"weight_version": "5"}
+        assert httpx.get(train.url + "/weight_info", headers=CONTROL).json() == {"weight_version": "6"}
+        assert httpx.get(evaluation.url + "/weight_info", headers=CONTROL).json() == {"weight_version": "5"}
         assert worst_error(train.generate(), hf_models[0], hf_token_logprobs) < 1e-4
         assert worst_error(evaluation.generate(), hf_models[1], hf_token_logprobs) < 1e-4
     finally:
@@ -121,7 +126,9 @@ def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logpro
 
 def test_corrupted_bucket_fails_the_canary(qwen_servers, hf_models, hf_token_logprobs):
     train, _ = qwen_servers
-    sender = WeightSender([train.ref], WeightSyncSettings(init_timeout_s=30, timeout_s=30))
+    sender = WeightSender(
+        [train.ref], WeightSyncSettings(control_token=TEST_CONTROL_TOKEN, init_timeout_s=30, timeout_s=30)
+    )
     try:
         with pytest.raises(CanaryError, match=r"server 'train-0' \(rank 1\): received checksum"):
             sender.push(
@@ -139,7 +146,10 @@ def test_update_during_an_inflight_request(
 ):
     train, _ = qwen_servers
     sender = WeightSender(
-        [train.ref], WeightSyncSettings(init_timeout_s=30, timeout_s=30, inflight_kv=inflight_kv)
+        [train.ref],
+        WeightSyncSettings(
+            control_token=TEST_CONTROL_TOKEN, init_timeout_s=30, timeout_s=30, inflight_kv=inflight_kv
+        ),
     )
     try:
         sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=10)
@@ -186,7 +196,9 @@ def test_untied_model_per_tensor_mode(tiny_llama_path, hf_token_logprobs):
 
     new = AutoModelForCausalLM.from_pretrained(tiny_llama(seed=3), dtype=torch.float32).eval()
     server = ThreadServer("llama-0", tiny_llama_path)
-    settings = WeightSyncSettings(broadcast_mode="per_tensor", init_timeout_s=30, timeout_s=30)
+    settings = WeightSyncSettings(
+        control_token=TEST_CONTROL_TOKEN, broadcast_mode="per_tensor", init_timeout_s=30, timeout_s=30
+    )
     sender = WeightSender([server.ref], settings)
     try:
         result = sender.push(iter_buckets(new.named_parameters(), 1 << 20), version=1)
@@ -205,8 +217,10 @@ SUBPROCESS_SERVER = """
 import sys
 from refractor.inference.engine import EngineConfig
 from refractor.inference.server import run_native_server
-run_native_server(sys.argv[1], "127.0.0.1", int(sys.argv[2]), engine_config=EngineConfig(
-    max_model_len=256, max_num_seqs=2, kv_cache_memory_gb=0.01, dtype="float32", device="cpu"))
+config = EngineConfig(
+    max_model_len=256, max_num_seqs=2, kv_cache_memory_gb=0.01, dtype="float32", device="cpu"
+)
+run_native_server(sys.argv[1], "127.0.0.1", int(sys.argv[2]), control_token=sys.argv[3], engine_config=config)
 """
 
 
@@ -214,7 +228,8 @@ run_native_server(sys.argv[1], "127.0.0.1", int(sys.argv[2]), engine_config=Engi
 def test_a_server_failing_mid_update_is_named_in_bounded_time(failure, tiny_qwen2_path, hf_models):
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-c", SUBPROCESS_SERVER, str(tiny_qwen2_path), str(port)], start_new_session=True
+        [sys.executable, "-c", SUBPROCESS_SERVER, str(tiny_qwen2_path), str(port), TEST_CONTROL_TOKEN],
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -227,7 +242,9 @@ def test_a_server_failing_mid_update_is_named_in_bounded_time(failure, tiny_qwen
             except httpx.HTTPError:
                 time.sleep(0.1)
         # no gather-ahead: buckets stream while the server receives, so the failure lands mid-update
-        settings = WeightSyncSettings(init_timeout_s=30, timeout_s=3, gather_before_pause_bytes=0)
+        settings = WeightSyncSettings(
+            control_token=TEST_CONTROL_TOKEN, init_timeout_s=30, timeout_s=3, gather_before_pause_bytes=0
+        )
         sender = WeightSender([ServerRef("doomed-0", url)], settings)
 
         all_buckets = list(iter_buckets(hf_models[1].named_parameters(), 64 << 10))
@@ -269,4 +286,4 @@ def test_the_inflight_kv_key_reaches_the_sender():
     with pytest.raises(ConfigError, match="weight_sync_inflight_kv"):
         load_config(quickstart, {"weight_sync_inflight_kv": "stale"})
     with pytest.raises(ValueError, match="inflight_kv must be 'recompute' or 'keep', got 'stale'"):
-        WeightSyncSettings(inflight_kv="stale")
+        WeightSyncSettings(control_token=TEST_CONTROL_TOKEN, inflight_kv="stale")

@@ -18,6 +18,7 @@ from refractor.orchestrator.chat import ChatTokens
 from refractor.orchestrator.eval_runner import EvalIds, EvalRunner, LoadedEval, build_task
 from refractor.orchestrator.rollout import RolloutSettings
 from refractor.records import EvalMetricsResult, Sample
+from refractor.testing import TEST_CONTROL_TOKEN
 
 MAX_MODEL_LEN = 96
 
@@ -38,7 +39,7 @@ class CountingServer:
     """A real client under its own name; records how many of its requests run at once."""
 
     def __init__(self, url: str, name: str) -> None:
-        self.client = InferenceClient(url, name=name)
+        self.client = InferenceClient(url, name=name, control_token=TEST_CONTROL_TOKEN)
         self.name = name
         self.running = 0
         self.peak = 0
@@ -58,6 +59,7 @@ class CountingServer:
 def server(tiny_qwen2_path):
     handle = start_native_server(
         str(tiny_qwen2_path),
+        control_token=TEST_CONTROL_TOKEN,
         engine_args={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_gb": 0.05, "seed": 0},
     )
     yield handle
@@ -154,4 +156,4 @@ def test_raw_prompts_and_multi_turn_evals(server, chat):
 
 
 def InferenceClientNamed(url: str) -> InferenceClient:  # noqa: N802 - reads like the class it builds
-    return InferenceClient(url, name="server-0")
+    return InferenceClient(url, name="server-0", control_token=TEST_CONTROL_TOKEN)

@@ -74,8 +74,10 @@ def local_ray():
 
 
 def test_an_empty_address_starts_a_local_cluster_and_a_second_call_joins_it(local_ray):
-    assert local_ray is True and ray.is_initialized()
-    assert init_ray(settings(address="")) is False  # already connected: nothing started, nothing to stop
+    assert local_ray.started_local is True and ray.is_initialized()
+    assert (local_ray.nodes, local_ray.cpus) == (1, ray.cluster_resources()["CPU"])
+    again = init_ray(settings(address=""))
+    assert again.started_local is False  # already connected: nothing started, nothing to stop
 
 
 def test_a_reservation_too_large_for_the_cluster_names_the_keys(local_ray):

@@ -13,12 +13,15 @@ import ray
 from refractor.inference.client import InferenceClient
 from refractor.inference.server import start_native_server
 from refractor.runtime.health import ComponentFailure, HeartbeatSettings, ServerWatchdog, await_ranks
+from refractor.testing import TEST_CONTROL_TOKEN
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_path):
     handle = start_native_server(
-        str(tiny_qwen2_path), engine_args={"max_model_len": 256, "kv_cache_memory_gb": 0.05}
+        str(tiny_qwen2_path),
+        engine_args={"max_model_len": 256, "kv_cache_memory_gb": 0.05},
+        control_token=TEST_CONTROL_TOKEN,
     )
     yield handle
     handle.stop()
@@ -33,7 +36,7 @@ async def _watch_until_failure(watchdog: ServerWatchdog, limit_s: float) -> tupl
 
 def test_a_healthy_server_passes_and_a_hung_one_is_named_after_the_timeout(server):
     async def scenario():
-        async with InferenceClient(server.url, name="server-7") as client:
+        async with InferenceClient(server.url, name="server-7", control_token=TEST_CONTROL_TOKEN) as client:
             watchdog = ServerWatchdog([client], HeartbeatSettings(interval_s=0.2, timeout_s=3.0))
             for _ in range(3):
                 await watchdog.check()  # answers: no failure
@@ -50,14 +53,16 @@ def test_a_healthy_server_passes_and_a_hung_one_is_named_after_the_timeout(serve
 
 def test_a_dead_server_process_is_named_at_once_with_its_log(tiny_qwen2_path):
     handle = start_native_server(
-        str(tiny_qwen2_path), engine_args={"max_model_len": 256, "kv_cache_memory_gb": 0.05}
+        str(tiny_qwen2_path),
+        engine_args={"max_model_len": 256, "kv_cache_memory_gb": 0.05},
+        control_token=TEST_CONTROL_TOKEN,
     )
 
     async def process_check(name: str) -> tuple[bool, str]:
         return handle.alive(), handle.log_tail()
 
     async def scenario():
-        async with InferenceClient(handle.url, name="server-3") as client:
+        async with InferenceClient(handle.url, name="server-3", control_token=TEST_CONTROL_TOKEN) as client:
             watchdog = ServerWatchdog(
                 [client], HeartbeatSettings(interval_s=0.2, timeout_s=600.0), process_check
             )

@@ -41,7 +41,7 @@ def test_settings_are_read_once_from_the_config():
     s = ServerGroupSettings.from_config(cfg)
     assert (s.model, s.host, s.chat_template, s.startup_timeout_s) == (
         "/models/policy",
-        "0.0.0.0",
+        "auto",
         "{{ messages }}",
         77.0,
     )
@@ -62,11 +62,13 @@ class Spawned:
 
     def __init__(self) -> None:
         self.argv: list[str] = []
+        self.env: dict[str, str] = {}
         self.url = ""
         self.timeout_s = 0.0
 
     def spawn(self, argv, *, url, log_path, what, env=None, die_with_parent=False):
         self.argv = argv
+        self.env = env or {}
         self.url = url
         assert die_with_parent  # the server dies with its actor
         return self
@@ -87,12 +89,18 @@ def spawned(monkeypatch) -> Spawned:
     return fake
 
 
+TOKEN = "the-run-control-token"
+
+
 def test_native_server_command_line(spawned, tmp_path):
-    launch_server(ServerGroupSettings.from_config(server_config()), "native", tmp_path / "s.log")
+    launch_server(ServerGroupSettings.from_config(server_config()), "native", tmp_path / "s.log", TOKEN)
     argv = spawned.argv
     assert argv[argv.index("serve") :][:5] == ["serve", "--model", "/models/policy", "--engine", "native"]
+    # control routes on, guarded by the run's token, which travels in the environment only
+    assert "--enable-weight-updates" in argv and TOKEN not in " ".join(argv)
+    assert spawned.env["REFRACTOR_CONTROL_TOKEN"] == TOKEN
     expected = {
-        "--host": "0.0.0.0",
+        "--host": "127.0.0.1",  # inference_host: auto, outside a multi-node cluster
         "--max-model-len": "512",
         "--kv-cache-memory-gb": "0.25",
         "--gpu-memory-utilization": "0.9",
@@ -108,11 +116,13 @@ def test_native_server_command_line(spawned, tmp_path):
 
 
 def test_vllm_server_command_line(spawned, tmp_path):
-    launch_server(ServerGroupSettings.from_config(server_config()), "vllm", tmp_path / "s.log")
+    settings = ServerGroupSettings.from_config(server_config(inference_host="0.0.0.0"))
+    launch_server(settings, "vllm", tmp_path / "s.log", TOKEN)
     argv = spawned.argv
+    assert spawned.env["REFRACTOR_CONTROL_TOKEN"] == TOKEN and TOKEN not in " ".join(argv)
     expected = {
         "--model": "/models/policy",
-        "--host": "0.0.0.0",
+        "--host": "0.0.0.0",  # an explicit inference_host is kept
         "--max-model-len": "512",
         "--seed": "3",
         "--max-num-seqs": "4",
@@ -143,7 +153,7 @@ def local_ray():
 def test_a_server_that_fails_to_start_is_named(local_ray, tmp_path):
     cfg = server_config(inference_host="256.0.0.1")  # no such address: the start fails before any spawn
     reservation = reserve("inference servers", 1, 1, 0, "PACK", 60, "cpus", "servers")
-    group = RayServerGroup(cfg, reservation, "native", str(tmp_path / "logs"))
+    group = RayServerGroup(cfg, reservation, "native", str(tmp_path / "logs"), TOKEN)
     try:
         with pytest.raises(ServerStartError, match=r"inference server server-0 \(native\) failed to start"):
             group.start()

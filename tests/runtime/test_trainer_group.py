@@ -49,6 +49,11 @@ def test_settings_are_read_once_from_the_config(tmp_path):
     assert s.trainer == TrainerSettings.from_config(cfg)
     assert s.packing == PackingSettings.from_config(cfg, pad_token_id=5)
     assert (s.packing.number_of_minibatches, s.packing.pad_token_id, s.call_timeout_s) == (2, 5, 33.0)
+    # across nodes rank 0 listens on its node's address (None: resolved there); on one node, loopback
+    assert (s.rendezvous_host, s.weight_transfer_host, s.weight_sync.control_token) == (None, None, None)
+    one = TrainerGroupSettings.from_config(cfg, pad_token_id=5, control_token="secret", single_node=True)
+    assert (one.rendezvous_host, one.weight_transfer_host) == ("127.0.0.1", "127.0.0.1")
+    assert one.weight_sync.control_token == "secret" and "secret" not in repr(one)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,10 @@ def local_ray():
 
 def test_two_ranks_train_on_one_packed_batch_and_merge_their_timelines(local_ray, tiny_qwen2_path, tmp_path):
     reservation = reserve("trainer ranks", 2, 1, 0, "PACK", 60, "cpus", "workers")
-    group = RayTrainerGroup(group_config(tiny_qwen2_path, tmp_path), reservation, pad_token_id=0)
+    settings = TrainerGroupSettings.from_config(
+        group_config(tiny_qwen2_path, tmp_path), pad_token_id=0, single_node=True
+    )
+    group = RayTrainerGroup(settings, reservation)
     try:
         infos = group.setup()
         assert [i["rank"] for i in infos] == [0, 1] and {i["device"] for i in infos} == {"cpu"}

@@ -21,6 +21,7 @@ from refractor.inference.engine import EngineConfig, LLMEngine
 from refractor.inference.engine.async_engine import AsyncLLMEngine
 from refractor.inference.server import create_app
 from refractor.inference.vllm.launcher import free_port
+from refractor.testing import TEST_CONTROL_TOKEN
 from refractor.trainer import Trainer
 from refractor.weight_sync.control_plane import ServerRef
 from refractor.weight_sync.sender import WeightSender
@@ -44,7 +45,9 @@ class NativeServer:
         self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, config))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        app = create_app(self.engine, AutoTokenizer.from_pretrained(model_path), "tiny")
+        app = create_app(
+            self.engine, AutoTokenizer.from_pretrained(model_path), "tiny", control_token=TEST_CONTROL_TOKEN
+        )
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -102,7 +105,10 @@ def test_buckets_are_gathered_before_the_pause_within_the_budget(
     sender = WeightSender(
         [ServerRef("native-0", server.url)],
         WeightSyncSettings(
-            init_timeout_s=30, timeout_s=30, gather_before_pause_bytes=budget_buckets * bucket_bytes
+            control_token=TEST_CONTROL_TOKEN,
+            init_timeout_s=30,
+            timeout_s=30,
+            gather_before_pause_bytes=budget_buckets * bucket_bytes,
         ),
     )
     try:
@@ -133,7 +139,12 @@ def test_weights_gathered_ahead_are_the_ones_served(server, trainer):
     assert not torch.equal(dict(server.engine.named_parameters())[name0], expected[name0])
     sender = WeightSender(
         [ServerRef("native-0", server.url)],
-        WeightSyncSettings(init_timeout_s=30, timeout_s=30, gather_before_pause_bytes=1 << 30),
+        WeightSyncSettings(
+            control_token=TEST_CONTROL_TOKEN,
+            init_timeout_s=30,
+            timeout_s=30,
+            gather_before_pause_bytes=1 << 30,
+        ),
     )
     try:
         result = sender.push(trainer.export_weight_buckets(BUCKET_MB), version=8)

@@ -404,7 +404,11 @@ class PackingKeys(_Strict):
 
 
 class InferenceKeys(_Strict):
-    inference_host: str = Field("0.0.0.0", description="Inference server bind host.")
+    inference_host: str = Field(
+        "auto",
+        description="Inference server bind address. auto: 127.0.0.1 on a one-node cluster, else the "
+        "node's own address; 0.0.0.0 exposes the servers on every interface.",
+    )
     inference_base_port: int = Field(
         8100, ge=1, le=65535, description="Fallback base port (servers pick free ports)."
     )
@@ -539,6 +543,7 @@ IGNORED_KEYS: dict[str, str] = {
 # Where a default differs from Telescope's on purpose (checked by the tests;
 # docs/config.md#telescope-compatibility).
 DELIBERATE_DEFAULT_CHANGES: dict[str, str] = {
+    "inference_host": "servers listen on loopback (one node) or the node's address, never every interface",
     "ray_namespace": "named after this project instead of 'telescope'",
     "wandb_project": "named after this project",
     "wandb_run_name": "named after this project",

@@ -4,7 +4,9 @@ The orchestrator's rollout path is ``generate``: token ids in, sampled token ids
 log-probs + ``weight_versions`` spans out, through ``/inference/v1/generate``. One pooled
 ``httpx.AsyncClient`` per server; only connection failures are retried (the request never
 reached the server, so a retry cannot duplicate work); cancelling the awaiting task closes the
-connection, which makes the server abort the request and free its KV cache.
+connection, which makes the server abort the request and free its KV cache. Each request carries
+the credential its route needs (``refractor.inference.access``): the control token for control
+routes, the API key for generation routes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from refractor.inference.access import RouteKind, bearer, route_kind
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +113,15 @@ class InferenceClient:
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
         max_connections: int = 1024,
+        control_token: str | None = None,
+        api_key: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self._credentials = {
+            RouteKind.CONTROL: bearer(control_token),
+            RouteKind.GENERATION: bearer(api_key),
+            RouteKind.OPEN: {},
+        }
         # how the orchestrator, lanes and the run store refer to this server
         self.name = name or self.base_url
         self.model = model
@@ -132,9 +143,10 @@ class InferenceClient:
         await self._http.aclose()
 
     async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        headers = self._credentials[route_kind(path)]
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self._http.request(method, path, **kwargs)
+                response = await self._http.request(method, path, headers=headers, **kwargs)
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as err:
                 if attempt == self.max_retries:

@@ -10,13 +10,17 @@ from pathlib import Path
 
 import typer
 
+from refractor.inference.access import API_KEY_ENV, CONTROL_TOKEN_ENV, MIN_SECRET_CHARS
+
 
 def serve(
     model: str = typer.Option(
         ..., "--model", "-m", help="HF checkpoint dir, HF id in the local cache, or refractor-testing/<name>."
     ),
     engine: str = typer.Option("native", "--engine", help="native (refractor's engine) or vllm."),
-    host: str = typer.Option("0.0.0.0", "--host"),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Bind address; 0.0.0.0 serves every interface (then set --api-key)."
+    ),
     port: int = typer.Option(8000, "--port"),
     dtype: str = typer.Option("auto", "--dtype", help="auto: checkpoint dtype on GPU, float32 on CPU."),
     max_model_len: int = typer.Option(4096, "--max-model-len"),
@@ -33,9 +37,33 @@ def serve(
     chat_template: str | None = typer.Option(
         None, "--chat-template", help="A Jinja template, or a file holding one."
     ),
+    enable_weight_updates: bool = typer.Option(
+        False,
+        "--enable-weight-updates",
+        help="Mount the control routes (pause, resume, abort, weight updates); needs --control-token.",
+    ),
+    control_token: str | None = typer.Option(
+        None,
+        "--control-token",
+        envvar=CONTROL_TOKEN_ENV,
+        show_envvar=True,
+        help="Secret the control routes require (prefer the environment variable: argv is public).",
+    ),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar=API_KEY_ENV,
+        show_envvar=True,
+        help="Secret the generation routes (/v1/..., /inference/v1/generate, /tokenize) require.",
+    ),
+    enable_docs: bool = typer.Option(False, "--enable-docs", help="Serve the OpenAPI docs at /docs."),
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
-    """Serve a model over HTTP with vLLM 0.32's API (completions, chat, generate, control routes)."""
+    """Serve a model over HTTP with vLLM 0.32's API: completions, chat, generate, and the control
+    routes (pause, resume, abort, weight updates) when asked for."""
+    control_token = _control_token(enable_weight_updates, control_token)
+    if api_key is not None and len(api_key) < MIN_SECRET_CHARS:
+        raise typer.BadParameter(f"--api-key must be at least {MIN_SECRET_CHARS} characters")
     if chat_template and len(chat_template) < 4096 and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
     if engine == "vllm":
@@ -53,7 +81,15 @@ def serve(
             served_model_name=served_model_name,
             enforce_eager=enforce_eager or None,
         )
-        serve_vllm(model, host, port, settings)
+        serve_vllm(
+            model,
+            host,
+            port,
+            settings,
+            control_token=control_token,
+            api_key=api_key,
+            enable_docs=enable_docs,
+        )
         return
     if engine != "native":
         raise typer.BadParameter(f"--engine must be native or vllm, got {engine!r}")
@@ -81,8 +117,24 @@ def serve(
         engine_config=config,
         served_model_name=served_model_name,
         chat_template=chat_template,
+        control_token=control_token,
+        api_key=api_key,
+        enable_docs=enable_docs,
         log_level=log_level,
     )
+
+
+def _control_token(enabled: bool, token: str | None) -> str | None:
+    """The token guarding the control routes, or None when they stay off."""
+    if not enabled:
+        return None
+    if not token:
+        raise typer.BadParameter(
+            f"--enable-weight-updates needs a control token: set {CONTROL_TOKEN_ENV} (or --control-token)"
+        )
+    if len(token) < MIN_SECRET_CHARS:
+        raise typer.BadParameter(f"the control token must be at least {MIN_SECRET_CHARS} characters")
+    return token
 
 
 def register(app: typer.Typer) -> None:

@@ -8,6 +8,10 @@ the weight-update routes (``refractor.inference.weight_routes``), plus any ``ext
 (``server_metrics.py``). Malformed bodies get a 400 naming the field; a client that disconnects has
 its request aborted (KV freed at once).
 
+Access (``refractor.inference.access``): the control routes (pause, resume, abort, weight updates)
+exist only on a server given a control token and need it on every call; an API key, when set,
+guards the generation routes; the API docs are off unless asked for.
+
 Processes: ``refractor serve --engine native`` runs ``run_native_server`` in the foreground;
 ``start_native_server(...)`` starts that same command as a subprocess (its own session) and
 returns a handle with ``.url`` and ``.stop()``, for Ray actors and tests.
@@ -29,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from refractor.inference.access import CONTROL_TOKEN_ENV, AccessGuard
 from refractor.inference.engine.async_engine import PAUSE_MODES, AsyncLLMEngine, EngineDeadError
 from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.request_schemas import AbortRequest
@@ -46,10 +51,15 @@ def create_app(
     model_name: str,
     *,
     chat_template: str | None = None,
+    control_token: str | None = None,
+    api_key: str | None = None,
+    enable_docs: bool = False,
     extra_routers: Iterable[APIRouter] = (),
-    include_weight_routes: bool = True,
 ) -> FastAPI:
-    app = FastAPI(title="refractor native inference server")
+    """The server's app. ``control_token=None``: no control routes (a plain serving endpoint)."""
+    docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="refractor native inference server", **docs)
+    app.add_middleware(AccessGuard, control_token=control_token, api_key=api_key)
     state = ServerState(
         engine,
         tokenizer,
@@ -83,7 +93,20 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/pause")
+    app.include_router(openai_router)
+    if control_token is not None:
+        app.include_router(_control_router(engine, state))
+        app.include_router(weight_update_router(engine))
+    for extra in extra_routers:
+        app.include_router(extra)
+    return app
+
+
+def _control_router(engine: AsyncLLMEngine, state: ServerState) -> APIRouter:
+    """/pause, /resume, /is_paused, /abort_requests: mounted only on servers with a control token."""
+    router = APIRouter()
+
+    @router.post("/pause")
     async def pause(mode: str = "abort", clear_cache: bool = True) -> JSONResponse:
         # clear_cache is accepted for vLLM compatibility: there is no prefix cache to clear, and
         # update_weights recomputes the KV of in-flight requests itself.
@@ -92,17 +115,17 @@ def create_app(
         await engine.pause(mode)
         return JSONResponse({"status": "paused"})
 
-    @app.post("/resume")
+    @router.post("/resume")
     async def resume() -> JSONResponse:
         await engine.resume()
         return JSONResponse({"status": "resumed"})
 
-    @app.get("/is_paused")
+    @router.get("/is_paused")
     async def is_paused() -> JSONResponse:
         return JSONResponse({"is_paused": engine.is_paused})
 
-    @app.post("/abort_requests")
-    @app.post("/inference/v1/abort_requests")
+    @router.post("/abort_requests")
+    @router.post("/inference/v1/abort_requests")
     async def abort_requests(request: Request) -> JSONResponse:
         raw = await request.body()
         try:
@@ -113,13 +136,7 @@ def create_app(
         aborted = await engine.abort(ids) if ids is None or ids else 0
         return JSONResponse({"status": "aborted", "aborted": aborted})
 
-    app.include_router(openai_router)
-    routers = list(extra_routers)
-    if include_weight_routes:
-        routers.append(weight_update_router(engine))
-    for extra in routers:
-        app.include_router(extra)
-    return app
+    return router
 
 
 def _invalid_request(errors: Iterable[Any]) -> str:
@@ -133,12 +150,15 @@ def _invalid_request(errors: Iterable[Any]) -> str:
 # ---- processes ---------------------------------------------------------------------------------
 def run_native_server(
     model: str,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     port: int = 8000,
     *,
     engine_config=None,
     served_model_name: str | None = None,
     chat_template: str | None = None,
+    control_token: str | None = None,
+    api_key: str | None = None,
+    enable_docs: bool = False,
     log_level: str = "warning",
 ) -> None:
     """Load the model, start the engine thread and serve until SIGTERM/SIGINT (foreground)."""
@@ -154,7 +174,15 @@ def run_native_server(
     core = LLMEngine.from_pretrained(path, engine_config or EngineConfig(), detokenize=tokenizer.decode)
     core.eos_token_ids |= eos
     engine = AsyncLLMEngine(core)
-    app = create_app(engine, tokenizer, served_model_name or str(model), chat_template=chat_template)
+    app = create_app(
+        engine,
+        tokenizer,
+        served_model_name or str(model),
+        chat_template=chat_template,
+        control_token=control_token,
+        api_key=api_key,
+        enable_docs=enable_docs,
+    )
     cfg = core.config
     print(
         f"refractor native server (pid {os.getpid()}): {path} on {core.device}, "
@@ -176,6 +204,7 @@ def start_native_server(
     engine_args: dict[str, Any] | None = None,
     served_model_name: str | None = None,
     chat_template: str | None = None,
+    control_token: str | None = None,
     env: dict[str, str] | None = None,
     startup_timeout_s: float = 180.0,
     log_path: str | None = None,
@@ -185,6 +214,8 @@ def start_native_server(
 
     ``engine_args``: ``EngineConfig`` fields as CLI options (max_model_len, kv_cache_memory_gb,
     dtype, max_num_seqs, gpu_memory_utilization, enforce_eager, block_size, seed).
+    ``control_token``: enables the control routes, guarded by it (handed over in the child's
+    environment, not its command line).
     """
 
     port = port or free_port(client_host(host))
@@ -212,6 +243,10 @@ def start_native_server(
         argv += ["--served-model-name", served_model_name]
     if chat_template:
         argv += ["--chat-template", chat_template]
+    env = dict(env or {})
+    if control_token is not None:
+        argv.append("--enable-weight-updates")
+        env[CONTROL_TOKEN_ENV] = control_token
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="refractor-native-", suffix=".log")
         os.close(fd)

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Body, HTTPException, Query
 from fastapi.responses import JSONResponse
 
 from refractor.weight_sync.data_plane import BucketReceiver
-from refractor.weight_sync.process_group import TransferGroup
+from refractor.weight_sync.process_group import TransferGroup, check_worker_join
 
 
 async def _call(fn, *args, **kwargs) -> Any:
@@ -84,8 +84,11 @@ def weight_update_router(engine) -> APIRouter:
                 init_timeout_s=float(init_info.get("init_timeout_s", 300.0)),
                 timeout_s=float(init_info.get("timeout_s", 300.0)),
             )
-        except (KeyError, ValueError, TypeError) as err:
-            raise HTTPException(400, f"invalid init_info {init_info}: {err!r}") from err
+            check_worker_join(create["rank"], create["world_size"], create["master_port"], backend)
+        except KeyError as err:
+            raise HTTPException(400, f"invalid init_info: missing {err}") from None
+        except (ValueError, TypeError) as err:
+            raise HTTPException(400, f"invalid init_info: {err}") from None
         group = await asyncio.to_thread(lambda: TransferGroup.create(**create))
         previous = state.receivers.pop(group_name, None)
         if previous is not None:

@@ -2,13 +2,26 @@
 
 Every failure names what to change: the address, or the `ray_*_cpus_per_worker` / worker-count
 keys when the cluster is too small for the placement groups.
+
+Runs that share a machine or a cluster stay apart:
+
+* a cluster a run started for itself is that run's alone: the run records itself as its owner,
+  and ``ray_address: auto`` in another run does not join it while the owner lives (it starts a
+  cluster of its own, or refuses when ``ray_auto_start_local`` is off); naming the address
+  explicitly joins it anyway (it stops when its owner run ends);
+* a run claims its Ray namespace on the cluster; a second live run with the same namespace is
+  refused (pick another ``ray_namespace``);
+* placement groups carry the run's own tag, so their names never collide.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -16,9 +29,72 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 
 from refractor.errors import RefractorUserError
 
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+_KV_NAMESPACE = "refractor"  # where runs record their claims in the cluster's key-value store
+_OWNER_KEY = b"cluster-owner"
+
 
 class ClusterError(RefractorUserError, RuntimeError):
     """The Ray cluster cannot host the run as configured."""
+
+
+@dataclass(frozen=True)
+class RunClaim:
+    """A run's mark on a cluster: which run, which driver process, which Ray job."""
+
+    run_dir: str
+    host: str
+    pid: int
+    job_id: str
+
+    @classmethod
+    def mine(cls, run_dir: str) -> RunClaim:
+        return cls(run_dir, socket.gethostname(), os.getpid(), ray.get_runtime_context().get_job_id())
+
+    def describe(self) -> str:
+        return f"the run {self.run_dir} (driver pid {self.pid} on {self.host})"
+
+    def live(self) -> bool:
+        """Whether the claiming run's Ray job still runs (a crashed run's claim is void)."""
+        from ray._private import state
+
+        return any(job["JobID"] == self.job_id and not job["IsDead"] for job in state.jobs())
+
+
+def _read_claim(key: bytes) -> RunClaim | None:
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
+    if raw is None:
+        return None
+    try:
+        return RunClaim(**json.loads(raw))
+    except (TypeError, ValueError):
+        return None  # written by another version: ignore it rather than fail the run
+
+
+def _write_claim(key: bytes, claim: RunClaim) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, json.dumps(asdict(claim)), overwrite=True, namespace=_KV_NAMESPACE)
+
+
+@dataclass(frozen=True)
+class RayConnection:
+    """The cluster a run uses: whether the run started it (and so stops it), where, how big."""
+
+    started_local: bool
+    address: str
+    namespace: str
+    nodes: int
+    cpus: float
+    gpus: float
+
+    def describe(self) -> str:
+        how = "started a local Ray cluster" if self.started_local else "joined the Ray cluster"
+        return f"{how} at {self.address}: {self.nodes} node(s), {self.cpus:g} CPU, {self.gpus:g} GPU"
 
 
 @dataclass(frozen=True)
@@ -77,10 +153,11 @@ def build_runtime_env(s: RaySettings) -> dict[str, Any]:
     return env
 
 
-def init_ray(s: RaySettings) -> bool:
-    """Connect or start Ray. Returns True when this call started a local cluster (so we stop it)."""
+def init_ray(s: RaySettings) -> RayConnection:
+    """Connect to or start Ray, keeping clear of other runs' clusters and namespaces (see the module
+    docstring). ``started_local``: this call started the cluster, so the run stops it at the end."""
     if ray.is_initialized():
-        return False
+        return _connection(False, s.namespace)
     if s.disable_runtime_env_hook:
         os.environ.pop("RAY_RUNTIME_ENV_HOOK", None)
     common = dict(
@@ -90,20 +167,74 @@ def init_ray(s: RaySettings) -> bool:
         include_dashboard=False,
         configure_logging=False,
     )
+    started_local = _connect(s, common)
+    me = RunClaim.mine(s.run_dir)
+    if started_local:
+        _write_claim(_OWNER_KEY, me)
+    namespace_key = f"namespace/{s.namespace}".encode()
+    holder = _read_claim(namespace_key)
+    if holder is not None and holder.job_id != me.job_id and holder.live():
+        if started_local:
+            ray.shutdown()
+        raise ClusterError(
+            f"the Ray namespace {s.namespace!r} on {ray_address_text(s)} is in use by {holder.describe()}; "
+            f"set `ray_namespace` to another name, or stop that run"
+        )
+    _write_claim(namespace_key, me)
+    return _connection(started_local, s.namespace)
+
+
+def _connect(s: RaySettings, common: dict[str, Any]) -> bool:
+    """ray.init as configured; True when a local cluster was started for this run."""
     local = dict(address="local", _system_config={"enable_metrics_collection": False})
     if s.address == "":
         ray.init(**common, **local)
         return True
     try:
         ray.init(address=s.address, **common)
-        return False
     except (ConnectionError, RuntimeError) as err:
         if not (s.address == "auto" and s.auto_start_local):
             raise ClusterError(
                 f"cannot connect to the Ray cluster at `ray_address: {s.address}`: {err}"
             ) from None
+        ray.init(**common, **local)
+        return True
+    owner = _read_claim(_OWNER_KEY)
+    if owner is None or not owner.live():
+        return False
+    if s.address != "auto":  # named explicitly: the user chose to share it
+        log.warning(
+            "the Ray cluster at %s was started by %s and stops when that run ends",
+            s.address,
+            owner.describe(),
+        )
+        return False
+    ray.shutdown()
+    if not s.auto_start_local:
+        raise ClusterError(
+            f"`ray_address: auto` found only the private Ray cluster of {owner.describe()}; name its "
+            f"address in `ray_address` to share it anyway (it stops when that run ends), or set "
+            f'`ray_address: ""` for a cluster of this run\'s own'
+        )
+    log.info("the Ray cluster on this machine belongs to %s; starting one for this run", owner.describe())
     ray.init(**common, **local)
     return True
+
+
+def ray_address_text(s: RaySettings) -> str:
+    return "the local cluster" if s.address in ("", "auto") else s.address
+
+
+def _connection(started_local: bool, namespace: str) -> RayConnection:
+    total = ray.cluster_resources()
+    return RayConnection(
+        started_local=started_local,
+        address=ray.get_runtime_context().gcs_address,
+        namespace=namespace,
+        nodes=sum(1 for node in ray.nodes() if node["Alive"]),
+        cpus=total.get("CPU", 0.0),
+        gpus=total.get("GPU", 0.0),
+    )
 
 
 @dataclass(frozen=True)
@@ -125,8 +256,11 @@ def reserve(
     timeout_s: int,
     cpus_key: str,
     count_key: str,
+    run_tag: str = "",
 ) -> Reservation:
-    """Create a placement group of `count` bundles and wait until it is ready (or explain why not)."""
+    """Create a placement group of `count` bundles and wait until it is ready (or explain why not).
+
+    ``run_tag`` makes the group's name unique to the run (two runs on one cluster never collide)."""
     total = ray.cluster_resources()
     need_cpu = count * cpus
     need_gpu = count * gpus
@@ -140,7 +274,11 @@ def reserve(
     bundle: dict[str, float] = {"CPU": cpus}
     if gpus:
         bundle["GPU"] = gpus
-    pg = placement_group([dict(bundle) for _ in range(count)], strategy=strategy, name=f"refractor-{name}")
+    pg = placement_group(
+        [dict(bundle) for _ in range(count)],
+        strategy=strategy,
+        name=f"refractor-{run_tag}-{name}" if run_tag else f"refractor-{name}",
+    )
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)

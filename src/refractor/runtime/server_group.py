@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from refractor.inference.process import ServerProcess, ServerStartError
 from refractor.inference.vllm.launcher import VllmServerSettings
-from refractor.runtime.cluster import Reservation
+from refractor.runtime.cluster import LOOPBACK, Reservation
 
 
 def choose_engine(requested: str, has_gpu: bool) -> str:
@@ -52,7 +52,7 @@ class ServerGroupSettings:
     """What every inference server actor needs to start its server, read once from the resolved config."""
 
     model: str  # also the served model name
-    host: str  # inference_host: the bind address
+    host: str  # inference_host: the bind address; auto: see bind_host
     chat_template: str | None
     startup_timeout_s: float  # ray_placement_timeout_s: how long a server may take to become healthy
     native: NativeEngineArgs
@@ -77,15 +77,31 @@ class ServerGroupSettings:
         )
 
 
-def launch_server(settings: ServerGroupSettings, engine: str, log_path: Path) -> ServerProcess:
-    """Start one server process with ``engine`` and wait until it is healthy (ServerStartError if not)."""
+def bind_host(requested: str) -> str:
+    """``inference_host: auto``: loopback on a one-node cluster (only this machine's processes need the
+    server), else this node's own address (never every interface). Anything else is taken as given."""
+    if requested != "auto":
+        return requested
+    if not ray.is_initialized() or sum(1 for node in ray.nodes() if node["Alive"]) == 1:
+        return LOOPBACK
+    return ray.util.get_node_ip_address()
+
+
+def launch_server(
+    settings: ServerGroupSettings, engine: str, log_path: Path, control_token: str
+) -> ServerProcess:
+    """Start one server process with ``engine`` and wait until it is healthy (ServerStartError if not).
+
+    Its control routes need ``control_token``, the run's secret."""
+    host = bind_host(settings.host)
     if engine == "vllm":
         from refractor.inference.vllm.launcher import start_vllm_server
 
         return start_vllm_server(
             settings.model,
-            host=settings.host,
+            host=host,
             settings=settings.vllm,
+            control_token=control_token,
             log_path=log_path,
             die_with_parent=True,
         )
@@ -93,10 +109,11 @@ def launch_server(settings: ServerGroupSettings, engine: str, log_path: Path) ->
 
     return start_native_server(
         settings.model,
-        host=settings.host,
+        host=host,
         engine_args=asdict(settings.native),
         served_model_name=settings.model,
         chat_template=settings.chat_template,
+        control_token=control_token,
         startup_timeout_s=settings.startup_timeout_s,
         log_path=str(log_path),
         die_with_parent=True,
@@ -111,8 +128,11 @@ def reachable_url(url: str, node_address: str) -> str:
 
 @ray.remote(max_restarts=0)
 class InferenceServerActor:
-    def __init__(self, settings: ServerGroupSettings, name: str, engine: str, log_dir: str) -> None:
+    def __init__(
+        self, settings: ServerGroupSettings, name: str, engine: str, log_dir: str, control_token: str
+    ) -> None:
         self.settings = settings
+        self._control_token = control_token
         self.name = name
         self.engine = engine
         self.log_dir = Path(log_dir)
@@ -120,7 +140,9 @@ class InferenceServerActor:
 
     def start(self) -> str:
         try:
-            self.server = launch_server(self.settings, self.engine, self.log_dir / f"{self.name}.log")
+            self.server = launch_server(
+                self.settings, self.engine, self.log_dir / f"{self.name}.log", self._control_token
+            )
         except Exception as err:  # noqa: BLE001 - re-raised with the server's name
             raise ServerStartError(
                 f"inference server {self.name} ({self.engine}) failed to start: {err}"
@@ -148,7 +170,7 @@ class ServerInfo:
 class RayServerGroup:
     """One server actor per bundle of ``reservation``; ``start`` returns their names and URLs."""
 
-    def __init__(self, cfg, reservation: Reservation, engine: str, log_dir: str) -> None:
+    def __init__(self, cfg, reservation: Reservation, engine: str, log_dir: str, control_token: str) -> None:
         self.settings = ServerGroupSettings.from_config(cfg)
         self.engine = engine
         self.names = [f"server-{i}" for i in range(reservation.count)]
@@ -159,7 +181,7 @@ class RayServerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     reservation.group, placement_group_bundle_index=i
                 ),
-            ).remote(self.settings, name, engine, log_dir)
+            ).remote(self.settings, name, engine, log_dir, control_token)
             for i, name in enumerate(self.names)
         ]
         self.infos: list[ServerInfo] = []

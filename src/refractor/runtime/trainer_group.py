@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from refractor.algorithms.packing import PackingSettings, pack_step
 from refractor.records import StepResult, TimelineEvent, TrainSample
-from refractor.runtime.cluster import Reservation
+from refractor.runtime.cluster import LOOPBACK, Reservation
 from refractor.runtime.health import await_ranks
 from refractor.trainer.settings import TrainerSettings
 from refractor.weight_sync import SyncReport, UpdateTarget, WeightSyncSettings
@@ -38,14 +38,24 @@ class TrainerGroupSettings:
     weight_sync: WeightSyncSettings
     packing: PackingSettings
     call_timeout_s: float  # trainer_call_timeout_s: a rank that does not answer by then failed
+    # where rank 0 listens for the ranks' rendezvous and for the weight-transfer group; None: its
+    # node's address (ranks or servers on other nodes must reach it), else loopback on one node
+    rendezvous_host: str | None = None
+    weight_transfer_host: str | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, pad_token_id: int) -> TrainerGroupSettings:
+    def from_config(
+        cls, cfg: Any, pad_token_id: int, *, control_token: str | None = None, single_node: bool = False
+    ) -> TrainerGroupSettings:
+        """``control_token``: the run's secret for the servers' control routes (not a config key)."""
+        loopback_transfer = single_node and cfg.ray_broadcast_prefer_loopback_if_single_node
         return cls(
             trainer=TrainerSettings.from_config(cfg),
-            weight_sync=WeightSyncSettings.from_config(cfg),
+            weight_sync=WeightSyncSettings.from_config(cfg, control_token),
             packing=PackingSettings.from_config(cfg, pad_token_id),
             call_timeout_s=float(cfg.trainer_call_timeout_s),
+            rendezvous_host=LOOPBACK if single_node else None,
+            weight_transfer_host=LOOPBACK if loopback_transfer else None,
         )
 
 
@@ -53,11 +63,11 @@ class TrainerGroupSettings:
 class TrainerActor:
     """One trainer rank. Construction is cheap; ``setup`` joins the process group and loads the model."""
 
-    def __init__(
-        self, settings: TrainerSettings, weight_sync: WeightSyncSettings, rank: int, world_size: int
-    ) -> None:
-        self.settings = settings
-        self.weight_sync = weight_sync
+    def __init__(self, group: TrainerGroupSettings, rank: int, world_size: int) -> None:
+        self.settings = group.trainer
+        self.weight_sync = group.weight_sync
+        self.rendezvous_host = group.rendezvous_host or ray.util.get_node_ip_address()
+        self.weight_transfer_host = group.weight_transfer_host or ray.util.get_node_ip_address()
         self.rank = rank
         self.world_size = world_size
         self.trainer = None
@@ -65,10 +75,9 @@ class TrainerActor:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 picks the address and a free port for the default process group."""
-        host = ray.util.get_node_ip_address()
         with socket.socket() as s:
-            s.bind(("", 0))
-            return host, s.getsockname()[1]
+            s.bind((self.rendezvous_host, 0))
+            return self.rendezvous_host, s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         from refractor.trainer import Trainer
@@ -88,7 +97,7 @@ class TrainerActor:
             refs,
             self.weight_sync,
             eval_servers=eval_servers,
-            master_address=ray.util.get_node_ip_address(),
+            master_address=self.weight_transfer_host,
             device=self.trainer.device,
         )
         self.sender.init()
@@ -130,8 +139,8 @@ class TrainerActor:
 class RayTrainerGroup:
     """What the orchestrator calls (``train_step``, ``update_weights``, ``save_checkpoint``), on Ray."""
 
-    def __init__(self, cfg, reservation: Reservation, pad_token_id: int) -> None:
-        self.settings = TrainerGroupSettings.from_config(cfg, pad_token_id)
+    def __init__(self, settings: TrainerGroupSettings, reservation: Reservation) -> None:
+        self.settings = settings
         self.call_timeout_s = self.settings.call_timeout_s
         self.world_size = reservation.count
         self.actors = [
@@ -142,7 +151,7 @@ class RayTrainerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     reservation.group, placement_group_bundle_index=rank
                 ),
-            ).remote(self.settings.trainer, self.settings.weight_sync, rank, self.world_size)
+            ).remote(self.settings, rank, self.world_size)
             for rank in range(self.world_size)
         ]
 

@@ -12,7 +12,11 @@ from refractor.testing.tiny_models import (
     tiny_qwen3,
 )
 
+# the control token of servers that tests and benchmarks start (a real run makes a fresh one)
+TEST_CONTROL_TOKEN = "refractor-test-control-token"
+
 __all__ = [
+    "TEST_CONTROL_TOKEN",
     "QWEN25_05B_SHAPE",
     "QWEN25_15B_SHAPE",
     "TinyModelSpec",

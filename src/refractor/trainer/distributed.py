@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from refractor.weight_sync.process_group import host_store
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -65,13 +67,21 @@ def init_distributed(
         master_port or int(os.environ.get("MASTER_PORT", 0)) or (_free_port() if world_size == 1 else 29500)
     )
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    rendezvous: dict = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rendezvous["init_method"] = f"tcp://{addr}:{port}"  # torchrun's agent hosts the store
+    elif rank == 0:  # rank 0 hosts the store, listening on `addr` only
+        rendezvous["store"] = host_store(addr, world_size, timeout_s, port)
+    else:
+        rendezvous["store"] = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{addr}:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=dev if dev.type == "cuda" else None,
+        **rendezvous,
     )
     return RankInfo(rank, world_size, dev)
 

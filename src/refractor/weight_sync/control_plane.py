@@ -5,7 +5,8 @@ native server through ``refractor.inference.weight_routes``): ``/get_world_size`
 ``/init_weight_transfer_engine``, ``/pause``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``, ``/reset_prefix_cache``, ``/resume``, ``/weight_info``,
 ``/shutdown_weight_transfer_engine``, ``/health``. Every call is bounded by a timeout, and every
-failure raises ``WeightSyncError`` naming the server it came from.
+failure raises ``WeightSyncError`` naming the server it came from. Every call but ``/health``
+presents the run's control token (``Authorization: Bearer``), which those routes require.
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ class ServerRef:
 
 
 class ServerControl:
-    def __init__(self, server: ServerRef, timeout_s: float):
+    def __init__(self, server: ServerRef, timeout_s: float, control_token: str | None = None):
         self.server = server
-        self._http = httpx.Client(base_url=server.url.rstrip("/"), timeout=timeout_s)
+        self._http = httpx.Client(
+            base_url=server.url.rstrip("/"),
+            timeout=timeout_s,
+            headers={"Authorization": f"Bearer {control_token}"} if control_token else None,
+        )
 
     def call(
         self,

@@ -12,6 +12,7 @@ the communicator is aborted when the deadline passes.
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -62,7 +63,9 @@ class TransferGroup:
         picked by the OS before telling the workers where to connect.
         """
         init_timeout = timedelta(seconds=init_timeout_s)
-        if store is None:
+        if store is None and rank == 0:
+            store = host_store(master_address, world_size, init_timeout_s, master_port)
+        elif store is None:
             store = dist.TCPStore(
                 master_address,
                 master_port,
@@ -153,16 +156,48 @@ class TransferGroup:
         thread.join(timeout_s)
 
 
+def check_worker_join(rank: int, world_size: int, master_port: int, backend: str) -> None:
+    """Validate the group an inference worker is asked to join (ValueError naming the field).
+
+    A worker always joins as a client, rank >= 1: rank 0 (which hosts the store and listens) is
+    the trainer's, so no request can make a server listen on a port of the caller's choosing.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not 1 <= master_port <= 65535:
+        raise ValueError(f"master_port must be in 1..65535, got {master_port}")
+    if not 1 <= rank < world_size:
+        raise ValueError(
+            f"a worker's rank must be in 1..world_size-1 (rank 0 is the trainer's); got rank {rank} "
+            f"of world_size {world_size}"
+        )
+
+
 def host_store(master_address: str, world_size: int, init_timeout_s: float, port: int = 0) -> dist.TCPStore:
-    """Rank 0's store; ``port=0`` lets the OS pick a free port (read it back from ``store.port``)."""
-    bind = "0.0.0.0" if master_address not in ("127.0.0.1", "localhost") else master_address
+    """Rank 0's store, listening on ``master_address`` only; ``port=0`` lets the OS pick a free port
+    (read it back from ``store.port``).
+
+    torch's store listens on every interface whatever address it is given, so the listening socket
+    is bound here and handed over: a store meant for one machine is unreachable from the network.
+    """
+    family = socket.AF_INET6 if ":" in master_address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((master_address, port))
+        sock.listen(max(128, world_size))
+        bound_port = sock.getsockname()[1]
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot listen on {master_address}:{port} for the rendezvous store: {err}") from err
     return dist.TCPStore(
-        bind,
-        port,
+        master_address,
+        bound_port,
         world_size,
         is_master=True,
         timeout=timedelta(seconds=init_timeout_s),
         wait_for_workers=False,
+        master_listen_fd=sock.detach(),  # the store owns (and closes) the socket from here on
     )
 
 

@@ -98,7 +98,7 @@ class WeightSender:
             raise WeightSyncError(
                 f"weight-update target {target.value!r} has no servers (all are eval servers)"
             )
-        controls = [ServerControl(ref, self.timeout_s) for ref in refs]
+        controls = [ServerControl(ref, self.timeout_s, self.settings.control_token) for ref in refs]
         world_sizes = self._on_all(
             controls, ServerControl.world_size, f"querying the world size for {target.value!r}"
         )

@@ -6,7 +6,7 @@ benchmarks). Plain dataclass: GPU worker images import it without pydantic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from refractor.weight_sync.data_plane import BroadcastMode
@@ -22,6 +22,8 @@ class WeightSyncSettings:
     timeout_s: float = 300.0  # every collective and HTTP call of an update
     gather_before_pause_bytes: int = 4096 * 2**20  # weight_sync_gather_before_pause_mb, in bytes
     inflight_kv: InflightKv = "recompute"  # weight_sync_inflight_kv
+    # the run's secret for the servers' control routes; never printed (repr) nor stored
+    control_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.inflight_kv not in ("recompute", "keep"):
@@ -30,8 +32,9 @@ class WeightSyncSettings:
             raise ValueError(f"gather_before_pause_bytes must be >= 0, got {self.gather_before_pause_bytes}")
 
     @classmethod
-    def from_config(cls, cfg) -> WeightSyncSettings:
-        """The weight-sync keys of a validated run config (``refractor.config``)."""
+    def from_config(cls, cfg, control_token: str | None = None) -> WeightSyncSettings:
+        """The weight-sync keys of a validated run config (``refractor.config``), and the run's
+        control token (not a config key: a fresh secret per run)."""
         return cls(
             broadcast_mode=cfg.weight_broadcast_mode,
             cpu_staging=cfg.weight_broadcast_cpu_staging,
@@ -39,4 +42,5 @@ class WeightSyncSettings:
             timeout_s=float(cfg.ray_broadcast_init_timeout_s),
             gather_before_pause_bytes=cfg.weight_sync_gather_before_pause_mb * 2**20,
             inflight_kv=cfg.weight_sync_inflight_kv,
+            control_token=control_token,
         )

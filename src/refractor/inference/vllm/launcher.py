@@ -6,8 +6,12 @@ by the child). Always on:
     distribution, i.e. what the trainer recomputes (vLLM's default returns unscaled ones);
   * ``--generation-config vllm``: the model's ``generation_config.json`` must not inject default
     sampling parameters (Qwen ships temperature/top_k/repetition_penalty defaults);
-  * the control routes (``VLLM_SERVER_DEV_MODE=1``: /pause, /resume, weight transfer, ...) and
-    ``--enable-scale-out`` for ``/inference/v1/generate`` (token ids + ``weight_versions``);
+  * ``--enable-scale-out`` for ``/inference/v1/generate`` (token ids + ``weight_versions``);
+  * refractor's access rules (``refractor.inference.access.EnvAccessGuard`` as ``--middleware``):
+    vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``: /pause, /resume, weight transfer,
+    /collective_rpc, ...) are turned on only with a control token, and every one of them then needs
+    it; an API key guards the generation routes; the API docs are off. The secrets reach the server
+    through its environment (never its command line);
   * refractor's weight-transfer backend (``--weight-transfer-config {"backend": "refractor"}``),
     registered inside each spawned worker by importing the worker extension module.
 CPU specifics: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI of the CPU
@@ -24,6 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refractor.inference.access import API_KEY_ENV, CONTROL_TOKEN_ENV, EnvAccessGuard
 from refractor.inference.process import ServerProcess, ServerStartError, client_host, free_port
 
 __all__ = [
@@ -91,9 +96,19 @@ def cuda_available() -> bool:
 
 
 def vllm_command(
-    model: str, host: str, port: int, settings: VllmServerSettings, *, on_cpu: bool
+    model: str,
+    host: str,
+    port: int,
+    settings: VllmServerSettings,
+    *,
+    on_cpu: bool,
+    control_token: str | None = None,
+    api_key: str | None = None,
+    enable_docs: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and the environment additions of a refractor vLLM server (pure; unit-tested)."""
+    """The argv and the environment additions of a refractor vLLM server (pure; unit-tested).
+
+    ``control_token=None``: no control routes (vLLM's development mode stays off)."""
     s = settings
     argv = [
         sys.executable,
@@ -125,7 +140,11 @@ def vllm_command(
         "--weight-transfer-config",
         json.dumps({"backend": TRANSFER_BACKEND}),
         "--disable-uvicorn-access-log",
+        "--middleware",
+        f"{EnvAccessGuard.__module__}.{EnvAccessGuard.__qualname__}",
     ]
+    if not enable_docs:
+        argv.append("--disable-fastapi-docs")
     if s.served_model_name:
         argv += ["--served-model-name", s.served_model_name]
     if s.max_num_seqs is not None:
@@ -147,7 +166,13 @@ def vllm_command(
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.enforce_eager if s.enforce_eager is not None else on_cpu:
         argv.append("--enforce-eager")
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    # always set, so secrets exported in the launching shell never leak into a server not meant to
+    # have them
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1" if control_token else "0",
+        CONTROL_TOKEN_ENV: control_token or "",
+        API_KEY_ENV: api_key or "",
+    }
     if s.otlp_traces_endpoint:
         argv += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
@@ -166,14 +191,19 @@ def start_vllm_server(
     port: int | None = None,
     settings: VllmServerSettings | None = None,
     *,
+    control_token: str | None = None,
     log_path: str | Path | None = None,
     wait: bool = True,
     die_with_parent: bool = False,
 ) -> ServerProcess:
-    """Start a server in its own process group and (by default) wait until ``/health`` answers."""
+    """Start a server in its own process group and (by default) wait until ``/health`` answers.
+
+    ``control_token``: enables the control routes (weight updates, pause, ...), guarded by it."""
     settings = settings or VllmServerSettings()
     port = port or free_port(client_host(host))
-    argv, env_add = vllm_command(str(model_path), host, port, settings, on_cpu=not cuda_available())
+    argv, env_add = vllm_command(
+        str(model_path), host, port, settings, on_cpu=not cuda_available(), control_token=control_token
+    )
     if log_path is None:
         log_dir = Path(tempfile.mkdtemp(prefix="refractor-vllm-"))
         log_path = log_dir / f"vllm-{port}.log"
@@ -196,11 +226,25 @@ def start_vllm_server(
 
 
 def serve_vllm(
-    model: str | Path, host: str = "0.0.0.0", port: int = 8000, settings: VllmServerSettings | None = None
+    model: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    settings: VllmServerSettings | None = None,
+    *,
+    control_token: str | None = None,
+    api_key: str | None = None,
+    enable_docs: bool = False,
 ) -> None:
     """``refractor serve --engine vllm``: run the server in the foreground (this process becomes it)."""
     argv, env_add = vllm_command(
-        str(model), host, port, settings or VllmServerSettings(), on_cpu=not cuda_available()
+        str(model),
+        host,
+        port,
+        settings or VllmServerSettings(),
+        on_cpu=not cuda_available(),
+        control_token=control_token,
+        api_key=api_key,
+        enable_docs=enable_docs,
     )
     sys.stdout.flush()
     sys.stderr.flush()

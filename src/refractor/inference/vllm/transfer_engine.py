@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from refractor.inference.vllm.cpu_kernels import refresh_cpu_kernels
 from refractor.weight_sync.data_plane import BucketReceiver
-from refractor.weight_sync.process_group import TransferGroup
+from refractor.weight_sync.process_group import TransferGroup, check_worker_join
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,12 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
         return pc.data_parallel_index * pc.world_size + pc.rank
 
     def init_transfer_engine(self, init_info: RefractorInitInfo) -> None:
+        check_worker_join(
+            init_info.rank_offset + self.worker_rank(),
+            init_info.world_size,
+            init_info.master_port,
+            init_info.backend,
+        )
         device = self.device if init_info.backend == "nccl" else torch.device("cpu")
         group = TransferGroup.create(
             master_address=init_info.master_address,
