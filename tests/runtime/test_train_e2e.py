@@ -355,3 +355,31 @@ def test_a_run_starved_of_advantage_says_so(tmp_path):
     with RunReader(tmp_path / "runs" / "starved") as reader:
         assert not reader.step_metrics()
         assert [e for e in reader.timeline() if e["name"] == "zero_advantage_stall"]
+
+
+@pytest.mark.slow
+def test_two_quick_starts_side_by_side_both_finish(tmp_path):
+    """Two runs on one machine with the default `ray_address: auto`: the second does not join the
+    first's private cluster (whose placement groups and shutdown would collide with its own)."""
+    env = {**os.environ, "REFRACTOR_ENV_PATH": os.environ["REFRACTOR_ENV_PATH"]}
+
+    def start(name: str) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "refractor.cli", "train", "--config", str(QUICKSTART)]
+        argv += ["--run_dir", str(tmp_path / "runs"), "--run_name", name, "--number_of_steps", "2"]
+        return subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
+        )
+
+    first = start("first")
+    for line in first.stdout:  # the first run's cluster is up before the second looks for one
+        if "Ray cluster" in line:
+            break
+    second = start("second")
+    outputs = [proc.communicate(timeout=600)[0] for proc in (first, second)]
+    for proc, output in zip((first, second), outputs, strict=True):
+        assert proc.returncode == 0, output
+    assert "started a local Ray cluster" in outputs[1], outputs[1]
+    for name in ("first", "second"):
+        with RunReader(tmp_path / "runs" / name) as reader:
+            assert reader.meta()["status"] == "finished"
+            assert [m["step"] for m in reader.step_metrics()] == [0, 1]
