@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
@@ -197,7 +198,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     # the secret of this run's server control routes: handed to the servers and to trainer rank 0
     # in memory, never logged nor written to the run store or config files
     control_token = new_token()
-    run_tag = f"{cfg.run_name}-{control_token[:6]}"  # names this run's placement groups
+    run_tag = f"{cfg.run_name}-{secrets.token_hex(3)}"  # names this run's placement groups
     servers = None
     trainers = None
     status = "failed"
