@@ -99,9 +99,9 @@ def train(
     Any config key can be overridden: `refractor train --config c.yaml --learning_rate 5e-7`.
     """
     cfg = load_or_exit(config, list(ctx.args))
-    import signal
+    from refractor.runtime import stop_signals
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` shuts down as cleanly as Ctrl-C
+    stop_signals.install()  # SIGINT and SIGTERM stop the run cleanly, also in the background
     from refractor.train import run_training
 
     try:
@@ -109,7 +109,10 @@ def train(
     except RefractorUserError as err:
         fail(str(err), code=1)
     except KeyboardInterrupt:
-        fail("interrupted: every server and trainer process was stopped", code=130)
+        fail(
+            f"interrupted ({stop_signals.signal_name()}): every server and trainer process was stopped",
+            code=stop_signals.exit_code(),
+        )
     err_console.print(f"[green]done[/]: run stored in {run_dir}")
 
 

@@ -167,12 +167,12 @@ def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool =
 
 
 def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
-    import ray
 
     from refractor.inference.access import new_token
     from refractor.orchestrator import Orchestrator, OrchestratorSettings
     from refractor.orchestrator.eval_schedule import build_eval_schedule, eval_server_names
-    from refractor.runtime.cluster import RaySettings, cluster_has_gpus, init_ray, reserve
+    from refractor.runtime import stop_signals
+    from refractor.runtime.cluster import RayHost, RaySettings, cluster_has_gpus, reserve
     from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
     from refractor.runtime.server_group import RayServerGroup, choose_engine
     from refractor.runtime.trainer_group import RayTrainerGroup, TrainerGroupSettings
@@ -185,24 +185,26 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     evals = load_evals(cfg, envs)
     tokenizer = load_tokenizer(cfg)
     store = RunStore(paths.root, config=cfg.model_dump(mode="json"), run_name=cfg.run_name)
-    write_config_file(cfg, paths)
-    sinks = [ConsoleSink(cfg.number_of_steps, quiet=quiet)]
-    if cfg.use_wandb:
-        from refractor.telemetry.wandb_sink import WandbSink
-
-        sinks.append(WandbSink.from_config(cfg))
-
-    connection = init_ray(RaySettings.from_config(cfg, run_dir=str(paths.root)))
-    if not quiet:
-        print(f"refractor: {connection.describe()}", flush=True)
-    # the secret of this run's server control routes: handed to the servers and to trainer rank 0
-    # in memory, never logged nor written to the run store or config files
-    control_token = new_token()
-    run_tag = f"{cfg.run_name}-{secrets.token_hex(3)}"  # names this run's placement groups
+    sinks = []
+    ray_host = RayHost()
+    connection = None
     servers = None
     trainers = None
     status = "failed"
     try:
+        write_config_file(cfg, paths)
+        sinks.append(ConsoleSink(cfg.number_of_steps, quiet=quiet))
+        if cfg.use_wandb:
+            from refractor.telemetry.wandb_sink import WandbSink
+
+            sinks.append(WandbSink.from_config(cfg))
+        connection = ray_host.connect(RaySettings.from_config(cfg, run_dir=str(paths.root)))
+        if not quiet:
+            print(f"refractor: {connection.describe()}", flush=True)
+        # the secret of this run's server control routes: handed to the servers and to trainer
+        # rank 0 in memory, never logged nor written to the run store or config files
+        control_token = new_token()
+        run_tag = f"{cfg.run_name}-{secrets.token_hex(3)}"  # names this run's placement groups
         has_gpu = cluster_has_gpus()
         engine = choose_engine(cfg.inference_engine, has_gpu)
         gpus_per_server = cfg.inference_tensor_parallel_size if has_gpu else 0
@@ -233,11 +235,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
             cfg, tokenizer.pad_token_id, control_token=control_token, single_node=connection.nodes == 1
         )
         trainers = RayTrainerGroup(trainer_settings, trainer_pg)
-        with ThreadPoolExecutor(2) as pool:  # servers and trainer ranks boot side by side
-            server_future = pool.submit(servers.start)
-            trainer_future = pool.submit(trainers.setup)
-            infos = server_future.result()
-            trainer_future.result()
+        infos = _start_side_by_side(servers, trainers)
         store.set_meta({"engine": engine, "servers": json.dumps([i.__dict__ for i in infos])})
         eval_servers = eval_server_names(cfg, [i.name for i in infos])
         trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
@@ -280,15 +278,32 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
         status = "interrupted"
         raise
     finally:
-        for group in (servers, trainers):
-            if group is not None:
-                group.shutdown()
-        for sink in sinks:
-            sink.close()
-        store.close(status)
-        if connection.started_local:
-            ray.shutdown()
+        # runs to its end whatever signals arrive meanwhile; an interrupted run does not wait for
+        # busy actors to finish what they were doing
+        grace_s = 5.0 if status == "interrupted" else 30.0
+        with stop_signals.deferred():
+            for group in (servers, trainers):
+                if group is not None:
+                    group.shutdown(timeout_s=grace_s)
+            for sink in sinks:
+                sink.close()
+            store.close(status)
+            ray_host.close(connection is not None and connection.started_local)
     return paths.root
+
+
+def _start_side_by_side(servers, trainers):
+    """Boot the servers and the trainer ranks in parallel; returns the servers' infos. Interrupted,
+    it does not wait for the boots (the caller kills their actors, which ends them)."""
+    pool = ThreadPoolExecutor(2, thread_name_prefix="boot")
+    try:
+        server_future = pool.submit(servers.start)
+        trainer_future = pool.submit(trainers.setup)
+        infos = server_future.result()
+        trainer_future.result()
+        return infos
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def run_watched(main: Awaitable[None], watchdog: ServerWatchdog) -> None:

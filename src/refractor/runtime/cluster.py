@@ -16,11 +16,13 @@ Runs that share a machine or a cluster stay apart:
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
 import socket
 import sys
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from refractor.errors import RefractorUserError
+from refractor.runtime import stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +238,61 @@ def _connection(started_local: bool, namespace: str) -> RayConnection:
         cpus=total.get("CPU", 0.0),
         gpus=total.get("GPU", 0.0),
     )
+
+
+class RayHost:
+    """Starts Ray from a thread of its own that lives until the run ends.
+
+    Not from the main thread: there ``ray.init`` replaces the SIGTERM handler with one that exits
+    without cleanup (and that, raised while Ray forks its processes, is even swallowed). Not from a
+    short-lived thread either: Ray ties the processes of a cluster it starts (GCS, raylet) to the
+    starting *thread* (the kernel's parent-death signal), so they die when that thread ends. This
+    thread ends after ``ray.shutdown`` or with the process: a killed driver still takes its cluster
+    down.
+    """
+
+    def __init__(self) -> None:
+        self._release = threading.Event()
+        self._started: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread: threading.Thread | None = None
+
+    def connect(self, settings: RaySettings) -> RayConnection:
+        self._thread = threading.Thread(target=self._host, args=(settings,), name="ray-host", daemon=True)
+        self._thread.start()
+        try:
+            return self._started.result()
+        except KeyboardInterrupt:
+            with stop_signals.deferred():  # let the start finish, then stop what it started
+                try:
+                    connection = self._started.result(timeout=120)
+                except Exception:  # noqa: BLE001 - the start failed too: nothing to stop
+                    connection = None
+                self.close(connection is not None and connection.started_local)
+            raise
+
+    def _host(self, settings: RaySettings) -> None:
+        logging.getLogger("ray._private.worker").addFilter(_NoSigtermNotice())
+        try:
+            self._started.set_result(init_ray(settings))
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting main thread
+            self._started.set_exception(err)
+            return
+        self._release.wait()
+
+    def close(self, shutdown: bool) -> None:
+        """Stop the cluster (when this run started it) and end the hosting thread."""
+        if shutdown:
+            ray.shutdown()
+        self._release.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+class _NoSigtermNotice(logging.Filter):
+    """Drops Ray's notice that it set no SIGTERM handler: refractor keeps its own on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
 
 
 @dataclass(frozen=True)
