@@ -266,6 +266,9 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
                     f"checkpoint step_{step} has no orchestrator.json; it cannot resume a run"
                 )
             orchestrator.load_state_dict(json.loads(state))
+            store.abandon_unfinished(
+                orchestrator.counters.trainer_step, f"the run was resumed from checkpoint step_{step}"
+            )
             asyncio.run(trainers.update_weights(orchestrator.counters.loaded_version))
         watchdog = ServerWatchdog(
             orchestrator.servers.values(),

@@ -179,3 +179,47 @@ def test_reopening_a_run_keeps_creation_time_and_marks_it_running(tmp_path):
     store.close()
     assert first["status"] == "finished" and again["status"] == "running"
     assert again["created_at"] == first["created_at"]
+
+
+def test_a_resumed_run_abandons_what_the_dead_attempt_wrote_for_the_steps_it_redoes(tmp_path):
+    """Killed after filling step 2 (evals reported at steps 1-3), resumed from the checkpoint saved
+    after step 1: step 2's training rows and the eval after step 2 are history; steps 0-1, and the
+    eval at step 2 (run on the checkpointed weights), stay."""
+    store = RunStore(tmp_path / "r")
+    for step in range(3):
+        rows = [make_rollout(10 * step + i, 10 * step, reward=float(i)) for i in range(2)]
+        rows.append(
+            make_rollout(10 * step + 5, 10 * step + 5, RolloutStatus.DISCARDED, reason="zero_advantage")
+        )
+        store.log_rollouts(rows, trainer_step=step, inference_step=step)
+        store.log_step_metrics(step, {"loss": float(step), "eval/countdown/correct": 0.5 + step})
+    store.log_rollouts(
+        [make_rollout(100 + s, 100 + s, RolloutStatus.EVAL, record=EvalRollout, step=s) for s in (1, 2, 3)],
+        trainer_step=3,
+        inference_step=3,
+    )
+    store.close()
+
+    resumed = RunStore(tmp_path / "r")
+    resumed.abandon_unfinished(2, "the run was resumed from checkpoint step_1")
+    resumed.log_rollouts([make_rollout(20, 20, reward=1.0)], trainer_step=2, inference_step=2)  # redone
+    resumed.close()
+    with RunReader(tmp_path / "r") as reader:
+        status = {r["rollout_id"]: (r["status"], r["step"]) for r in reader.rollouts()}
+        metrics = {m["step"]: m for m in reader.step_metrics()}
+        abandoned = reader.rollouts(status="abandoned")
+    assert [rid for rid, (s, step) in status.items() if s == "kept" and step == 2] == [20]  # only the redo
+    assert {r["rollout_id"] for r in abandoned} == {21, 25, 103}
+    assert {r["reason"] for r in abandoned} == {"the run was resumed from checkpoint step_1"}
+    assert [status[rid][0] for rid in (0, 1, 5, 10, 11, 15, 101, 102)] == [
+        "kept",
+        "kept",
+        "discarded",
+        "kept",
+        "kept",
+        "discarded",
+        "eval",
+        "eval",
+    ]
+    assert sorted(metrics) == [0, 1, 2] and "loss" not in metrics[2]  # step 2 is trained again
+    assert metrics[2]["eval/countdown/correct"] == 2.5  # evaluated on the checkpointed weights

@@ -40,6 +40,9 @@ class RolloutStatus(StrEnum):
     DISCARDED = "discarded"
     CANCELLED = "cancelled"
     EVAL = "eval"
+    # written by an attempt of the run that died before the step was checkpointed; the resumed
+    # run redoes that step, so these rows are history, not what any step trained on
+    ABANDONED = "abandoned"
 
 
 class DiscardReason(StrEnum):

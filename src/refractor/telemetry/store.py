@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from refractor.records import EvalRollout, Rollout, TimelineEvent
+from refractor.records import EvalRollout, Rollout, RolloutStatus, TimelineEvent
 
 SCHEMA_VERSION = 1
 
@@ -265,6 +265,23 @@ class RunStore:
         self._put(
             "INSERT INTO system_metrics VALUES (?,?,?,?)",
             [(ts, source, k, float(v)) for k, v in metrics.items()],
+        )
+
+    def abandon_unfinished(self, next_step: int, reason: str) -> None:
+        """A resumed run redoes every step from ``next_step`` on: what an earlier attempt wrote for
+        those steps is marked ``abandoned`` (rollouts, their sample metrics) or removed (step
+        metrics), so each step's rows are exactly what it trained on. Evals reported at
+        ``next_step`` ran on the checkpointed weights and stay."""
+        abandoned = RolloutStatus.ABANDONED.value
+        eval_status = RolloutStatus.EVAL.value
+        redone = "(step >= ? AND status != ?) OR (step > ? AND status = ?)"
+        args = (next_step, eval_status, next_step, eval_status)
+        self._put(f"UPDATE rollouts SET status = ?, reason = ? WHERE {redone}", [(abandoned, reason, *args)])
+        self._put(f"UPDATE sample_metrics SET status = ? WHERE {redone}", [(abandoned, *args)])
+        self._put(
+            "DELETE FROM step_metrics WHERE (step >= ? AND name NOT LIKE 'eval/%') "
+            "OR (step > ? AND name LIKE 'eval/%')",
+            [(next_step, next_step)],
         )
 
     def flush(self, timeout: float | None = 30.0) -> None:
