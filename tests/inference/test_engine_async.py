@@ -93,6 +93,58 @@ def test_pause_keep_abort_wait(engine):
     asyncio.run(main())
 
 
+def test_the_pause_state_machine_never_hangs_nor_loses_a_resume(engine):
+    """A wait-pause on an engine paused in keep mode returns at once (it used to wait forever for
+    frozen requests and then swallow the next resume); pauses are not counted: one resume ends
+    them; a resume during a wait-pause's drain cancels it; resume while running is a no-op."""
+
+    async def bounded(coro):
+        return await asyncio.wait_for(coro, timeout=30)
+
+    async def main():
+        frozen = asyncio.create_task(engine.generate([1, 2, 3], LONG, request_id="frozen"))
+        await _until(lambda: "frozen" in engine.engine.requests)
+        await bounded(engine.pause("keep"))
+        await bounded(engine.pause("wait"))  # already paused: returns at once
+        await bounded(engine.pause("keep"))  # nested: still one pause
+        assert engine.is_paused and not frozen.done()
+        await bounded(engine.resume())  # one resume ends it, and the frozen request goes on
+        assert not engine.is_paused
+        await _until(lambda: engine.engine.requests["frozen"].seqs[0].num_output_tokens > 5)
+        await bounded(engine.resume())  # resume while running: no-op
+        assert not engine.is_paused
+
+        # abort while paused in keep mode: the frozen request ends, the engine stays paused
+        await bounded(engine.pause("keep"))
+        await bounded(engine.pause("abort"))
+        assert (await bounded(frozen)).outputs[0].finish_reason == "abort" and engine.is_paused
+        await bounded(engine.resume())
+
+        # a resume during a wait-pause's drain: the pause returns without pausing; held requests run
+        draining = asyncio.create_task(engine.generate([4, 5, 6], LONG, request_id="draining"))
+        await _until(lambda: "draining" in engine.engine.requests)
+        waiters = [asyncio.create_task(engine.pause("wait")) for _ in range(2)]  # two callers, one drain
+        await _until(lambda: engine.is_paused)
+        held = asyncio.create_task(
+            engine.generate([7, 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        )
+        await asyncio.sleep(0.1)
+        assert not held.done() and not any(w.done() for w in waiters)
+        await bounded(engine.resume())
+        await bounded(asyncio.gather(*waiters))
+        assert not engine.is_paused
+        assert len((await bounded(held)).outputs[0].token_ids) == 4
+        assert len((await bounded(draining)).outputs[0].token_ids) == 400
+
+        # a wait-pause that drains by itself ends paused; a resume then ends that pause
+        await bounded(engine.pause("wait"))
+        assert engine.is_paused and not engine.engine.requests
+        await bounded(engine.resume())
+        assert not engine.is_paused
+
+    asyncio.run(main())
+
+
 def test_update_weights_from_another_thread(engine, tiny_qwen2_path):
     async def main():
         before = await engine.generate(

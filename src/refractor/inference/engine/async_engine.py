@@ -151,22 +151,50 @@ class AsyncLLMEngine:
     async def pause(self, mode: str = "abort") -> None:
         """abort: end in-flight requests now; keep: freeze them until ``resume``; wait: let them finish.
 
-        In every mode, requests that arrive while paused are queued and start on ``resume``.
+        In every mode, requests that arrive while paused are queued and start on ``resume``. The
+        state machine (one pause, not counted; nothing ever waits on a frozen request):
+
+        * pause while paused: the engine stays paused; ``abort`` also ends the requests frozen in
+          flight; ``keep`` and ``wait`` return at once (nothing runs while paused).
+        * pause(wait) while another pause(wait) drains: waits for the same drain.
+        * resume: ends the pause, whoever asked for it and in whatever mode; a pause(wait) still
+          draining returns without pausing (the resume came after it). Resume while running: no-op.
         """
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if mode == "wait":
-            await self._call_async(lambda: setattr(self, "_hold_new", True))
-            while await self._call_async(self.engine.has_unfinished):
+            if not await self._call_async(self._hold_unless_paused):
+                return  # already paused: nothing runs, nothing to wait for
+            while await self._call_async(self._draining):
                 await asyncio.sleep(0.01)
-            await self._call_async(self._pause_and_admit_held)
+            await self._call_async(self._pause_if_held)
         elif mode == "keep":
-            await self._call_async(lambda: self.engine.pause("keep"))
+            await self._call_async(lambda: self._pause_now("keep"))
         else:
-            await self._call_async(lambda: self._deliver(self.engine.pause("abort")))
+            await self._call_async(lambda: self._deliver(self._pause_now("abort")))
 
-    def _pause_and_admit_held(self) -> None:
-        self.engine.pause("keep")
+    def _hold_unless_paused(self) -> bool:
+        """Engine thread: start holding new requests for a wait-pause; False when already paused."""
+        if self.engine.paused:
+            return False
+        self._hold_new = True
+        return True
+
+    def _draining(self) -> bool:
+        return self._hold_new and self.engine.has_unfinished()
+
+    def _pause_if_held(self) -> None:
+        """Engine thread: the drain ended; pause unless a resume cancelled the wait meanwhile."""
+        if self._hold_new:
+            self.engine.pause("keep")
+            self._admit_held()
+
+    def _pause_now(self, mode: str) -> list[RequestOutput]:
+        outputs = self.engine.pause(mode)
+        self._admit_held()  # requests held by a wait-pause now queue behind the pause
+        return outputs
+
+    def _admit_held(self) -> None:
         self._hold_new = False
         held = self._held
         self._held = []
@@ -174,7 +202,11 @@ class AsyncLLMEngine:
             add_now()
 
     async def resume(self) -> None:
-        await self._call_async(self.engine.resume)
+        await self._call_async(self._resume)
+
+    def _resume(self) -> None:
+        self._admit_held()
+        self.engine.resume()
 
     @property
     def is_paused(self) -> bool:
