@@ -343,3 +343,70 @@ def test_app_seams_chat_template_and_extra_routers(tiny_qwen2_path):
     assert tokens["tokens"] == tokenizer("[hi]", add_special_tokens=False).input_ids
     assert chat["prompt_token_ids"] == tokens["tokens"]
     assert info == {"weight_version": "0"}
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(server):
+    """Tokenization runs off the event loop: a multi-megabyte prompt used to freeze the server
+    (no /health answer) for as long as the tokenizer took."""
+    import threading
+
+    text = "hello world, " * 600_000  # ~7.8 MB, under the default body limit
+    done = threading.Event()
+    result = {}
+
+    def tokenize():
+        result["r"] = httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=600)
+        done.set()
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    answers = 0
+    while not done.is_set():
+        response = httpx.get(server.url + "/health", timeout=30)
+        assert response.status_code == 200
+        if not done.is_set():
+            answers += 1
+        time.sleep(0.05)
+    worker.join()
+    assert result["r"].status_code == 200 and result["r"].json()["count"] > 600_000
+    # blocked, the loop answers only while the body uploads (a handful); free, all along (~150 idle)
+    assert answers >= 20, answers
+
+
+def test_request_bodies_over_the_limit_are_413(tiny_qwen2_path):
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from refractor.inference.engine import EngineConfig, LLMEngine
+    from refractor.inference.engine.async_engine import AsyncLLMEngine
+    from refractor.inference.server import create_app
+
+    engine = AsyncLLMEngine(
+        LLMEngine.from_pretrained(tiny_qwen2_path, EngineConfig(max_model_len=128, kv_cache_memory_gb=0.01))
+    )
+    app = create_app(
+        engine, AutoTokenizer.from_pretrained(tiny_qwen2_path), "t", max_request_body_bytes=2**20
+    )
+    big = json.dumps({"prompt": "x" * (2**20 + 10), "max_tokens": 1}).encode()
+
+    async def chunks():  # no Content-Length: counted while it streams
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            declared = await client.post("/v1/completions", content=big)
+            streamed = await client.post("/v1/completions", content=chunks())
+            small = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+        return declared, streamed, small
+
+    try:
+        declared, streamed, small = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for response in (declared, streamed):
+        assert response.status_code == 413, response.text
+        assert "limit is 1048576 bytes" in response.json()["error"]["message"]
+    assert small.status_code == 200

@@ -138,7 +138,10 @@ async def completions(body: CompletionRequest, request: Request) -> dict[str, An
     _check_model(state, body.model)
     params = _sampling(body, body.logprobs, 16)
     base = body.request_id or uuid.uuid4().hex
-    prompts = [state.tokenizer(p).input_ids if isinstance(p, str) else p for p in body.prompts()]
+    prompts = [
+        (await state.off_loop(state.tokenizer, p)).input_ids if isinstance(p, str) else p
+        for p in body.prompts()
+    ]
     jobs = [(f"cmpl-{base}-{i}", ids, params, body.priority) for i, ids in enumerate(prompts)]
     outputs = await _run(request, state, jobs)
     if outputs is None:
@@ -170,7 +173,13 @@ async def completions(body: CompletionRequest, request: Request) -> dict[str, An
     }
 
 
-def _chat_prompt(
+async def _chat_prompt(
+    state: ServerState, body: ChatCompletionRequest | TokenizeRequest, kwargs: dict | None
+) -> list[int]:
+    return await state.off_loop(_render_chat_prompt, state, body, kwargs)
+
+
+def _render_chat_prompt(
     state: ServerState, body: ChatCompletionRequest | TokenizeRequest, kwargs: dict | None
 ) -> list[int]:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -196,7 +205,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     if body.max_completion_tokens is not None:
         params.max_tokens = body.max_completion_tokens
     rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
-    prompt = _chat_prompt(state, body, body.chat_template_kwargs)
+    prompt = await _chat_prompt(state, body, body.chat_template_kwargs)
     outputs = await _run(request, state, [(rid, prompt, params, body.priority)])
     if outputs is None:
         return {}
@@ -326,7 +335,10 @@ async def models(request: Request) -> dict[str, Any]:
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = _state(request)
     if body.messages is not None:
-        tokens = _chat_prompt(state, body, None)
+        tokens = await _chat_prompt(state, body, None)
     else:
-        tokens = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        encoded = await state.off_loop(
+            state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
+        )
+        tokens = encoded.input_ids
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": None}

@@ -57,6 +57,9 @@ def serve(
         help="Secret the generation routes (/v1/..., /inference/v1/generate, /tokenize) require.",
     ),
     enable_docs: bool = typer.Option(False, "--enable-docs", help="Serve the OpenAPI docs at /docs."),
+    max_request_body_mb: float = typer.Option(
+        32.0, "--max-request-body-mb", min=0.001, help="Native engine: larger request bodies get HTTP 413."
+    ),
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
     """Serve a model over HTTP with vLLM 0.32's API: completions, chat, generate, and the control
@@ -120,6 +123,7 @@ def serve(
         control_token=control_token,
         api_key=api_key,
         enable_docs=enable_docs,
+        max_request_body_bytes=int(max_request_body_mb * 2**20),
         log_level=log_level,
     )
 

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from refractor.inference.access import CONTROL_TOKEN_ENV, AccessGuard
+from refractor.inference.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimit
 from refractor.inference.engine.async_engine import PAUSE_MODES, AsyncLLMEngine, EngineDeadError
 from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.request_schemas import AbortRequest
@@ -54,11 +55,13 @@ def create_app(
     control_token: str | None = None,
     api_key: str | None = None,
     enable_docs: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     extra_routers: Iterable[APIRouter] = (),
 ) -> FastAPI:
     """The server's app. ``control_token=None``: no control routes (a plain serving endpoint)."""
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="refractor native inference server", **docs)
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(AccessGuard, control_token=control_token, api_key=api_key)
     state = ServerState(
         engine,
@@ -159,6 +162,7 @@ def run_native_server(
     control_token: str | None = None,
     api_key: str | None = None,
     enable_docs: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     log_level: str = "warning",
 ) -> None:
     """Load the model, start the engine thread and serve until SIGTERM/SIGINT (foreground)."""
@@ -182,6 +186,7 @@ def run_native_server(
         control_token=control_token,
         api_key=api_key,
         enable_docs=enable_docs,
+        max_request_body_bytes=max_request_body_bytes,
     )
     cfg = core.config
     print(

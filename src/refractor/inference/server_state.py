@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from refractor.inference.engine.async_engine import AsyncLLMEngine
 from refractor.inference.server_metrics import ServerMetrics
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -31,6 +35,17 @@ class ServerState:
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     active_request_ids: set[str] = field(default_factory=set)
+    # tokenization and chat templates run here, never on the event loop: a 10 MB prompt takes
+    # seconds, during which /health and every other request must still be answered. One thread:
+    # a tokenizer is not safe to call from several threads at once.
+    _tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    )
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` (tokenizer work) on the tokenizer thread and await its result."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
     def matching_ids(self, external_ids: Iterable[str]) -> list[str]:
         """Engine request ids for vLLM-style external ids, or for the caller's bare ``request_id``."""
