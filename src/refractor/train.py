@@ -68,6 +68,7 @@ def prepare_run(cfg: RefractorConfig, overwrite: bool = False) -> tuple[Refracto
             f"{paths.root} already holds a run. Resume it with `--resume_from_checkpoint true`, "
             f"pick another `--run_name`, or pass `--overwrite` to replace it."
         )
+    _check_writable(paths.root)
     try:
         lock = RunLock.acquire(paths.root)
     except RunLockedError as err:
@@ -78,7 +79,7 @@ def prepare_run(cfg: RefractorConfig, overwrite: bool = False) -> tuple[Refracto
                 "%s: the previous run there did not finish (its process died); marked crashed", paths.root
             )
         if resuming:
-            _check_resumable(cfg, paths)
+            resume_step = _check_resumable(cfg, paths)
         elif paths.db.exists():  # --overwrite, and nobody else writes it (we hold its lock)
             _clear_run_dir(paths.root)
         try:
@@ -90,10 +91,28 @@ def prepare_run(cfg: RefractorConfig, overwrite: bool = False) -> tuple[Refracto
         lock.release()
         raise
     resolved = cfg.model_copy(update={"model": str(model_path), "run_name": run_name})
+    if resuming:  # every trainer rank loads the checkpoint verified here
+        resolved = resolved.model_copy(update={"resume_from_checkpoint": resume_step})
     return resolved, paths, lock
 
 
-def _check_resumable(cfg: RefractorConfig, paths: RunPaths) -> None:
+def _check_writable(root: Path) -> None:
+    """The run directory exists (created if needed) and takes new files."""
+    import tempfile
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise RunSetupError(
+            f"cannot write to {root}: {err.strerror}; make it writable or pick another "
+            "`--run_dir`"
+        ) from None
+
+
+def _check_resumable(cfg: RefractorConfig, paths: RunPaths) -> int:
+    """The step to resume: the asked one, or the newest intact one, with every file's checksum checked."""
     from refractor.trainer.checkpoint import CheckpointError, resolve_checkpoint_step
     from refractor.trainer.settings import CheckpointSettings
 
@@ -101,7 +120,7 @@ def _check_resumable(cfg: RefractorConfig, paths: RunPaths) -> None:
         run_dir=str(paths.root.parent), run_name=paths.root.name, checkpoint_dir=cfg.checkpoint_dir
     )
     try:
-        resolve_checkpoint_step(where.root, cfg.resume_from_checkpoint)
+        return resolve_checkpoint_step(where.root, cfg.resume_from_checkpoint, checksums=True)
     except CheckpointError as err:
         raise RunSetupError(f"cannot resume {paths.root}: {err}; the run is left as it was") from None
 

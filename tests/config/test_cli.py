@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +99,48 @@ def test_cross_field_error_from_console_script(tmp_path):
     assert proc.returncode == 2
     assert "requires `advantage_norm: batch`" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def _unprivileged() -> list[str]:
+    """Permission bits bind root only without CAP_DAC_OVERRIDE: the child runs without it."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root ignores permission bits and setpriv is not installed to drop that right")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+@pytest.mark.parametrize("existing_run", [False, True])
+def test_a_read_only_run_directory_is_one_line_naming_it(tmp_path, existing_run):
+    runs = tmp_path / "runs"
+    (runs / "run").mkdir(parents=True)
+    (runs / "run" / "run.db").write_bytes(b"")
+    read_only = runs / "run" if existing_run else runs
+    if not existing_run:
+        shutil.rmtree(runs / "run")
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"model: refractor-testing/tiny-qwen2\nenvironments: [{{name: countdown}}]\n"
+        f"run_dir: {runs}\nrun_name: run\nuse_wandb: false\n"
+    )
+    read_only.chmod(0o555)
+    try:
+        proc = subprocess.run(
+            [*_unprivileged(), sys.executable, "-m", "refractor.cli", "train", "--config", str(config)]
+            + (["--overwrite"] if existing_run else []),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        read_only.chmod(0o755)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert line == (
+        f"error: cannot write to {runs / 'run'}: Permission denied; make it writable or pick another "
+        "`--run_dir`"
+    )
 
 
 def _no_signal_handler(monkeypatch):

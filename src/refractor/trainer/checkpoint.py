@@ -8,16 +8,20 @@ Layout of ``<checkpoint_dir>/step_<N>/`` (written as ``step_<N>_tmp`` and rename
     hf_meta/                   config.json, tokenizer and generation files of the base model
     <extra files>              e.g. the orchestrator's orchestrator.json
     meta.json                  written last: {"format", "step", "backend", "base_model",
-                               "training_state", ...}
+                               "training_state", "files": {path: {"size", "sha256"}}, ...}
 
 A directory counts as a checkpoint only when it is named exactly ``step_<N>`` and holds
-``meta.json``; a save interrupted at any point leaves a ``_tmp`` directory (or no meta.json) and
-is never picked as the latest.
+``meta.json``; a save interrupted at any point (a crash, a full disk) leaves a ``_tmp`` directory
+(or no meta.json) and is never picked as the latest, and every file is flushed to disk before the
+rename. Resuming checks each file against the sizes (and, where asked, checksums) in ``meta.json``:
+"latest" falls back to the newest intact checkpoint with a warning naming the damaged file.
+Checkpoints saved without a ``files`` record are checked only for readable JSON files.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -30,20 +34,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from refractor.errors import RefractorUserError
+from refractor.trainer.checkpoint_files import FileRecord, find_damage, fsync_dir, record_files
 
 CHECKPOINT_FORMAT = "refractor-dcp-1"
 META_FILE = "meta.json"
 HF_META_DIR = "hf_meta"
+FILES_KEY = "files"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Files of the base model copied to hf_meta (everything but weights), so conversion works offline.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 _WEIGHT_INDEX = re.compile(r".*\.(safetensors|bin)\.index\.json$")
 
+log = logging.getLogger(__name__)
+
 
 class CheckpointError(RefractorUserError, RuntimeError):
-    """A checkpoint that cannot be used as asked (missing, incomplete, weights-only for resume)."""
+    """A checkpoint that cannot be used as asked (missing, incomplete, damaged, weights-only for resume)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (full disk, no permission); the older ones are intact."""
 
 
 def checkpoint_path(root: str | Path, step: int) -> Path:
@@ -73,15 +86,26 @@ def latest_checkpoint(root: str | Path) -> int | None:
     return steps[-1] if steps else None
 
 
-def resolve_checkpoint_step(root: str | Path, which: int | str | bool) -> int:
-    """``"latest"``/``True`` -> the newest complete step; an int -> that step (must be complete)."""
+def resolve_checkpoint_step(root: str | Path, which: int | str | bool, *, checksums: bool = False) -> int:
+    """``"latest"``/``True`` -> the newest intact step (damaged newer ones are skipped with a warning
+    naming the bad file); an int -> that step, which must be intact. ``checksums`` also compares
+    every file's SHA-256 (reads the whole checkpoint), else sizes only."""
     if which is True or which == "latest":
-        step = latest_checkpoint(root)
-        if step is None:
+        steps = list_checkpoints(root)
+        if not steps:
             raise CheckpointError(
                 f"resume_from_checkpoint: no complete checkpoint (step_N with {META_FILE}) in {root}"
             )
-        return step
+        damaged: list[str] = []
+        for step in reversed(steps):
+            damage = checkpoint_damage(checkpoint_path(root, step), checksums=checksums)
+            if damage is None:
+                for problem in damaged:
+                    log.warning("checkpoint skipped: %s; resuming from step_%d instead", problem, step)
+                return step
+            damaged.append(damage)
+        others = f" (and {len(damaged) - 1} older damaged checkpoint(s))" if len(damaged) > 1 else ""
+        raise CheckpointError(f"resume_from_checkpoint: no intact checkpoint in {root}: {damaged[0]}{others}")
     if isinstance(which, bool) or not isinstance(which, int):
         raise CheckpointError(f"checkpoint selector must be 'latest', true or a step number, got {which!r}")
     if not is_complete_checkpoint(checkpoint_path(root, which)):
@@ -90,6 +114,12 @@ def resolve_checkpoint_step(root: str | Path, which: int | str | bool) -> int:
             f"resume_from_checkpoint: {checkpoint_path(root, which)} is missing or incomplete "
             f"(complete checkpoints: {have or 'none'})"
         )
+    damage = checkpoint_damage(checkpoint_path(root, which), checksums=checksums)
+    if damage is not None:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {damage}; pick another step (complete checkpoints: "
+            f"{list_checkpoints(root)}) or `true` for the newest intact one"
+        )
     return which
 
 
@@ -97,7 +127,35 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     meta_file = Path(path) / META_FILE
     if not meta_file.is_file():
         raise CheckpointError(f"{path} is not a refractor checkpoint (no {META_FILE})")
-    return json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_bytes())
+    except ValueError as err:
+        raise CheckpointError(f"{meta_file} is damaged (not valid JSON: {err})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} is damaged (a JSON object was expected)")
+    return meta
+
+
+def checkpoint_damage(path: str | Path, *, checksums: bool) -> str | None:
+    """One line naming the first damaged file of the checkpoint at ``path``, or None when it is intact."""
+    path = Path(path)
+    try:
+        meta = read_meta(path)
+    except CheckpointError as err:
+        return str(err)
+    recorded = meta.get(FILES_KEY)
+    if recorded is None:  # saved before files were recorded: only its JSON files can be checked
+        for json_file in sorted(path.glob("*.json")):
+            try:
+                json.loads(json_file.read_bytes())
+            except ValueError as err:
+                return f"{json_file} is damaged (not valid JSON: {err})"
+        return None
+    try:
+        records = {name: FileRecord.from_json(r) for name, r in recorded.items()}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return f"{path / META_FILE} is damaged (its `{FILES_KEY}` record is unreadable)"
+    return find_damage(path, records, checksums)
 
 
 # ---------------------------------------------------------------- retention (docs/run-store.md#checkpoints)
@@ -154,27 +212,36 @@ def save_checkpoint(
 ) -> Path:
     """Write ``state`` (a DCP state dict) to ``root/step_<step>`` atomically. Call on every rank.
 
-    Rank 0 adds hf_meta/, ``extra_files`` (name -> content) and meta.json before renaming
-    ``step_<step>_tmp`` to ``step_<step>`` (replacing an older copy), then runs ``after_rename``.
+    Rank 0 adds hf_meta/, ``extra_files`` (name -> content) and meta.json (with every file's size
+    and SHA-256) before renaming ``step_<step>_tmp`` to ``step_<step>`` (replacing an older copy),
+    then runs ``after_rename``. A write that fails on any rank (a full disk) raises
+    :class:`CheckpointWriteError` on every rank, removes the partial directory and leaves the
+    checkpoints saved before untouched.
     """
     rank = dist.get_rank()
     final = checkpoint_path(root, step)
     tmp = final.with_name(final.name + "_tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    if save_rng:
-        torch.save(rng_state(), tmp / f"rng_state_rank_{rank}.pt")
-    dist.barrier()
-    if rank == 0:
+
+    def start() -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    def write_shards() -> None:
+        dcp.save(state, checkpoint_id=str(tmp))
+        if save_rng:
+            torch.save(rng_state(), tmp / f"rng_state_rank_{rank}.pt")
+
+    def finish() -> None:
+        if rank != 0:
+            return
         if base_model_dir is not None:
             copy_hf_meta(base_model_dir, tmp / HF_META_DIR)
         for name, content in (extra_files or {}).items():
             _check_extra_name(name)
             target = tmp / name
             target.write_bytes(content if isinstance(content, bytes) else content.encode())
+        files = record_files(tmp, skip=META_FILE)
         full_meta = {
             "format": CHECKPOINT_FORMAT,
             "step": step,
@@ -182,18 +249,76 @@ def save_checkpoint(
             "world_size": dist.get_world_size(),
             "training_state": "optimizer" in state,
             **meta,
+            FILES_KEY: {name: record.to_json() for name, record in files.items()},
         }
         _write_json_durably(tmp / META_FILE, full_meta)
         _replace_dir(tmp, final)
-        if after_rename is not None:
-            after_rename()
+        fsync_dir(final.parent)
+
+    for phase in (start, write_shards, finish):
+        _on_every_rank(phase, root, final, tmp)
+    if rank == 0 and after_rename is not None:
+        after_rename()
     dist.barrier()
     return final
 
 
+def _on_every_rank(phase: Callable[[], None], root: str | Path, final: Path, tmp: Path) -> None:
+    """Run one phase of a save on this rank. When it fails on any rank, every rank raises (none waits
+    forever in the next collective); after a failed write (a full disk) rank 0 also removes the
+    partial directory to give its space back."""
+    own: Exception | None = None
+    try:
+        phase()
+        failure = None
+    except (OSError, CheckpointException) as err:
+        failure = _os_cause(err)
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+        own = err
+        failure = f"{type(err).__name__}: {err}"
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, (failure, own is None) if failure is not None else None)
+    reported = [f for f in failures if f is not None]
+    if not reported:
+        return
+    if own is not None:
+        raise own
+    message, write_failed = reported[0]
+    if write_failed and dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = latest_checkpoint(root)
+    intact = (
+        f"the newest checkpoint, {checkpoint_path(root, kept)}, is untouched"
+        if kept is not None
+        else "there is no earlier checkpoint"
+    )
+    raise CheckpointWriteError(
+        f"could not write checkpoint {final}: {message}; {intact}. Free disk space or fix the "
+        "permissions, then resume with `--resume_from_checkpoint true`"
+    )
+
+
+def _os_cause(err: BaseException) -> str:
+    """``strerror (file)`` of the OS error behind a failed read or write, else the error's first line
+    (DCP wraps every rank's error in one CheckpointException)."""
+    if isinstance(err, CheckpointException):
+        wrapped = [exc for exc, _ in err.failures.values()]
+        err = next((e for e in wrapped if isinstance(e, OSError)), wrapped[0] if wrapped else err)
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
 def load_checkpoint_state(path: str | Path, state: dict[str, Any], *, restore_rng: bool) -> None:
     """Fill ``state`` (a DCP skeleton with the entries to read) in place from ``path``; call on every rank."""
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as err:
+        raise CheckpointError(
+            f"{path} could not be read ({_os_cause(err)}); it is damaged or was saved for "
+            "another model: resume another step with `--resume_from_checkpoint N`"
+        ) from None
     if restore_rng:
         rng_file = Path(path) / f"rng_state_rank_{dist.get_rank()}.pt"
         if not rng_file.is_file():
