@@ -105,8 +105,7 @@ def _check_writable(root: Path) -> None:
             pass
     except OSError as err:
         raise RunSetupError(
-            f"cannot write to {root}: {err.strerror}; make it writable or pick another "
-            "`--run_dir`"
+            f"cannot write to {root}: {err.strerror}; make it writable or pick another `--run_dir`"
         ) from None
 
 
