@@ -70,8 +70,13 @@ def config_show(
 def config_check(
     ctx: typer.Context, path: str = typer.Argument(..., help="Config YAML to validate.")
 ) -> None:
-    """Validate a config file (plus overrides); exit non-zero listing every error."""
-    load_or_exit(path, list(ctx.args))
+    """Validate a config file (plus overrides) and its environment and eval names; exit non-zero
+    listing every error."""
+    from refractor.config.names import unknown_name_errors
+
+    errors = unknown_name_errors(load_or_exit(path, list(ctx.args)))
+    if errors:
+        fail("invalid configuration\n" + "\n".join(errors))
     err_console.print(f"[green]ok[/]: {path} is valid")
 
 

@@ -87,6 +87,31 @@ def test_check_reports_errors_and_exits_nonzero(tmp_path):
     assert "Traceback" not in res.output
 
 
+def test_check_names_unknown_environments_and_evals_listing_the_known_ones(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("environments: [{name: countdown}, {name: wordel}]\nevals: [{name: math5000}]\n")
+    res = run("config", "check", str(bad))
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert lines[0] == "error: invalid configuration"
+    assert lines[1].startswith(
+        "config: `environments[1].name` = 'wordel': unknown environment (did you mean 'wordle'?); known: "
+    )
+    assert "countdown, " in lines[1] and "hendrycks_math" in lines[1]
+    assert lines[2].startswith(
+        "config: `evals[0].name` = 'math5000': no eval or environment of that name (did you mean 'math500'?)"
+    )
+    assert "known evals: aime_2024, aime_2025, gpqa_diamond, math500; environments: " in lines[2]
+    assert len(lines) == 3
+
+
+def test_check_accepts_an_environment_used_as_an_eval(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("environments: [{name: countdown}]\nevals: [{name: countdown}, {name: math500}]\n")
+    res = run("config", "check", str(good))
+    assert res.exit_code == 0, res.output
+
+
 def test_cross_field_error_from_console_script(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("environments: [{name: countdown}]\nalgorithm: reinforce_pp\n")

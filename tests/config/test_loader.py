@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from refractor.config import ConfigError, config_from_dict, config_to_dict, config_to_yaml, load_config
-from refractor.config.loader import merge, parse_overrides
+from refractor.config.loader import merge, parse_overrides, parse_yaml_value
 
 ENV = {"environments": [{"name": "countdown"}]}
 
@@ -214,6 +214,33 @@ def test_range_error_names_key_value_and_bound(tmp_path):
         load_config(p)
     msg = str(err.value)
     assert "`clip_low` = 1.5" in msg and "less than or equal to 1" in msg and str(p) in msg
+
+
+@pytest.mark.parametrize(
+    "key, value, bound",
+    [
+        ("max_model_len", "1e12", "16777216"),
+        ("kv_cache_memory_gb", "1e9", "16384"),
+        ("seq_len", "1e12", "16777216"),
+        ("max_tokens", "1e9", "16777216"),
+        ("group_size", "1e9", "1048576"),
+        ("prompts_batch_size_for_trainer", "1e9", "1048576"),
+        ("inference_num_workers", "1e6", "65536"),
+        ("weight_broadcast_bucket_mb", "1e12", "16777216"),
+        ("trainer_call_timeout_s", "1e12", "10000000"),
+    ],
+)
+def test_absurd_sizes_counts_and_timeouts_name_the_key_and_the_bound(tmp_path, key, value, bound):
+    p = write(tmp_path, f"environments: [{{name: countdown}}]\n{key}: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert str(err.value) == f"{p}: `{key}` = {float(value)!r}: Input should be less than or equal to {bound}"
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_infinite_and_nan_numbers_are_refused(value):
+    with pytest.raises(ConfigError, match="`learning_rate` = .*: Input should be a finite number"):
+        cfg_with(learning_rate=parse_yaml_value(value))
 
 
 def test_literal_error_lists_allowed_values():

@@ -208,3 +208,16 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_resumable(
         assert torch.equal(p, params_step2[name]), name
     trainer.save_checkpoint()  # with space again, the next save works
     assert list_checkpoints(root) == [1, 2, 3] and checkpoint_damage(root / "step_3", checksums=True) is None
+
+
+def test_convert_names_the_damaged_file_in_one_line(two_checkpoints, tmp_path):
+    from typer.testing import CliRunner
+
+    from refractor.cli import app
+
+    root, _ = two_checkpoints
+    bad = shard(root / "step_2")
+    truncate(bad)
+    res = CliRunner().invoke(app, ["convert", str(root / "step_2"), str(tmp_path / "hf")])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"cannot be converted: {bad} has" in res.output and not (tmp_path / "hf").exists()

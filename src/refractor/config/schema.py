@@ -14,6 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 Dtype = Literal["float32", "float16", "bfloat16"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
+# Upper bounds of sizes, counts and durations: far beyond any real run, they turn a typo (`1e12`)
+# into an error naming the key instead of an allocation that fails, or hangs, at run time.
+MAX_TOKENS = 2**24  # context lengths, token budgets and chunks (16M tokens)
+MAX_COUNT = 2**20  # prompts, samples, sequences and batches
+MAX_WORKERS = 2**16  # GPUs, ranks and servers
+MAX_CPUS = 4096  # CPUs of one Ray bundle
+MAX_MIB = 2**24  # buffers in MiB (16 TiB)
+MAX_GIB = 16384  # memory budgets in GiB (16 TiB)
+MAX_SECONDS = 10**7  # timeouts and intervals (about four months)
+
 _WANDB_CODE_EXCLUDES = [
     ".git",
     ".venv",
@@ -37,7 +47,7 @@ _WANDB_CODE_EXCLUDES = [
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class EnvironmentEntry(_Strict):
@@ -75,7 +85,7 @@ class EvalEntry(_Strict):
         None, ge=0, description="Sampling override; null inherits training sampling."
     )
     top_p: float | None = Field(None, gt=0, le=1, description="Sampling override; null inherits.")
-    max_tokens: int | None = Field(None, ge=1, description="Sampling override; null inherits.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Sampling override; null inherits.")
 
 
 class GeneralKeys(_Strict):
@@ -122,7 +132,7 @@ class RayKeys(_Strict):
     )
     ray_propagate_run_dir: bool = Field(True, description="Forward the run directory to workers.")
     ray_broadcast_init_timeout_s: int = Field(
-        300, ge=1, description="Timeout for creating the weight-broadcast group."
+        300, ge=1, le=MAX_SECONDS, description="Timeout for creating the weight-broadcast group."
     )
     ray_broadcast_prefer_loopback_if_single_node: bool = Field(
         True, description="Use 127.0.0.1 for the broadcast rendezvous on one node."
@@ -130,8 +140,10 @@ class RayKeys(_Strict):
     ray_shutdown_on_exit: bool = Field(
         False, description="Shut the Ray cluster down on exit (standalone eval)."
     )
-    ray_inference_cpus_per_worker: float = Field(4.0, ge=0, description="CPUs per inference server bundle.")
-    ray_trainer_cpus_per_worker: float = Field(4.0, ge=0, description="CPUs per trainer bundle.")
+    ray_inference_cpus_per_worker: float = Field(
+        4.0, ge=0, le=MAX_CPUS, description="CPUs per inference server bundle."
+    )
+    ray_trainer_cpus_per_worker: float = Field(4.0, ge=0, le=MAX_CPUS, description="CPUs per trainer bundle.")
     ray_inference_placement_strategy: PlacementStrategy = Field(
         "PACK", description="Placement strategy of inference servers."
     )
@@ -139,22 +151,25 @@ class RayKeys(_Strict):
         "PACK", description="Placement strategy of trainer ranks."
     )
     ray_placement_timeout_s: int = Field(
-        900, ge=1, description="Placement-group readiness and server start-up timeout."
+        900, ge=1, le=MAX_SECONDS, description="Placement-group readiness and server start-up timeout."
     )
     heartbeat_interval_s: float = Field(
         10.0,
         gt=0,
+        le=MAX_SECONDS,
         description="[refractor] How often the driver checks every inference server "
         "(/health and its process).",
     )
     heartbeat_timeout_s: float = Field(
         120.0,
         gt=0,
+        le=MAX_SECONDS,
         description="[refractor] A server that has not answered /health for this long stops the run, named.",
     )
     trainer_call_timeout_s: float = Field(
         3600.0,
         gt=0,
+        le=MAX_SECONDS,
         description="[refractor] A trainer step, weight sync or checkpoint that takes longer stops the run, "
         "naming the ranks that did not finish (a hung collective).",
     )
@@ -162,12 +177,15 @@ class RayKeys(_Strict):
 
 class WorkerKeys(_Strict):
     inference_num_workers: int = Field(
-        2, ge=1, description="Inference GPUs (servers = this / inference_tensor_parallel_size)."
+        2,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Inference GPUs (servers = this / inference_tensor_parallel_size).",
     )
     inference_tensor_parallel_size: int = Field(
-        1, ge=1, description="Tensor parallelism per inference server (vLLM)."
+        1, ge=1, le=MAX_WORKERS, description="Tensor parallelism per inference server (vLLM)."
     )
-    trainer_num_workers: int = Field(2, ge=1, description="Trainer ranks (one GPU each).")
+    trainer_num_workers: int = Field(2, ge=1, le=MAX_WORKERS, description="Trainer ranks (one GPU each).")
     inference_engine: Literal["auto", "vllm", "native"] = Field(
         "auto",
         description="[refractor] auto = vLLM when importable and a GPU is present, else the native engine.",
@@ -176,18 +194,22 @@ class WorkerKeys(_Strict):
 
 class OrchestratorKeys(_Strict):
     max_concurrent_prompts_per_server: int = Field(
-        32, ge=1, description="Groups in flight per server (lanes = this x group_size)."
+        32, ge=1, le=MAX_COUNT, description="Groups in flight per server (lanes = this x group_size)."
     )
-    prompts_batch_size_for_trainer: int = Field(16, ge=1, description="Kept groups per training step.")
+    prompts_batch_size_for_trainer: int = Field(
+        16, ge=1, le=MAX_COUNT, description="Kept groups per training step."
+    )
     number_of_steps: int = Field(300, ge=1, description="Training steps (also the LR-schedule horizon).")
     max_async_rollout: int = Field(
-        2, ge=0, description="How many steps generation may run ahead of training."
+        2, ge=0, le=MAX_COUNT, description="How many steps generation may run ahead of training."
     )
     discard_group_zero_advantage: bool = Field(
         True, description="Drop groups whose advantages are all equal (group_size > 1)."
     )
     enable_prompt_prefetch: bool = Field(True, description="Render prompts ahead of dispatch.")
-    prompt_prefetch_buffer_size: int = Field(24, ge=0, description="Prefetch queue size; 0 disables.")
+    prompt_prefetch_buffer_size: int = Field(
+        24, ge=0, le=MAX_COUNT, description="Prefetch queue size; 0 disables."
+    )
     enable_individual_sample_lanes: bool = Field(
         True, description="One lane per sample instead of per group."
     )
@@ -203,7 +225,10 @@ class OrchestratorKeys(_Strict):
         False, description="Await every env's prepare_resources() before the rollout loop."
     )
     reward_timeout_s: float = Field(
-        120.0, gt=0, description="[refractor] Per-sample reward timeout; a timeout discards the rollout."
+        120.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="[refractor] Per-sample reward timeout; a timeout discards the rollout.",
     )
     deterministic_rollouts: bool = Field(
         False,
@@ -266,6 +291,7 @@ class TrainerKeys(_Strict):
     trainer_max_tokens_per_forward: int = Field(
         16384,
         ge=0,
+        le=MAX_TOKENS,
         description="[refractor] CUDA trainer: the packed rows of a minibatch (each <= seq_len) are "
         "concatenated into forward passes of up to this many tokens (samples stay isolated); fewer, longer "
         "passes cut per-layer host overhead. 0 = one pass per row. CPU trainers run one pass per row.",
@@ -273,6 +299,7 @@ class TrainerKeys(_Strict):
     trainer_pass_pad_multiple: int = Field(
         4096,
         ge=0,
+        le=MAX_TOKENS,
         description="[refractor] Compiled CUDA trainer: every forward pass is padded to a multiple of "
         "this many tokens (padding is masked out of attention and loss), so the compiled decoder layers see "
         "a few static lengths (<= trainer_max_tokens_per_forward / this) instead of a new one each step; "
@@ -311,7 +338,9 @@ class AlgorithmKeys(_Strict):
     algorithm: Literal["grpo", "rloo", "reinforce_pp", "dr_grpo", "cispo", "gspo", "sapo"] = Field(
         "grpo", description="RL algorithm."
     )
-    number_of_minibatches: int = Field(1, ge=1, description="Optimizer steps per training step.")
+    number_of_minibatches: int = Field(
+        1, ge=1, le=MAX_COUNT, description="Optimizer steps per training step."
+    )
     use_ppo_clip: bool = Field(False, description="Use the PPO clipped surrogate as the policy loss.")
     ppo_clip_ref_logprobs: Literal["rollout", "batch"] = Field(
         "rollout", description="Ratio reference: rollout logprobs or the trainer's before the step."
@@ -336,7 +365,7 @@ class AlgorithmKeys(_Strict):
     kl_estimator: Literal["k2", "k3"] = Field("k2", description="KL estimator.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     entropy_chunk_size: int = Field(
-        1024, description="Token chunk for log-prob/entropy computation; <= 0 = unchunked."
+        1024, le=MAX_TOKENS, description="Token chunk for log-prob/entropy computation; <= 0 = unchunked."
     )
     seq_is_masking: bool = Field(False, description="Sequence-level importance-sampling rejection.")
     seq_is_mask_low: float = Field(0.8, gt=0, lt=1, description="Lower sequence IS bound.")
@@ -346,7 +375,9 @@ class AlgorithmKeys(_Strict):
 class RewardShapingKeys(_Strict):
     filter_overlong: bool = Field(False, description="Zero the loss mask of truncated samples.")
     overlong_penalty_factor: float = Field(0.0, ge=0, description="Soft overlong length penalty.")
-    overlong_buffer_tokens: int = Field(256, ge=1, description="Width of the overlong penalty ramp.")
+    overlong_buffer_tokens: int = Field(
+        256, ge=1, le=MAX_TOKENS, description="Width of the overlong penalty ramp."
+    )
     filter_gibberish: bool = Field(
         False, description="Zero the mask of samples with rare tokens at very low logprob."
     )
@@ -370,13 +401,14 @@ class WeightSyncKeys(_Strict):
     weight_broadcast_mode: Literal["flattened_bucket", "per_tensor"] = Field(
         "flattened_bucket", description="Broadcast layout."
     )
-    weight_broadcast_bucket_mb: int = Field(256, ge=1, description="Bucket size in MiB.")
+    weight_broadcast_bucket_mb: int = Field(256, ge=1, le=MAX_MIB, description="Bucket size in MiB.")
     weight_broadcast_cpu_staging: bool = Field(
         False, description="Stage gathered weights on CPU before broadcast."
     )
     weight_sync_gather_before_pause_mb: int = Field(
         4096,
         ge=0,
+        le=MAX_MIB,
         description="[refractor] Gather up to this many MiB of the weight-update buckets on the trainer "
         "BEFORE pausing the inference servers (generation continues during the gather); the rest streams "
         "while paused. 0 = gather while paused.",
@@ -398,9 +430,14 @@ class WeightSyncKeys(_Strict):
 
 class PackingKeys(_Strict):
     seq_len: int = Field(
-        4096, ge=1, description="Micro-batch capacity in tokens; longer samples are truncated (counted)."
+        4096,
+        ge=1,
+        le=MAX_TOKENS,
+        description="Micro-batch capacity in tokens; longer samples are truncated (counted).",
     )
-    pad_to_multiple_of: int = Field(64, ge=1, description="Pad each micro-batch to a multiple of this.")
+    pad_to_multiple_of: int = Field(
+        64, ge=1, le=MAX_TOKENS, description="Pad each micro-batch to a multiple of this."
+    )
 
 
 class InferenceKeys(_Strict):
@@ -418,22 +455,29 @@ class InferenceKeys(_Strict):
     kv_cache_memory_gb: float | None = Field(
         None,
         gt=0,
+        le=MAX_GIB,
         description="[refractor] Explicit KV-cache budget in GiB (CPU engines; overrides "
         "gpu_memory_utilization).",
     )
-    max_model_len: int = Field(4096, ge=1, description="Context length; also clamps max_tokens client-side.")
-    max_num_seqs: int | None = Field(None, ge=1, description="Scheduler concurrency.")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="Per-step token budget.")
+    max_model_len: int = Field(
+        4096, ge=1, le=MAX_TOKENS, description="Context length; also clamps max_tokens client-side."
+    )
+    max_num_seqs: int | None = Field(None, ge=1, le=MAX_COUNT, description="Scheduler concurrency.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="Per-step token budget."
+    )
     vllm_scheduling_policy: Literal["priority", "fcfs"] = Field(
         "priority", description="Scheduling; priority favours later turns."
     )
     enable_thinking: bool = Field(False, description="Passed as enable_thinking to apply_chat_template.")
     chat_template: str | None = Field(None, description="Replaces the tokenizer's chat template.")
-    group_size: int = Field(8, ge=1, description="Samples per prompt.")
+    group_size: int = Field(8, ge=1, le=MAX_COUNT, description="Samples per prompt.")
     temperature: float = Field(
         1.0, ge=0, description="Sampling temperature (the trainer divides logits by it too)."
     )
-    max_tokens: int = Field(3700, ge=1, description="Generation cap per request (per turn in multi-turn).")
+    max_tokens: int = Field(
+        3700, ge=1, le=MAX_TOKENS, description="Generation cap per request (per turn in multi-turn)."
+    )
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling.")
     interleaved_rollouts: bool = Field(
         True, description="Multi-turn prompts extend the previous turn's exact tokens."
@@ -475,10 +519,10 @@ class LoggingKeys(_Strict):
         description="Telescope only: code snapshot excludes.",
     )
     system_metrics_collection_interval_seconds: float = Field(
-        1.0, gt=0, description="System metrics sampling period."
+        1.0, gt=0, le=MAX_SECONDS, description="System metrics sampling period."
     )
     torch_memory_sample_interval_seconds: float = Field(
-        0.1, gt=0, description="Trainer torch-memory sampling period."
+        0.1, gt=0, le=MAX_SECONDS, description="Trainer torch-memory sampling period."
     )
     event_tail_window_seconds: int = Field(60, ge=1, description="Telescope only: W&B event tail window.")
     event_block_duration_seconds: int = Field(
@@ -487,7 +531,9 @@ class LoggingKeys(_Strict):
     event_upload_interval_seconds: int = Field(
         5, ge=1, description="Telescope only: W&B event upload period."
     )
-    metrics_logger_interval_seconds: float = Field(2.0, gt=0, description="Infra metrics poll period.")
+    metrics_logger_interval_seconds: float = Field(
+        2.0, gt=0, le=MAX_SECONDS, description="Infra metrics poll period."
+    )
     ray_torch_memory_drain_interval_seconds: float = Field(
         0.5, gt=0, description="Telescope only: torch-memory drain period."
     )
@@ -499,7 +545,7 @@ class EvalKeys(_Strict):
     eval_before_training: bool = Field(True, description="Baseline eval at step 0 (skipped on resume).")
     eval_after_training: bool = Field(True, description="Final eval.")
     eval_num_servers: int = Field(
-        1, ge=0, description="Servers reserved for evals (from the end of the server list)."
+        1, ge=0, le=MAX_WORKERS, description="Servers reserved for evals (from the end of the server list)."
     )
     eval_start_end_use_all_servers: bool = Field(True, description="Baseline/final evals use every server.")
     enable_vllm_tracing: bool = Field(True, description="OTLP export from vLLM to a local receiver.")

@@ -69,11 +69,14 @@ def export_hf(
     import torch
     from safetensors.torch import save_file
 
-    from refractor.trainer.checkpoint import HF_META_DIR, read_meta
+    from refractor.trainer.checkpoint import HF_META_DIR, CheckpointError, checkpoint_damage, read_meta
 
     ckpt = Path(checkpoint)
     out = Path(out)
     read_meta(ckpt)  # raises a clear error for a directory that is not a checkpoint
+    damage = checkpoint_damage(ckpt, checksums=False)
+    if damage is not None:
+        raise CheckpointError(f"{ckpt} cannot be converted: {damage}")
     hf_meta = ckpt / HF_META_DIR
     if not (hf_meta / "config.json").is_file():
         raise ValueError(f"{ckpt} has no {HF_META_DIR}/config.json (saved without the base model's files)")
