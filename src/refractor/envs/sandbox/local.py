@@ -1,8 +1,9 @@
 """Local sandboxes: a private working directory plus a way to wrap each command.
 
 ``LocalSandbox`` owns the mechanics shared by the local providers: running one command with
-stdin, a wall-clock timeout and output caps (an overrun kills the command's whole process
-group), file transfer that refuses to follow links out of the working directory, a workdir size
+stdin, a wall-clock timeout, output caps and the tree-wide memory limit of ``limits.py`` (an overrun
+kills the command's whole process tree; so does its end, so nothing it started outlives it), file
+transfer that refuses to follow links out of the working directory, a workdir size
 check, and cleanup. The providers (``bwrap.py``, ``unisolated.py``) only build the command line.
 """
 
