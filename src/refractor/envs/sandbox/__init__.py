@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from refractor.envs.sandbox.bwrap import BwrapProvider
+from refractor.envs.sandbox.limits import MemoryLimitMode
 from refractor.envs.sandbox.pool import SandboxPool
 from refractor.envs.sandbox.protocol import (
     ExecResult,
@@ -67,6 +68,7 @@ async def open_sandbox(
 __all__ = [
     "BwrapProvider",
     "ExecResult",
+    "MemoryLimitMode",
     "Sandbox",
     "SandboxClosedError",
     "SandboxConfig",

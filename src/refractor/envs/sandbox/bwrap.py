@@ -4,7 +4,14 @@ Each command runs in fresh namespaces: no network (``--unshare-net``), its own P
 (when the command ends, or bwrap is killed, every process it started dies with it), read-only
 system directories (``/usr`` and the Python installation), a private writable workdir mounted
 at ``/sandbox``, a size-limited private ``/tmp``, an empty environment, and per-process rlimits
-(address space, CPU time, file size, open files, processes).
+(address space, CPU time, file size, open files, processes). Memory is also limited for the whole
+process tree (see ``limits.py``).
+
+Disk: ``/tmp`` is a tmpfs of ``disk_mb``. In ``root`` mode the workdir is a tmpfs of ``disk_mb`` too,
+mounted on the host for the sandbox's lifetime (files persist from one command to the next and the
+host reads them), so a write past the limit fails with ENOSPC while the program runs. In ``user``
+mode no mount is possible on the host: each file is limited by ``RLIMIT_FSIZE`` and the workdir's
+total is checked after each command (an overrun marks the sandbox unusable).
 
 Two ways to drop privileges, probed once per process:
 * ``root`` (running as root, e.g. in a container): bwrap sets up the mounts as root without a
@@ -27,8 +34,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from refractor.envs.sandbox.limits import MemoryLimitMode, detect_memory_mode
 from refractor.envs.sandbox.local import LocalSandbox, rlimit_prefix
-from refractor.envs.sandbox.protocol import SandboxConfig, SandboxUnavailableError
+from refractor.envs.sandbox.protocol import SandboxConfig, SandboxError, SandboxUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +84,21 @@ def _python_binds() -> list[str]:
                 args += ["--perms", "0755", "--dir", str(parent)]
             args += ["--ro-bind", prefix, prefix]
     return args
+
+
+def _mount_workdir_tmpfs(sandbox: LocalSandbox) -> None:
+    """A size-limited tmpfs over the host workdir, owned by the sandbox's uid."""
+    size = sandbox.config.disk_mb * 1024 * 1024
+    options = f"size={size},mode=0755,uid={sandbox.uid},gid={sandbox.uid},nosuid,nodev"
+    run = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "refractor-sandbox", str(sandbox.host_workdir)],
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0:
+        shutil.rmtree(sandbox.root, ignore_errors=True)
+        raise SandboxError(f"cannot mount the sandbox workdir tmpfs: {run.stderr.strip()}")
+    sandbox.workdir_is_mount = True
 
 
 class BwrapProvider:
@@ -129,6 +152,16 @@ class BwrapProvider:
             "namespaces or run as root with CAP_SYS_ADMIN; or opt into the 'unisolated' provider explicitly."
         )
 
+    @property
+    def disk_limit_mode(self) -> str:
+        """``tmpfs`` (the workdir's total is enforced while programs write) or ``rlimit`` (per file,
+        total checked after each command)."""
+        return "tmpfs" if self.probe() == "root" else "rlimit"
+
+    @property
+    def memory_limit_mode(self) -> MemoryLimitMode:
+        return detect_memory_mode()[0]
+
     def available(self) -> bool:
         try:
             self.probe()
@@ -150,7 +183,10 @@ class BwrapProvider:
     async def create(self, config: SandboxConfig) -> LocalSandbox:
         mode = self.probe()
         root = Path(tempfile.mkdtemp(prefix="refractor-sbx-", dir=self.base_dir))
-        return self._new_sandbox(config, root, mode)
+        sandbox = self._new_sandbox(config, root, mode)
+        if mode == "root":
+            _mount_workdir_tmpfs(sandbox)
+        return sandbox
 
     def wrap(
         self, sandbox: LocalSandbox, argv: list[str], env: dict[str, str]

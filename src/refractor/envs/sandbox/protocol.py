@@ -27,11 +27,13 @@ class SandboxClosedError(SandboxError):
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    """Limits of one sandbox. The local provider enforces them per process with rlimits; remote
-    providers map them to their own resources (``image``/``extra`` are for those)."""
+    """Limits of one sandbox. The local providers enforce memory and processes for the whole process
+    tree (a cgroup, or rlimits plus a watcher: see ``limits.py``) and disk with size-limited tmpfs or
+    rlimits (see ``bwrap.py``); remote providers map them to their own resources (``image``/``extra``
+    are for those)."""
 
     cpu: float = 1.0  # cores (remote providers); locally only CPU time is limited
-    memory_mb: int = 1024  # address-space limit of each process
+    memory_mb: int = 1024  # all processes of a command together (and each process's address space)
     disk_mb: int = 256  # largest file, size of /tmp, and total size of the workdir
     max_processes: int = 64  # processes/threads of the sandbox user (fork bombs stop here)
     max_open_files: int = 256
@@ -53,7 +55,7 @@ class ExecResult:
     timed_out: bool = False
     output_truncated: bool = False
     duration_s: float = 0.0
-    killed_reason: str | None = None  # "timeout" | "output_limit" | "disk_limit"
+    killed_reason: str | None = None  # "timeout" | "output_limit" | "memory_limit" | "disk_limit"
 
     @property
     def ok(self) -> bool:
