@@ -260,7 +260,9 @@ class RayHost:
         self._thread = threading.Thread(target=self._host, args=(settings,), name="ray-host", daemon=True)
         self._thread.start()
         try:
-            return self._started.result()
+            connection = self._started.result()
+            stop_signals.install()  # ours again, over the handlers ray.init installed
+            return connection
         except KeyboardInterrupt:
             with stop_signals.deferred():  # let the start finish, then stop what it started
                 try:

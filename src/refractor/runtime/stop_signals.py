@@ -7,8 +7,12 @@ Rules:
   ``asyncio.run`` the event loop's own SIGINT handling cancels the main task cleanly.
 * SIGINT is handled even when the process started with it ignored: a shell starts background jobs
   (``refractor train ... &``) with SIGINT ignored, and ``kill -INT`` must still stop them.
-* ``ray.init`` installs its own SIGTERM handler (exit without cleanup): ``install`` is called again
-  once Ray is up.
+* ``ray.init`` installs two SIGTERM handlers of its own: a Python one (exit without cleanup) and,
+  in its C++ core, a crash reporter that prints a stack, passes the signal on, and arms
+  ``alarm(3)`` to abort the process (exit 134) three seconds later, whatever the cleanup is doing.
+  ``install`` is called again once Ray is up, and every stop signal cancels a pending alarm (a
+  signal that arrives while Ray starts still passes through that reporter). refractor itself
+  never uses SIGALRM.
 * While the run cleans up, further signals are only noted (``deferred``): a scheduler repeating
   SIGTERM must not cut the cleanup short and leave orphan processes behind. Every cleanup step is
   bounded in time.
@@ -25,8 +29,13 @@ from collections.abc import Iterator
 _received: list[int] = []  # the signals that asked this process to stop, in order
 
 
+def _cancel_alarm() -> None:
+    signal.alarm(0)  # see the module's rules: Ray's crash reporter would abort the cleanup
+
+
 def _on_term(signum, frame) -> None:
     _received.append(signum)
+    _cancel_alarm()
     signal.raise_signal(signal.SIGINT)  # handled by the event loop's or Python's SIGINT handler
 
 
@@ -65,6 +74,7 @@ def deferred() -> Iterator[None]:
 
     def note(signum, frame) -> None:
         _received.append(signum)
+        _cancel_alarm()
 
     for sig in previous:
         signal.signal(sig, note)
