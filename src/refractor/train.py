@@ -192,6 +192,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     from refractor.runtime import stop_signals
     from refractor.runtime.cluster import RayHost, RaySettings, cluster_has_gpus, reserve
     from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
+    from refractor.runtime.restarts import ServerRestarter
     from refractor.runtime.server_group import RayServerGroup, choose_engine
     from refractor.runtime.trainer_group import RayTrainerGroup, TrainerGroupSettings
     from refractor.telemetry.console import ConsoleSink
@@ -291,8 +292,18 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
         watchdog = ServerWatchdog(
             orchestrator.servers.values(),
             HeartbeatSettings.from_config(cfg),
-            actor_process_check(dict(zip(servers.names, servers.actors, strict=True))),
+            actor_process_check(servers.actor_of),
         )
+        restarter = ServerRestarter(
+            servers,
+            trainers,
+            {client.name: client for client in clients},
+            orchestrator,
+            watchdog,
+            cfg.inference_restart_on_failure,
+        )
+        watchdog.on_failure = restarter.on_failure
+        orchestrator.server_recovery = restarter.recover
         asyncio.run(run_watched(orchestrator.run(), watchdog))
         status = "finished"
     except KeyboardInterrupt:

@@ -275,41 +275,25 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
         assert versions[2] >= 2  # servers got the checkpoint's weights (version) back on resume
 
 
-@pytest.mark.slow
-def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
-    """The heartbeat finds the dead server process; the run stops with its name instead of stalling."""
+def _start_quiet_run(tmp_path, name: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "REFRACTOR_ENV_PATH": os.environ["REFRACTOR_ENV_PATH"]}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "refractor.cli",
-            "train",
-            "--config",
-            str(QUICKSTART),
-            "--quiet",
-            "--run_dir",
-            str(tmp_path / "runs"),
-            "--run_name",
-            "dead",
-            "--number_of_steps",
-            "50",
-            "--ray_address",
-            "",
-            "--heartbeat_interval_s",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=tmp_path,
+    argv = [sys.executable, "-m", "refractor.cli", "train", "--config", str(QUICKSTART), "--quiet"]
+    argv += ["--run_dir", str(tmp_path / "runs"), "--run_name", name, "--ray_address", "", *args]
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
     )
+
+
+def _read_until(proc: subprocess.Popen, prefix: str) -> list[str]:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step 1/"):
+        if line.startswith(prefix):
             break
+    return lines
+
+
+def _kill_the_server(proc: subprocess.Popen, lines: list[str]) -> None:
     servers = [
         p
         for p in _alive(_descendants(proc.pid))
@@ -317,6 +301,19 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
     ]
     assert len(servers) == 1, "".join(lines)
     os.kill(servers[0], signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
+    """Without restarts, the heartbeat finds the dead server process; the run stops with its name
+    instead of stalling."""
+    proc = _start_quiet_run(
+        tmp_path,
+        "dead",
+        *("--number_of_steps", "50", "--heartbeat_interval_s", "1", "--inference_restart_on_failure", "0"),
+    )
+    lines = _read_until(proc, "step 1/")
+    _kill_the_server(proc, lines)
     killed_at = time.monotonic()
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, "".join(lines) + rest
@@ -325,6 +322,45 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path):
     assert time.monotonic() - killed_at < 60
     with RunReader(tmp_path / "runs" / "dead") as reader:
         assert reader.meta()["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
+    """kill -9 of the only server: it is restarted on its resources and gets the current weights
+    (canary checked); its groups run again; every step trains on exactly one batch."""
+    steps = 5
+    proc = _start_quiet_run(
+        tmp_path, "restart", *("--number_of_steps", str(steps), "--heartbeat_interval_s", "1")
+    )
+    lines = _read_until(proc, "step 1/")
+    _kill_the_server(proc, lines)
+    rest, _ = proc.communicate(timeout=300)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output
+    assert "Restarting it (1 of at most 2)" in output, output
+    with RunReader(tmp_path / "runs" / "restart") as reader:
+        assert reader.meta()["status"] == "finished"
+        assert [m["step"] for m in reader.step_metrics(["loss"])] == list(range(steps))
+        (restart,) = [e for e in reader.timeline() if e["name"] == "server_restart"]
+        assert restart["attrs"]["server"] == "server-0" and restart["attrs"]["restart"] == 1
+        assert "process exited" in restart["attrs"]["reason"]
+        version = restart["attrs"]["version"]
+        pushes = [
+            e for e in reader.timeline() if e["name"] == "weight_sync" and e["attrs"]["target"] == "restarted"
+        ]
+        assert [e["attrs"]["version"] for e in pushes] == [version] and 1 <= version <= steps
+        for step in range(steps):  # one batch per step: 4 prompts x 16 samples, none twice
+            kept = reader.rollouts(step=step, status="kept")
+            assert len(kept) == 64, (step, len(kept))
+        kept_groups = {r["group_id"]: r["prompt_ordinal"] for r in reader.rollouts(status="kept")}
+        assert len(set(kept_groups.values())) == len(kept_groups)  # no prompt trained twice
+        restarted = {
+            r["prompt_ordinal"]
+            for r in reader.rollouts(status="cancelled")
+            if r["reason"] == "server_restart"
+        }
+        ran = {r["prompt_ordinal"] for r in reader.rollouts() if r["reason"] != "server_restart"}
+        assert restarted <= ran  # what the dead server was generating ran again
 
 
 @pytest.mark.slow

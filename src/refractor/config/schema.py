@@ -166,6 +166,14 @@ class RayKeys(_Strict):
         le=MAX_SECONDS,
         description="[refractor] A server that has not answered /health for this long stops the run, named.",
     )
+    inference_restart_on_failure: int = Field(
+        2,
+        ge=0,
+        le=MAX_COUNT,
+        description="[refractor] How many times each inference server that dies or hangs is restarted "
+        "(it gets the current weights, its groups run again elsewhere meanwhile); one more failure "
+        "stops the run, named. 0: the first failure stops the run.",
+    )
     trainer_call_timeout_s: float = Field(
         3600.0,
         gt=0,

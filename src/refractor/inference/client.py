@@ -133,6 +133,11 @@ class InferenceClient:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
+    def rebase(self, base_url: str) -> None:
+        """The server now answers at ``base_url`` (a restart may move it to another port)."""
+        self.base_url = base_url.rstrip("/")
+        self._http.base_url = self.base_url
+
     async def __aenter__(self) -> InferenceClient:
         return self
 

@@ -135,13 +135,11 @@ class BatchAssembler:
         return self._cut(counters)
 
     def add_cancelled(self, group: Group) -> None:
-        """A cancelled group; in stream order a requeued group keeps its ordinal's turn, others give it up."""
+        """A cancelled group; in stream order a group whose prompt runs again (requeued, or its server
+        restarted) keeps its ordinal's turn, others give it up."""
         self.cancelled += group.rollouts
-        if (
-            self.in_stream_order
-            and group.reason != DiscardReason.REQUEUED
-            and group.ordinal >= self.next_ordinal
-        ):
+        runs_again = group.reason in (DiscardReason.REQUEUED, DiscardReason.SERVER_RESTART)
+        if self.in_stream_order and not runs_again and group.ordinal >= self.next_ordinal:
             self._skipped.add(group.ordinal)
 
     def _cut(self, counters: StepCounters) -> list[Batch]:

@@ -315,16 +315,38 @@ class Dispatcher:
             refs.append(self._held_prompt[0])
         return refs
 
-    # ------------------------------------------------------------------ servers taken out for evals
+    # ------------------------------------------------------------------ servers taken out
     def drain_servers(self, names: Sequence[str], reason: str) -> None:
+        """For an eval: cancel the groups on ``names`` and hold every lane of theirs."""
         for ig in [ig for ig in self.in_flight.values() if ig.server in names]:
             self.cancel_group(ig, reason)
         for server in names:
-            while self.lanes.acquire(server, ("eval", server)) is not None:
-                pass
+            self._hold_lanes(server, ("eval", server))
 
     def release_servers(self, names: Sequence[str]) -> None:
         for server in names:
-            for lane in self.lanes.held_on(server):
-                self.lanes.release(server, lane, ("eval", server))
+            self._release_lanes(server, ("eval", server))
         self.wake()
+
+    def take_out(self, server: str, reason: str) -> None:
+        """For a restart: cancel the groups on ``server`` (recorded with ``reason``), put their
+        prompts back so that they run again, and hold every lane of the server."""
+        groups = [ig for ig in self.in_flight.values() if ig.server == server]
+        for ig in groups:
+            self.cancel_group(ig, reason)
+        self.prompts.put_back([ig.group.prompt_ref for ig in groups])
+        self._hold_lanes(server, ("restart", server))
+        self.wake()
+
+    def bring_back(self, server: str) -> None:
+        self._release_lanes(server, ("restart", server))
+        self.wake()
+
+    def _hold_lanes(self, server: str, holder: tuple[str, str]) -> None:
+        while self.lanes.acquire(server, holder) is not None:
+            pass
+
+    def _release_lanes(self, server: str, holder: tuple[str, str]) -> None:
+        for lane in self.lanes.held_on(server):
+            if self.lanes.holder(server, lane) == holder:
+                self.lanes.release(server, lane, holder)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -117,6 +117,11 @@ class Orchestrator:
         self._batch_cut = asyncio.Event()  # set at every cut (a held weight push may go)
         self._failure: asyncio.Future | None = None
         self._last_step_end: float | None = None
+        # one weight push at a time: the step's update and a restarted server's first weights
+        self.weights_lock = asyncio.Lock()
+        # a failed weight push asks this whether a server was found dead and replaced (then the
+        # push runs again); None: a failed push stops the run
+        self.server_recovery: Callable[[BaseException], Awaitable[bool]] | None = None
 
     # The dispatcher's state that callers and tests read through the orchestrator.
     @property
@@ -269,7 +274,21 @@ class Orchestrator:
         self.dispatch.release_servers(names)
 
     async def push_weights(self, version: int, target: UpdateTarget) -> None:
-        await self.trainer.update_weights(version, target=target)
+        await self._push(version, target)
+
+    # ------------------------------------------------------------------ servers being restarted
+    def take_out_server(self, name: str, reason: str) -> None:
+        """Stop using server ``name``: its groups are cancelled and run again elsewhere."""
+        self.dispatch.take_out(name, reason)
+
+    def bring_back_server(self, name: str) -> None:
+        self.dispatch.bring_back(name)
+
+    def record(self, event: TimelineEvent) -> None:
+        self.store.log_event(event, step=self.counters.inference_step)
+
+    def warn(self, message: str, event: str, **attrs: Any) -> None:
+        self._warn(message, event, **attrs)
 
     # ------------------------------------------------------------------ training
     async def _train_loop(self) -> None:
@@ -319,11 +338,23 @@ class Orchestrator:
         """Order the update to ``version``; the eval schedule picks its target (and drains or rejoins
         its servers around it)."""
         if self.evals is None:
-            return await self.trainer.update_weights(version, target=UpdateTarget.FULL) or []
+            return await self._push(version, UpdateTarget.FULL)
         target = await self.evals.update_target(self, version)
-        events = await self.trainer.update_weights(version, target=target) or []
+        events = await self._push(version, target)
         self.evals.after_update(self, version, target)
         return events
+
+    async def _push(self, version: int, target: UpdateTarget) -> list[TimelineEvent]:
+        """One weight update; when it fails because a server died and that server was replaced, it
+        runs again (with the replacement in its group)."""
+        while True:
+            try:
+                async with self.weights_lock:
+                    return await self.trainer.update_weights(version, target=target) or []
+            except Exception as err:
+                if self.server_recovery is None or not await self.server_recovery(err):
+                    raise
+                log.warning("the weight update to version %d runs again after a server restart", version)
 
     async def _hold_weights(self, version: int) -> float:
         """deterministic_rollouts: wait until no batch being filled needs older weights; the seconds held."""

@@ -62,6 +62,8 @@ class DiscardReason(StrEnum):
     # deterministic_rollouts: past a batch's cut and the next batch needs newer weights; the prompt
     # goes back to the stream and runs again (same ordinal, same seeds)
     REQUEUED = "requeued"
+    # its server died or hung and is being restarted; the prompt goes back to the stream
+    SERVER_RESTART = "server_restart"
 
 
 @dataclass

@@ -7,7 +7,8 @@ Two kinds of component, two mechanisms:
   dead process fails the run at once, with its last log lines) and probes ``/health``; a server
   that has not answered for ``heartbeat_timeout_s`` fails the run as hung. Generation requests
   to a dead server fail fast anyway, but without the watchdog the run would keep discarding
-  rollouts and never finish a step.
+  rollouts and never finish a step. With ``on_failure`` (``refractor.runtime.restarts``) a dead
+  or hung server is first replaced, up to a limit.
 * **Trainer ranks** cannot answer while they compute, so each call to them (step, weight sync,
   checkpoint) has a deadline, ``trainer_call_timeout_s``: :func:`await_ranks` names the ranks that
   died (their actor is gone) or did not finish in time (a hung collective waits forever otherwise).
@@ -48,6 +49,8 @@ class Probe(Protocol):
 
 
 ProcessCheck = Callable[[str], Awaitable[tuple[bool, str]]]  # server name -> (process alive, log tail)
+# a server found dead or hung -> True when it was replaced (the watch goes on), else the run stops
+FailureHandler = Callable[[str, "ComponentFailure"], Awaitable[bool]]
 
 
 class ServerWatchdog:
@@ -59,11 +62,13 @@ class ServerWatchdog:
         settings: HeartbeatSettings,
         process_check: ProcessCheck | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_failure: FailureHandler | None = None,
     ) -> None:
         self.servers = list(servers)
         self.settings = settings
         self.process_check = process_check
         self.clock = clock
+        self.on_failure = on_failure
         self.last_ok = {s.name: clock() for s in self.servers}
 
     async def watch(self) -> None:
@@ -74,16 +79,8 @@ class ServerWatchdog:
 
     async def diagnose(self) -> ComponentFailure | None:
         """After another part of the run failed: is a server process gone? (the likelier root cause)"""
-        if self.process_check is None:
-            return None
-        for server in self.servers:
-            alive, tail = await self.process_check(server.name)
-            if not alive:
-                return ComponentFailure(
-                    f"inference server {server.name} ({getattr(server, 'base_url', '?')}): its "
-                    "process exited during the run." + _tail(tail)
-                )
-        return None
+        dead = await self.dead_servers()
+        return next(iter(dead.values()), None)
 
     async def check(self) -> None:
         answers = await asyncio.gather(*(s.health() for s in self.servers), return_exceptions=True)
@@ -92,22 +89,47 @@ class ServerWatchdog:
             if ok is True:
                 self.last_ok[server.name] = now
                 continue
-            failure = await self.diagnose()
-            if failure is not None:
-                raise failure
-            silent = now - self.last_ok[server.name]
-            if silent >= self.settings.timeout_s:
-                raise ComponentFailure(
-                    f"inference server {server.name} has not answered /health for {silent:.0f} s "
-                    f"(heartbeat_timeout_s = {self.settings.timeout_s:g}); it is hung or overloaded"
-                )
+            failure = await self._failure_of(server, now)
+            if failure is None:
+                continue
+            if self.on_failure is not None and await self.on_failure(server.name, failure):
+                self.last_ok[server.name] = self.clock()  # replaced: its silence starts again
+                continue
+            raise failure
+
+    async def _failure_of(self, server: Probe, now: float) -> ComponentFailure | None:
+        """A server that did not answer /health: dead (its process is gone), hung (silent for
+        ``timeout_s``) or, so far, neither (None)."""
+        if self.process_check is not None:
+            alive, tail = await self.process_check(server.name)
+            if not alive:
+                return _exited(server, tail)
+        silent = now - self.last_ok[server.name]
+        if silent >= self.settings.timeout_s:
+            return ComponentFailure(
+                f"inference server {server.name} has not answered /health for {silent:.0f} s "
+                f"(heartbeat_timeout_s = {self.settings.timeout_s:g}); it is hung or overloaded"
+            )
+        return None
+
+    async def dead_servers(self) -> dict[str, ComponentFailure]:
+        """Every server whose process is gone, with its failure (none without a process check)."""
+        if self.process_check is None:
+            return {}
+        checks = await asyncio.gather(*(self.process_check(s.name) for s in self.servers))
+        return {
+            server.name: _exited(server, tail)
+            for server, (alive, tail) in zip(self.servers, checks, strict=True)
+            if not alive
+        }
 
 
-def actor_process_check(actors: dict[str, Any], timeout_s: float = 30.0) -> ProcessCheck:
-    """Ask a server's Ray actor whether its server process runs; a dead actor counts as a dead server."""
+def actor_process_check(actor_of: Callable[[str], Any], timeout_s: float = 30.0) -> ProcessCheck:
+    """Ask a server's Ray actor (``actor_of(name)``, the current one: a restart may replace it)
+    whether its server process runs; a dead actor counts as a dead server."""
 
     async def check(name: str) -> tuple[bool, str]:
-        actor = actors[name]
+        actor = actor_of(name)
         try:
             alive = await asyncio.wait_for(_await_ref(actor.alive.remote()), timeout_s)
             tail = "" if alive else await asyncio.wait_for(_await_ref(actor.log_tail.remote()), timeout_s)
@@ -151,6 +173,13 @@ async def await_ranks(refs: Sequence[Any], what: str, timeout_s: float) -> list[
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _exited(server: Probe, tail: str) -> ComponentFailure:
+    return ComponentFailure(
+        f"inference server {server.name} ({getattr(server, 'base_url', '?')}): its "
+        "process exited during the run." + _tail(tail)
+    )
 
 
 def _tail(text: str) -> str:

@@ -138,16 +138,26 @@ class InferenceServerActor:
         self.log_dir = Path(log_dir)
         self.server = None
 
-    def start(self) -> str:
+    def start(self, log_name: str | None = None) -> str:
+        """Start the server (logging to ``<log_dir>/<log_name or name>.log``); its URL."""
         try:
             self.server = launch_server(
-                self.settings, self.engine, self.log_dir / f"{self.name}.log", self._control_token
+                self.settings,
+                self.engine,
+                self.log_dir / f"{log_name or self.name}.log",
+                self._control_token,
             )
         except Exception as err:  # noqa: BLE001 - re-raised with the server's name
             raise ServerStartError(
                 f"inference server {self.name} ({self.engine}) failed to start: {err}"
             ) from None
         return reachable_url(self.server.url, ray.util.get_node_ip_address())
+
+    def restart(self, log_name: str) -> str:
+        """Stop the server process (dead or hung: its whole process group) and start a new one on
+        the same resources; its URL (the port may change)."""
+        self.stop()
+        return self.start(log_name)
 
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
@@ -173,34 +183,72 @@ class RayServerGroup:
     def __init__(self, cfg, reservation: Reservation, engine: str, log_dir: str, control_token: str) -> None:
         self.settings = ServerGroupSettings.from_config(cfg)
         self.engine = engine
+        self.reservation = reservation
+        self.log_dir = log_dir
+        self._control_token = control_token
         self.names = [f"server-{i}" for i in range(reservation.count)]
-        self.actors = [
-            InferenceServerActor.options(
-                num_cpus=reservation.cpus,
-                num_gpus=reservation.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    reservation.group, placement_group_bundle_index=i
-                ),
-            ).remote(self.settings, name, engine, log_dir, control_token)
-            for i, name in enumerate(self.names)
-        ]
+        self.actors = [self._actor(i) for i in range(reservation.count)]
         self.infos: list[ServerInfo] = []
+        self.restarts = dict.fromkeys(self.names, 0)
+
+    def actor_of(self, name: str):
+        return self.actors[self.names.index(name)]
+
+    def _actor(self, index: int):
+        """The actor of server ``index``, on bundle ``index`` (the same GPUs after a restart)."""
+        return InferenceServerActor.options(
+            num_cpus=self.reservation.cpus,
+            num_gpus=self.reservation.gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.reservation.group, placement_group_bundle_index=index
+            ),
+        ).remote(self.settings, self.names[index], self.engine, self.log_dir, self._control_token)
 
     def start(self) -> list[ServerInfo]:
         refs = [a.start.remote() for a in self.actors]
-        urls = []
-        for name, ref in zip(self.names, refs, strict=True):
-            try:
-                urls.append(ray.get(ref))
-            except ray.exceptions.RayTaskError as err:
-                cause = err.cause if isinstance(err.cause, ServerStartError) else err
-                raise ServerStartError(str(cause)) from None
-            except ray.exceptions.RayActorError as err:
-                raise ServerStartError(
-                    f"inference server {name}: its Ray actor died while starting: {err}"
-                ) from None
+        urls = [self._get_url(name, ref) for name, ref in zip(self.names, refs, strict=True)]
         self.infos = [ServerInfo(n, u) for n, u in zip(self.names, urls, strict=True)]
         return self.infos
+
+    def _actor_alive(self, index: int) -> bool:
+        try:
+            ray.get(self.actors[index].alive.remote(), timeout=30)
+            return True
+        except ray.exceptions.RayActorError:
+            return False
+        except ray.exceptions.GetTimeoutError:
+            return True  # busy, not gone
+
+    @staticmethod
+    def _get_url(name: str, ref) -> str:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as err:
+            cause = err.cause if isinstance(err.cause, ServerStartError) else err
+            raise ServerStartError(str(cause)) from None
+        except ray.exceptions.RayActorError as err:
+            raise ServerStartError(
+                f"inference server {name}: its Ray actor died while starting: {err}"
+            ) from None
+
+    def restart(self, name: str) -> ServerInfo:
+        """Replace server ``name``'s process (a new actor on its bundle when the actor itself died);
+        blocking. Its log goes to ``<name>.restart<k>.log``, the old log stays as it was."""
+        index = self.names.index(name)
+        self.restarts[name] += 1
+        log_name = f"{name}.restart{self.restarts[name]}"
+        try:
+            url = self._get_url(name, self.actors[index].restart.remote(log_name))
+        except ServerStartError:
+            if self._actor_alive(index):
+                raise
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[index], no_restart=True)
+            self.actors[index] = self._actor(index)
+            url = self._get_url(name, self.actors[index].start.remote(log_name))
+        info = ServerInfo(name, url)
+        self.infos[index] = info
+        return info
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         with contextlib.suppress(Exception):  # best effort; the actors are killed next

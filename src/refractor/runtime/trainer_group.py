@@ -72,6 +72,9 @@ class TrainerActor:
         self.world_size = world_size
         self.trainer = None
         self.sender = None
+        # the version the trainer's weights are: the servers' label for them (a step trains version
+        # `step` into `step + 1`; a resume pushes the checkpoint's version)
+        self.version = 0
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 picks the address and a free port for the default process group."""
@@ -103,17 +106,34 @@ class TrainerActor:
         self.sender.init()
 
     def train_step(self, batch) -> StepResult:
-        return self.trainer.train_step(batch)
+        result = self.trainer.train_step(batch)
+        self.version = batch.step + 1
+        return result
 
     def sync_weights(self, version: int, target: UpdateTarget) -> SyncReport | None:
         """Every rank gathers the buckets; rank 0 pushes them and reports (the others return None)."""
+        self.version = version
+        return self._push(lambda buckets: self.sender.push(buckets, version, target))
+
+    def refresh_server(self, name: str, url: str) -> tuple[int, SyncReport | None]:
+        """Server ``name`` was restarted at ``url``: give it the weights the trainer holds now, as
+        the version they are. Returns that version and rank 0's report (the others' is None)."""
+        version = self.version
+
+        def push(buckets):
+            self.sender.replace_server(name, url)
+            return self.sender.push_to_restarted(name, buckets, version)
+
+        return version, self._push(push)
+
+    def _push(self, push) -> SyncReport | None:
         start = time.time()
         buckets = self.trainer.export_weight_buckets()
         if self.rank != 0:
             for _ in buckets:  # take part in the gathers
                 pass
             return None
-        result = self.sender.push(buckets, version, target)
+        result = push(buckets)
         return SyncReport.of_push(start, time.time(), result)
 
     def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> str:
@@ -195,6 +215,18 @@ class RayTrainerGroup:
             self.call_timeout_s,
         )
         return [reports[0].timeline_event(version, target)]
+
+    async def refresh_server(self, name: str, url: str) -> TimelineEvent:
+        """Push the current weights to the restarted server ``name`` (now at ``url``), canary
+        checked; it is in every later update. Queued behind a train step in progress, so the
+        server gets the newest weights under their own version."""
+        results = await await_ranks(
+            [a.refresh_server.remote(name, url) for a in self.actors],
+            f"the weight push to the restarted server {name}",
+            self.call_timeout_s,
+        )
+        version, report = results[0]
+        return report.timeline_event(version, UpdateTarget.RESTARTED)
 
     async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None:
         await await_ranks(

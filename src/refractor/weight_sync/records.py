@@ -14,6 +14,7 @@ class UpdateTarget(StrEnum):
 
     FULL = "full"  # every server
     TRAINING_ONLY = "training_only"  # all but the eval servers, which keep serving an older version
+    RESTARTED = "restarted"  # one restarted server, before it serves again (a group made for it)
 
 
 @dataclass(frozen=True)

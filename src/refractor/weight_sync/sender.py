@@ -77,7 +77,43 @@ class WeightSender:
     def target_servers(self, target: UpdateTarget) -> list[ServerRef]:
         if target == UpdateTarget.TRAINING_ONLY:
             return [s for s in self.servers if s.name not in self.eval_servers]
+        if target == UpdateTarget.RESTARTED:
+            raise ValueError("a push to a restarted server names it: use push_to_restarted")
         return list(self.servers)
+
+    def replace_server(self, name: str, url: str) -> None:
+        """Server ``name`` was restarted and answers at ``url``. Every group it belonged to is
+        released on the trainer's side (the next push creates it again; the live servers replace
+        their end of it then)."""
+        index = next((i for i, s in enumerate(self.servers) if s.name == name), None)
+        if index is None:
+            raise ValueError(f"unknown server {name!r}; known: {[s.name for s in self.servers]}")
+        self.servers[index] = ServerRef(name, url)
+        for target, group in list(self._groups.items()):
+            if any(c.server.name == name for c in group.servers):
+                del self._groups[target]
+                self._release(group, servers_too=False)
+
+    def push_to_restarted(
+        self, name: str, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int
+    ) -> PushResult:
+        """Give the restarted server ``name`` the current weights as ``version``, through the normal
+        protocol (pause, stream, finish, canary) on a group of its own, released afterwards."""
+        refs = [s for s in self.servers if s.name == name]
+        if not refs:
+            raise ValueError(f"unknown server {name!r}; known: {[s.name for s in self.servers]}")
+        buckets = iter(buckets)
+        try:
+            group = self._create_group(UpdateTarget.RESTARTED, refs)
+            try:
+                return self._push(buckets, version, group, False)
+            finally:
+                self._release(group, servers_too=True)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                for _ in buckets:  # the other ranks gather in lockstep (see push)
+                    pass
+            raise
 
     # --- set-up ------------------------------------------------------------------------------
     def init(self) -> None:
@@ -98,6 +134,11 @@ class WeightSender:
             raise WeightSyncError(
                 f"weight-update target {target.value!r} has no servers (all are eval servers)"
             )
+        group = self._create_group(target, refs)
+        self._groups[target] = group
+        return group
+
+    def _create_group(self, target: UpdateTarget, refs: list[ServerRef]) -> _Group:
         controls = [ServerControl(ref, self.timeout_s, self.settings.control_token) for ref in refs]
         world_sizes = self._on_all(
             controls, ServerControl.world_size, f"querying the world size for {target.value!r}"
@@ -140,7 +181,7 @@ class WeightSender:
                 f"creating the {target.value!r} weight-transfer group", controls, futures, err
             ) from err
         self._wait_all(futures, f"creating the {target.value!r} weight-transfer group", controls)
-        group = _Group(
+        return _Group(
             target,
             controls,
             offsets,
@@ -148,8 +189,6 @@ class WeightSender:
             transfer,
             BucketSender(transfer, self.settings.broadcast_mode),
         )
-        self._groups[target] = group
-        return group
 
     # --- one update --------------------------------------------------------------------------
     def push(
@@ -171,7 +210,7 @@ class WeightSender:
         """
         buckets = iter(buckets)
         try:
-            return self._push(buckets, version, UpdateTarget(target), _corrupt_for_test)
+            return self._push(buckets, version, self._group(UpdateTarget(target)), _corrupt_for_test)
         except BaseException:
             with contextlib.suppress(Exception):
                 for _ in buckets:
@@ -182,11 +221,11 @@ class WeightSender:
         self,
         buckets: Iterator[list[tuple[str, torch.Tensor]]],
         version: int,
-        target: UpdateTarget,
+        group: _Group,
         corrupt: bool,
     ) -> PushResult:
         start = time.perf_counter()
-        group = self._group(target)
+        target = group.target
         controls = group.servers
         ahead, ahead_bytes = gather_ahead(buckets, self.settings.gather_before_pause_bytes)
         what = f"weight update to version {version} ({target.value!r})"
@@ -303,15 +342,19 @@ class WeightSender:
     def close(self) -> None:
         """Release every group: the servers' side first (best effort), then the trainer's."""
         for group in self._groups.values():
+            self._release(group, servers_too=True)
+        self._groups.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _release(self, group: _Group, servers_too: bool) -> None:
+        if servers_too:
             futures = [self._pool.submit(c.shutdown_weight_transfer_engine) for c in group.servers]
             for future in futures:
                 with contextlib.suppress(Exception):
                     future.result(timeout=10)
-            group.transfer.shutdown()
-            for control in group.servers:
-                control.close()
-        self._groups.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        group.transfer.shutdown()
+        for control in group.servers:
+            control.close()
 
 
 def gather_ahead(
