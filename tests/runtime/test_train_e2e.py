@@ -293,14 +293,14 @@ def _read_until(proc: subprocess.Popen, prefix: str) -> list[str]:
     return lines
 
 
-def _kill_the_server(proc: subprocess.Popen, lines: list[str]) -> None:
+def _kill_the_server(proc: subprocess.Popen, lines: list[str], sig: int = signal.SIGKILL) -> None:
     servers = [
         p
         for p in _alive(_descendants(proc.pid))
         if "serve" in Path(f"/proc/{p}/cmdline").read_text(errors="replace").split("\0")
     ]
     assert len(servers) == 1, "".join(lines)
-    os.kill(servers[0], signal.SIGKILL)
+    os.kill(servers[0], sig)
 
 
 @pytest.mark.slow
@@ -361,6 +361,31 @@ def test_a_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
         }
         ran = {r["prompt_ordinal"] for r in reader.rollouts() if r["reason"] != "server_restart"}
         assert restarted <= ran  # what the dead server was generating ran again
+
+
+@pytest.mark.slow
+def test_a_hung_server_is_restarted_and_a_failure_past_the_limit_stops_the_run(tmp_path):
+    """A stopped (SIGSTOP) server is hung: restarted after heartbeat_timeout_s, also while a weight
+    update waits on it; with inference_restart_on_failure 1, its next death stops the run, named."""
+    proc = _start_quiet_run(
+        tmp_path,
+        "hung",
+        *("--number_of_steps", "50", "--heartbeat_interval_s", "1", "--heartbeat_timeout_s", "5"),
+        *("--inference_restart_on_failure", "1"),
+    )
+    lines = _read_until(proc, "step 1/")
+    _kill_the_server(proc, lines, signal.SIGSTOP)
+    lines += _read_until(proc, "step 3/")  # restarted, and training again
+    output = "".join(lines)
+    assert "has not answered /health" in output and "Restarting it (1 of at most 1)" in output, output
+    _kill_the_server(proc, lines)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, output + rest
+    assert "inference server server-0" in rest and "process exited" in rest, rest
+    assert "restarted 1 time(s) already (inference_restart_on_failure = 1)" in rest, rest
+    with RunReader(tmp_path / "runs" / "hung") as reader:
+        assert reader.meta()["status"] == "failed"
+        assert [e["attrs"]["restart"] for e in reader.timeline() if e["name"] == "server_restart"] == [1]
 
 
 @pytest.mark.slow
