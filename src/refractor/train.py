@@ -319,8 +319,10 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
                     group.shutdown(timeout_s=grace_s)
             for sink in sinks:
                 sink.close()
-            store.close(status)
-            ray_host.close(connection is not None and connection.started_local)
+            try:
+                store.close(status)
+            finally:
+                ray_host.close(connection is not None and connection.started_local)
     return paths.root
 
 

@@ -223,3 +223,44 @@ def test_a_resumed_run_abandons_what_the_dead_attempt_wrote_for_the_steps_it_red
     ]
     assert sorted(metrics) == [0, 1, 2] and "loss" not in metrics[2]  # step 2 is trained again
     assert metrics[2]["eval/countdown/correct"] == 2.5  # evaluated on the checkpointed weights
+
+
+FULL_DISK = """
+import resource, signal, sys
+from refractor.telemetry.store import RunStore, RunStoreError
+
+store = RunStore(sys.argv[1])
+store.log_step_metrics(0, {"loss": 1.5})
+store.flush()
+# the file may grow 64 KiB more, then every write fails as on a full disk (SIGXFSZ ignored: EFBIG)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (store.path.stat().st_size + 65536, resource.RLIM_INFINITY))
+try:
+    for i in range(10_000):
+        store.log_system_metrics("node", {f"metric_{j}": float(j) for j in range(200)})
+        store.flush()
+except RunStoreError as err:
+    print("write:", err)
+try:
+    store.close("finished")
+except RunStoreError as err:
+    print("close:", err)
+"""
+
+
+def test_a_failed_write_stops_the_run_store_with_one_clear_error_and_keeps_what_was_written(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["write", "close"], proc.stdout
+    for line in lines:
+        assert str(tmp_path / "run.db") in line and "--resume_from_checkpoint true" in line, line
+    assert "Traceback" not in proc.stderr
+    with RunReader(tmp_path) as reader:  # intact: what was committed before the failure is there
+        assert [m["loss"] for m in reader.step_metrics(["loss"])] == [1.5]
+        assert reader.meta()["status"] == "running"  # the next start reports it as crashed

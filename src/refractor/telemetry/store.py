@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from refractor.errors import RefractorUserError
 from refractor.records import EvalRollout, Rollout, RolloutStatus, TimelineEvent
 
 SCHEMA_VERSION = 1
@@ -205,6 +206,10 @@ def stored_step(rollout: Rollout, inference_step: int) -> int:
     return rollout.step if isinstance(rollout, EvalRollout) else inference_step
 
 
+class RunStoreError(RefractorUserError, RuntimeError):
+    """A write to the run store failed (a full disk, most often); the run stops and can resume."""
+
+
 class RunStore:
     """Single writer of one run's database. Safe to call from the event loop (never blocks on I/O)."""
 
@@ -293,9 +298,12 @@ class RunStore:
         self._raise_if_failed()
 
     def close(self, status: str = "finished") -> None:
+        """Write the final status, stop the writer and close the database; after a failed write
+        (nothing more is written) it still stops and closes, then raises that failure."""
         if self._closed:
             return
-        self.set_meta({"status": status, "finished_at": time.time()})
+        if self._error is None:
+            self.set_meta({"status": status, "finished_at": time.time()})
         self._queue.put(None)
         self._thread.join()
         self._closed = True
@@ -311,8 +319,15 @@ class RunStore:
             self._queue.put((sql, rows))
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"run store {self.path}: writing failed: {self._error!r}") from self._error
+        if self._error is None:
+            return
+        full = getattr(self._error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+        raise RunStoreError(
+            f"run store {self.path}: "
+            + ("the disk is full" if full else f"a write failed ({self._error}: is the disk full?)")
+            + "; nothing more is recorded. Free space, then continue from the last checkpoint "
+            "with --resume_from_checkpoint true"
+        ) from self._error
 
     def _writer(self) -> None:
         stop = False
