@@ -1,9 +1,12 @@
-"""The vLLM launcher (config -> flags, start failure reporting) and what a running CPU server
-returns for token-in/token-out requests, checked against transformers in fp32."""
+"""The vLLM launcher (config -> flags, start failure reporting), what a running CPU server returns
+for token-in/token-out requests (checked against transformers in fp32), and its pause rules."""
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -64,9 +67,14 @@ def test_config_becomes_explicit_vllm_flags():
         "--otlp-traces-endpoint": "http://127.0.0.1:4999/v1/traces",
         "--worker-extension-cls": "refractor.inference.vllm.worker_ext.RefractorWorkerExtension",
         "--weight-transfer-config": '{"backend": "refractor"}',
-        "--middleware": "refractor.inference.access.EnvAccessGuard",
     }
     assert {k: flag(argv, k) for k in expected} == expected
+    # vLLM nests middlewares in reverse: the access guard, given last, sees every call first
+    middlewares = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--middleware"]
+    assert middlewares == [
+        "refractor.inference.vllm.pause_guard.VllmPauseGuard",
+        "refractor.inference.access.EnvAccessGuard",
+    ]
     assert "--enable-scale-out" in argv and "--enforce-eager" in argv
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
     # the secret travels in the environment, never on the command line; no API docs by default
@@ -201,3 +209,119 @@ def test_vllm_development_routes_need_the_control_token(vllm_server, vllm_model_
         if c.status == psutil.CONN_LISTEN and c.laddr.port == int(vllm_server.url.rsplit(":", 1)[1])
     }
     assert listening == {"127.0.0.1"}
+
+
+class StreamedCompletion:
+    """One streamed completion read in a background thread: the chunks that have arrived so far and
+    the finish reason. ``on_first_chunk`` runs in the reading thread as soon as the request is
+    generating, before any further chunk is read (another thread may get no CPU for that long)."""
+
+    def __init__(self, url: str, model: str, max_tokens: int, on_first_chunk=None):
+        self.chunks = 0
+        self.finish_reason: str | None = None
+        self.started = threading.Event()  # on_first_chunk has run
+        body = {
+            "model": model,
+            "prompt": list(range(3, 40)),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        self._thread = threading.Thread(target=self._read, args=(url, body, on_first_chunk), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, body: dict, on_first_chunk) -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    self.chunks += 1
+                    self.finish_reason = json.loads(line.removeprefix("data: "))["choices"][0][
+                        "finish_reason"
+                    ]
+                    if self.chunks == 1 and on_first_chunk is not None:
+                        on_first_chunk()
+                    self.started.set()
+        self.started.set()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join(60)
+        assert self.done, "the request did not finish within 60 s"
+
+
+@pytest.mark.vllm
+def test_the_pause_state_machine_never_hangs_nor_releases_a_kept_request(vllm_server, vllm_model_name):
+    """The native engine's pause rules hold on vLLM: a pause while paused changes nothing and returns
+    at once (a wait pause no longer lets the requests a keep pause froze run to their end); pauses
+    are not counted (one resume ends them; a resume while running does nothing); an abort while
+    paused ends the frozen requests and stays paused; a wait pause on a busy server returns once the
+    requests in flight have finished; a resume restores serving. Every call is bounded by a client
+    timeout, so a hang fails the test instead of stalling the suite."""
+    from refractor.testing import TEST_CONTROL_TOKEN
+
+    control = httpx.Client(
+        base_url=vllm_server.url, headers={"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}, timeout=30
+    )
+
+    def call(path: str, **params: str) -> float:
+        start = time.perf_counter()
+        response = control.post(path, params=params)
+        assert response.status_code == 200, (path, params, response.text)
+        return time.perf_counter() - start
+
+    def is_paused() -> bool:
+        return control.get("/is_paused").json()["is_paused"]
+
+    def keep_pause() -> None:
+        call("/pause", mode="keep", clear_cache="false")
+
+    def frozen_request() -> StreamedCompletion:
+        """A long request frozen in flight by a keep pause. On a busy machine it can end before the
+        pause lands; that attempt is repeated (5 at most)."""
+        for _ in range(5):
+            request = StreamedCompletion(vllm_server.url, vllm_model_name, 450, on_first_chunk=keep_pause)
+            assert request.started.wait(60)
+            time.sleep(0.3)  # chunks already on their way arrive
+            if not request.done:
+                return request
+            call("/resume")
+        pytest.fail("five 450-token requests finished before a keep pause could freeze them")
+
+    try:
+        request = frozen_request()
+        assert call("/pause", mode="wait") < 5  # already paused: nothing to wait for
+        assert call("/pause", mode="keep", clear_cache="false") < 5  # nested: still one pause
+        frozen_at = request.chunks
+        time.sleep(0.5)
+        assert is_paused() and request.chunks == frozen_at and not request.done  # still frozen
+        call("/resume")
+        assert not is_paused()
+        call("/resume")  # while running: nothing to end
+        assert not is_paused()
+        request.join()
+        assert request.finish_reason == "length"  # the frozen request went on to its end
+
+        request = frozen_request()
+        call("/pause", mode="abort")  # ends the frozen request; the server stays paused
+        request.join()
+        assert request.finish_reason == "abort" and is_paused()
+        late = StreamedCompletion(vllm_server.url, vllm_model_name, max_tokens=8)
+        time.sleep(0.5)
+        assert late.chunks == 0  # arrived while paused: queued
+        call("/resume")
+        late.join()
+        assert late.finish_reason == "length"
+
+        busy = StreamedCompletion(vllm_server.url, vllm_model_name, max_tokens=200)
+        assert busy.started.wait(60)
+        call("/pause", mode="wait")  # lets the request in flight finish, then pauses
+        assert is_paused()
+        busy.join()
+        assert busy.finish_reason == "length"
+    finally:
+        control.post("/resume")
+    assert not is_paused()
+    control.close()

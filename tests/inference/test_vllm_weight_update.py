@@ -1,6 +1,7 @@
 """In-place weight updates of a running vLLM CPU server through refractor's transfer backend:
 the served model really changes (tied embeddings included, the vLLM CPU bug), versions are
-reported, the canary catches corruption, and an in-flight request switches versions mid-way."""
+reported, the canary catches corruption, a bad update is rejected whole, and an in-flight request
+switches versions mid-way."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from refractor.testing import TEST_CONTROL_TOKEN
+from refractor.weight_sync import WeightSyncError
 from refractor.weight_sync.buckets import iter_buckets
 from refractor.weight_sync.sender import CanaryError
 
@@ -77,6 +79,49 @@ def test_corrupted_bucket_fails_the_canary(vllm_server, vllm_sender, hf_models, 
     # the server stays usable: the next good push repairs it
     vllm_sender.push(iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=21)
     assert max_error(sample(vllm_server.url, n=2, seed=21), hf_models[1]) < 1e-4
+
+
+def _unknown_name(params):
+    return [*params, ("model.layers.1.mlp.not_a_weight", torch.zeros(8))]
+
+
+def _wrong_shape(params):
+    (name, _) = params[-1]
+    return [*params[:-1], (name, torch.ones(64))]
+
+
+def _nan(params):
+    (name, tensor) = params[-1]
+    return [*params[:-1], (name, torch.full_like(tensor, float("nan")))]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "error"),
+    [
+        (_unknown_name, r"not a tensor of the served checkpoint: 'model\.layers\.1\.mlp\.not_a_weight'"),
+        (_wrong_shape, r"wrong shape: 'model\.norm\.weight' \(64,\) \(expected \(128,\)\)"),
+        (_nan, r"non-finite values \(NaN or Inf\): 'model\.norm\.weight'"),
+    ],
+    ids=["unknown-name", "wrong-shape", "nan"],
+)
+def test_a_bad_push_is_rejected_whole(spoil, error, vllm_server, vllm_sender, hf_models, max_error):
+    """The bad tensor comes last, after buckets that hold whole valid layers of another model: nothing
+    of the update may be served, and the version stays."""
+    vllm_sender.push(iter_buckets(hf_models[0].named_parameters(), 256 << 10), version=60)
+    before = sample(vllm_server.url, n=2, seed=60)
+    params = [(name, p.detach()) for name, p in hf_models[1].named_parameters()]
+    with pytest.raises(WeightSyncError, match=r"weight update rejected, nothing was written.*" + error):
+        vllm_sender.push(iter_buckets(spoil(params), 256 << 10), version=61)
+    assert httpx.get(vllm_server.url + "/weight_info", headers=CONTROL).json() == {"weight_version": "60"}
+    assert httpx.get(vllm_server.url + "/is_paused", headers=CONTROL).json() == {"is_paused": False}
+    after = sample(vllm_server.url, n=2, seed=60)
+    assert [tokens for tokens, _ in after] == [tokens for tokens, _ in before]
+    assert max_error(after, hf_models[0]) < 1e-4
+    # the server takes the next good update
+    result = vllm_sender.push(iter_buckets(params, 256 << 10), version=62)
+    (report,) = result.reports["vllm-0"]
+    assert report.params_loaded == report.params_total > 0
+    assert max_error(sample(vllm_server.url, n=2, seed=62), hf_models[1]) < 1e-4
 
 
 def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
@@ -163,3 +208,46 @@ def test_update_during_an_inflight_request(
         stale = stale_kv_logprobs(hf_models[0], hf_models[1], PROMPT, tokens, switch)
         assert (logprobs[switch:] - stale).abs().max() < 1e-4
         assert (logprobs[switch:] - new[switch:]).abs().max() > 1e-2
+
+
+def test_the_expected_tensors_come_from_the_checkpoint_index_or_are_not_checked(tmp_path, caplog):
+    """Sharded checkpoints: the files the index lists (a consolidated copy beside them is ignored).
+    No safetensors file: a warning, and only dtypes and finiteness are checked."""
+    from safetensors.torch import save_file
+
+    from refractor.inference.vllm.update_check import (
+        ExpectedTensor,
+        expected_update_tensors,
+        update_problems,
+    )
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a.weight": torch.zeros(2, 3)}, sharded / "model-1.safetensors")
+    save_file({"b.ids": torch.zeros(4, dtype=torch.int64)}, sharded / "model-2.safetensors")
+    save_file({"consolidated.weight": torch.zeros(1)}, sharded / "consolidated.safetensors")
+    index = {"weight_map": {"a.weight": "model-1.safetensors", "b.ids": "model-2.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    expected = expected_update_tensors(str(sharded), None, None, tied_lm_head_shape=(5, 3))
+    assert expected == {
+        "a.weight": ExpectedTensor((2, 3), True),
+        "b.ids": ExpectedTensor((4,), False),
+        "lm_head.weight": ExpectedTensor((5, 3), True),
+    }
+    valid = [("a.weight", torch.ones(2, 3)), ("b.ids", torch.ones(4, dtype=torch.int64))]
+    assert update_problems(valid, expected) == []
+    assert update_problems([("b.ids", torch.ones(4)), ("lm_head.weight", torch.ones(5, 3))], expected) == [
+        "wrong kind of dtype (floating point vs integer): 'b.ids' torch.float32"
+    ]
+
+    empty = tmp_path / "no-safetensors"
+    empty.mkdir()
+    with caplog.at_level("WARNING"):
+        assert expected_update_tensors(str(empty), None, None, tied_lm_head_shape=None) is None
+    assert "not for names and shapes" in caplog.text
+    assert update_problems([("any.name", torch.ones(7))], None) == []
+    bad = [("x", torch.tensor([1.0, float("inf")])), ("y", torch.ones(2, dtype=torch.int32))]
+    assert update_problems(bad, None) == [
+        "wrong kind of dtype (floating point vs integer): 'y' torch.int32",
+        "non-finite values (NaN or Inf): 'x'",
+    ]

@@ -12,6 +12,8 @@ by the child). Always on:
     /collective_rpc, ...) are turned on only with a control token, and every one of them then needs
     it; an API key guards the generation routes; the API docs are off. The secrets reach the server
     through its environment (never its command line);
+  * ``/pause`` held to refractor's pause rule (``refractor.inference.vllm.pause_guard``): a pause
+    while paused changes nothing and returns at once;
   * refractor's weight-transfer backend (``--weight-transfer-config {"backend": "refractor"}``),
     registered inside each spawned worker by importing the worker extension module.
 CPU specifics: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI of the CPU
@@ -43,6 +45,7 @@ __all__ = [
 ]
 
 WORKER_EXTENSION = "refractor.inference.vllm.worker_ext.RefractorWorkerExtension"
+PAUSE_GUARD = "refractor.inference.vllm.pause_guard.VllmPauseGuard"
 TRANSFER_BACKEND = "refractor"
 DEFAULT_CPU_KV_CACHE_GB = 1.0  # used on CPU when kv_cache_memory_gb is not set
 
@@ -140,6 +143,9 @@ def vllm_command(
         "--weight-transfer-config",
         json.dumps({"backend": TRANSFER_BACKEND}),
         "--disable-uvicorn-access-log",
+        # the last --middleware is the outermost: the access guard checks every call first
+        "--middleware",
+        PAUSE_GUARD,
         "--middleware",
         f"{EnvAccessGuard.__module__}.{EnvAccessGuard.__qualname__}",
     ]

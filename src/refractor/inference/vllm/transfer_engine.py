@@ -6,6 +6,8 @@ workers and registrations made in the launching process are lost. The control pl
 own (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``); the data plane is refractor's (``refractor.weight_sync.data_plane``)
 over a stateless gloo (CPU) or NCCL (GPU) group, identical to what the native engine speaks.
+An update is received whole and checked against the served checkpoint (``update_check``) before
+any of it is loaded, so a bad update leaves the served weights and version as they were.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -22,6 +25,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refractor.inference.vllm.cpu_kernels import refresh_cpu_kernels
+from refractor.inference.vllm.update_check import ExpectedTensor, expected_update_tensors, update_problems
 from refractor.weight_sync.data_plane import BucketReceiver
 from refractor.weight_sync.process_group import TransferGroup, check_worker_join
 
@@ -54,7 +58,6 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.receivers: dict[str, BucketReceiver] = {}  # one per group this worker belongs to
-        self._param_names: set[str] = set()
 
     def worker_rank(self) -> int:
         """This worker's index among all workers of its server (DP replicas x TP x PP)."""
@@ -86,13 +89,8 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
         self.receivers[init_info.group] = BucketReceiver(group)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        # read before the reload swaps parameters for meta placeholders (which unties tied ones)
-        self._param_names = {name for name, _ in self.model.named_parameters()}
-        # weights arrive in checkpoint format; layerwise reload re-runs each layer's processing
-        # (fused qkv, repacked CPU kernels, ...) once all of its tensors have been loaded
-        initialize_layerwise_reload(self.model)
+        """Nothing to prepare: the layerwise reload starts only once the whole update has arrived
+        and passed its checks, so a rejected update never touches the served weights."""
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -107,37 +105,78 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: RefractorUpdateInfo) -> None:
+        """Receive the whole update, check it, and only then load it (all or nothing).
+
+        Staging costs one copy of the incoming weights on the transfer device (host memory with
+        gloo, GPU memory with NCCL) for the length of the update, on top of the served weights.
+        """
         receiver = self.receivers.get(update_info.group)
         if receiver is None:
             raise RuntimeError(
                 f"weight-transfer group {update_info.group!r} was never initialized on this "
                 f"worker (known: {sorted(self.receivers)}); call /init_weight_transfer_engine"
             )
+        # read before the reload swaps parameters for meta placeholders (which unties tied ones)
+        param_names = {name for name, _ in self.model.named_parameters()}
+        staged: list[list[tuple[str, torch.Tensor]]] = []
+        for bucket in receiver.receive():
+            # the receiver's tensors are valid only until the next bucket is asked for
+            staged.append([(name, tensor.clone()) for name, tensor in bucket])
+        # every bucket has arrived: from here on the trainer waits only for the report, which is
+        # always sent (0 parameters written on failure)
+        problems = update_problems([pair for bucket in staged for pair in bucket], self.expected_tensors)
         loaded: set[str] = set()
         load_s = 0.0
-        load_error: Exception | None = None
+        error: Exception | None = None
+        if problems:
+            error = ValueError(
+                f"weight update rejected, nothing was written (the previous weights and version stay): "
+                f"{'; '.join(problems)}"
+            )
+        else:
+            start = time.perf_counter()
+            try:
+                loaded = self._load(staged)
+            except Exception as err:  # noqa: BLE001 - re-raised after the report
+                error = err
+            load_s = time.perf_counter() - start
+        missing = sorted(param_names - loaded)
+        if missing and error is None:  # the trainer sees the counts; the names are in this log
+            logger.warning("weight update left %d parameters untouched: %s", len(missing), missing[:20])
+        receiver.send_report(0 if error else len(param_names & loaded), len(param_names), load_s)
+        if error is not None:
+            raise error
+
+    def _load(self, staged: list[list[tuple[str, torch.Tensor]]]) -> set[str]:
+        """Load checked buckets under vLLM's layerwise reload: weights arrive in checkpoint format,
+        and each layer's processing (fused qkv, repacked CPU kernels, ...) re-runs once all of its
+        tensors are in, writing that layer's served weights. The reload is finalized at
+        /finish_weight_update, or here on an error; an error past the checks is a loader fault, and
+        the layers completed before it keep their new weights."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        loaded: set[str] = set()
         try:
-            for bucket in receiver.receive():
-                if load_error is not None:
-                    continue  # keep receiving: the trainer is still broadcasting to every worker
-                start = time.perf_counter()
-                try:
-                    loaded |= set(self.model.load_weights(weights=bucket) or ())
-                except Exception as err:  # noqa: BLE001 - re-raised after the report
-                    load_error = err
-                load_s += time.perf_counter() - start
-            total = self._param_names
-            missing = sorted(total - loaded)
-            if missing:  # vLLM's load_weights skips unknown names silently; the trainer sees the counts
-                logger.warning("weight update left %d parameters untouched: %s", len(missing), missing[:20])
-            # always report (a failed load reports nothing written, so the canary names this server)
-            receiver.send_report(0 if load_error else len(total & loaded), len(total), load_s)
-            if load_error is not None:
-                raise load_error
+            for bucket in staged:
+                loaded |= set(self.model.load_weights(weights=bucket) or ())
         except BaseException:
             # leave no layer on the meta device: put the previous kernels back where nothing arrived
             self.finish_weight_update()
             raise
+        return loaded
+
+    @cached_property
+    def expected_tensors(self) -> dict[str, ExpectedTensor] | None:
+        """The served checkpoint's tensors (read once: its files do not change while it is served)."""
+        text = self.model_config.hf_text_config
+        tied = getattr(text, "tie_word_embeddings", False)
+        return expected_update_tensors(
+            self.model_config.model,
+            self.model_config.revision,
+            self.vllm_config.load_config.download_dir,
+            (text.vocab_size, text.hidden_size) if tied else None,
+        )
 
     def shutdown(self) -> None:
         for receiver in self.receivers.values():
