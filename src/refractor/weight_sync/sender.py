@@ -410,7 +410,8 @@ def check_canary(stats: SendStats, reports: dict[str, list[WorkerReport]], versi
                 problems.append(
                     f"server {server!r} (rank {r.rank}): only {r.params_loaded} "
                     f"of its {r.params_total} parameters "
-                    "were written (names the engine does not know are skipped; see the server log)"
+                    "were written (an update missing some of the model's tensors, or one the server "
+                    "rejected whole; see the server log)"
                 )
     if problems:
         raise CanaryError(
