@@ -192,13 +192,13 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     from refractor.runtime import stop_signals
     from refractor.runtime.cluster import RayHost, RaySettings, cluster_has_gpus, reserve
     from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
+    from refractor.runtime.node_metrics import NodeMetricsLoop, run_nodes
     from refractor.runtime.restarts import ServerRestarter
     from refractor.runtime.server_group import RayServerGroup, choose_engine
     from refractor.runtime.trainer_group import RayTrainerGroup, TrainerGroupSettings
     from refractor.telemetry.console import ConsoleSink
     from refractor.telemetry.server_metrics import ServerMetricsScraper
     from refractor.telemetry.store import RunStore
-    from refractor.telemetry.system import SystemMetricsLoop
 
     envs = load_environments(cfg)
     evals = load_evals(cfg, envs)
@@ -209,6 +209,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     connection = None
     servers = None
     trainers = None
+    node_metrics = None
     status = "failed"
     try:
         write_config_file(cfg, paths)
@@ -260,8 +261,15 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
         trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
 
         clients = _http_servers(infos, cfg, control_token)
+        node_metrics = NodeMetricsLoop(
+            run_nodes([server_pg.group, trainer_pg.group]),
+            store.log_system_metrics,
+            store.log_event,
+            cfg.system_metrics_collection_interval_seconds,
+        )
+        node_metrics.start()
         telemetry = [
-            SystemMetricsLoop(store.log_system_metrics, cfg.system_metrics_collection_interval_seconds),
+            node_metrics,
             ServerMetricsScraper(clients, store.log_system_metrics, cfg.metrics_logger_interval_seconds),
         ]
         orchestrator = Orchestrator(
@@ -314,7 +322,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
         # busy actors to finish what they were doing
         grace_s = 5.0 if status == "interrupted" else 30.0
         with stop_signals.deferred():
-            for group in (servers, trainers):
+            for group in (servers, trainers, node_metrics):
                 if group is not None:
                     group.shutdown(timeout_s=grace_s)
             for sink in sinks:

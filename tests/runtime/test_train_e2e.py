@@ -85,6 +85,9 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
             "engine_busy_fraction",
             "engine_step_ms",
         } <= scraped
+        # every node's own metrics (one node here), with its address (docs/metrics.md#system-metrics)
+        memory = reader.system_metrics(name="system_memory_percent")
+        assert memory and {(r["source"], bool(r["node"])) for r in memory} == {("system", True)}
     assert (Path(run_dir) / "logs" / "server-0.log").exists()
     saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
     assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()

@@ -264,3 +264,32 @@ def test_a_failed_write_stops_the_run_store_with_one_clear_error_and_keeps_what_
     with RunReader(tmp_path) as reader:  # intact: what was committed before the failure is there
         assert [m["loss"] for m in reader.step_metrics(["loss"])] == [1.5]
         assert reader.meta()["status"] == "running"  # the next start reports it as crashed
+
+
+VERSION_1_SYSTEM_METRICS = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '1'), ('status', '"finished"');
+CREATE TABLE system_metrics (time REAL NOT NULL, source TEXT NOT NULL, name TEXT NOT NULL, value REAL);
+INSERT INTO system_metrics VALUES (1.0, 'driver', 'cpu_utilization_percent', 12.5);
+"""
+
+
+def test_a_version_1_store_is_read_as_is_and_migrated_when_written_again(tmp_path):
+    import sqlite3
+
+    conn = sqlite3.connect(tmp_path / "run.db")
+    conn.executescript(VERSION_1_SYSTEM_METRICS)
+    conn.close()
+    with RunReader(tmp_path) as reader:  # read-only: nothing changes, nodes read as ''
+        assert reader.system_metrics() == [
+            {"time": 1.0, "source": "driver", "name": "cpu_utilization_percent", "value": 12.5, "node": ""}
+        ]
+        assert reader.system_metrics(node="10.0.0.1") == []
+        assert reader.meta()["schema_version"] == 1
+    store = RunStore(tmp_path)  # a resume writes to it: the new column is added, old rows kept
+    store.log_system_metrics("system", {"cpu_utilization_percent": 40.0}, timestamp=2.0, node="10.0.0.1")
+    store.close()
+    with RunReader(tmp_path) as reader:
+        assert [(r["node"], r["value"]) for r in reader.system_metrics()] == [("", 12.5), ("10.0.0.1", 40.0)]
+        assert reader.system_metrics(node="10.0.0.1")[0]["source"] == "system"
+        assert reader.meta()["schema_version"] == 2

@@ -1,65 +1,158 @@
-"""System metrics from stand-in psutil readings (hand-computed), from the real machine (sanity), and
-the loop that stores them."""
+"""System metrics from stand-in psutil readings (hand-computed) and from the real machine (sanity);
+GPU metrics through a stand-in NVML with pynvml's functions and error classes (no GPU here)."""
 
-import asyncio
+from __future__ import annotations
+
+import logging
 from collections import namedtuple
+from types import SimpleNamespace
 
+import pynvml
 import pytest
 
-from refractor.telemetry.system import SystemMetricsLoop, SystemSampler
+from refractor.telemetry.system import GB, GpuSampler, NodeSampler, SystemSampler
 
 CpuTimes = namedtuple("CpuTimes", "user nice system idle iowait")
 Memory = namedtuple("Memory", "total available")
-GB = 1024**3
 
 
 class Readings:
-    def __init__(self, user, idle):
-        self.times = CpuTimes(user, 0.0, 0.0, idle, 0.0)
+    """psutil's ``cpu_times(percpu)`` and ``virtual_memory()`` for a two-core machine."""
 
-    def cpu_times(self):
-        return self.times
+    def __init__(self, cores: list[tuple[float, float, float]]):
+        self.cores = cores  # (user, idle, iowait) per core
+
+    def cpu_times(self, percpu: bool = False):
+        per_core = [CpuTimes(user, 0.0, 0.0, idle, iowait) for user, idle, iowait in self.cores]
+        if percpu:
+            return per_core
+        return CpuTimes(*(sum(t[i] for t in per_core) for i in range(5)))
 
     def virtual_memory(self):
         return Memory(4 * GB, 1 * GB)
 
 
-def test_hand_computed():
-    readings = Readings(100.0, 100.0)
+def test_hand_computed_total_per_core_and_memory():
+    readings = Readings([(50.0, 50.0, 0.0), (50.0, 50.0, 0.0)])
     sampler = SystemSampler(readings.cpu_times, readings.virtual_memory)
-    readings.times = CpuTimes(130.0, 0.0, 0.0, 170.0, 0.0)  # +30 busy, +70 idle
+    readings.cores = [(80.0, 70.0, 0.0), (50.0, 100.0, 0.0)]  # core 0: +30 busy +20 idle; core 1: +50 idle
     m = sampler.sample()
     assert m["cpu_utilization_percent"] == pytest.approx(30.0)
+    assert m["cpu_core_0_utilization_percent"] == pytest.approx(60.0)
+    assert m["cpu_core_1_utilization_percent"] == pytest.approx(0.0)
     assert m["system_memory_used_gb"] == pytest.approx(3.0)
     assert m["system_memory_available_gb"] == pytest.approx(1.0)
     assert m["system_memory_percent"] == pytest.approx(75.0)
 
 
 def test_io_wait_counts_as_idle_and_no_cpu_metric_without_elapsed_time():
-    readings = Readings(100.0, 100.0)
+    readings = Readings([(100.0, 100.0, 0.0)])
     sampler = SystemSampler(readings.cpu_times, readings.virtual_memory)
     assert "cpu_utilization_percent" not in sampler.sample()
-    readings.times = CpuTimes(110.0, 0.0, 0.0, 100.0, 10.0)
+    readings.cores = [(110.0, 100.0, 10.0)]
     assert sampler.sample()["cpu_utilization_percent"] == pytest.approx(50.0)
 
 
 def test_real_machine_is_sane():
-    m = SystemSampler().sample()
+    sampler = SystemSampler()
+    sum(i * i for i in range(200_000))  # some CPU time between the two readings
+    m = sampler.sample()
     assert 0 < m["system_memory_percent"] < 100
+    cores = [k for k in m if k.startswith("cpu_core_")]
+    assert len(cores) == len(SystemSampler().cpu_times(percpu=True))
+    assert all(0 <= m[k] <= 100 for k in cores)
 
 
-def test_loop_stores_driver_samples_every_interval():
-    rows = []
-    readings = Readings(100.0, 100.0)
-    sampler = SystemSampler(readings.cpu_times, readings.virtual_memory)
-    loop = SystemMetricsLoop(lambda *row: rows.append(row), 0.001, clock=lambda: 7.0, sampler=sampler)
+class FakeNvml:
+    """pynvml's functions for two GPUs; GPU 1 has no fan (NotSupported) and its power read fails
+    once with a transient error. The error classes are pynvml's own."""
 
-    async def main():
-        task = asyncio.create_task(loop.run())
-        while len(rows) < 2:
-            await asyncio.sleep(0.001)
-        task.cancel()
+    NVMLError = pynvml.NVMLError
+    NVMLError_NotSupported = pynvml.NVMLError_NotSupported
+    NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
+    NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
+    NVML_CLOCK_MEM = pynvml.NVML_CLOCK_MEM
 
-    asyncio.run(main())
-    source, metrics, timestamp = rows[0]
-    assert source == "driver" and timestamp == 7.0 and metrics["system_memory_percent"] == pytest.approx(75.0)
+    def __init__(self, count: int = 2, init_error: Exception | None = None):
+        self.count = count
+        self.init_error = init_error
+        self.fan_calls = 0
+        self.power_failures = 1
+
+    def nvmlInit(self):
+        if self.init_error is not None:
+            raise self.init_error
+
+    def nvmlDeviceGetCount(self):
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=80 * GB, used=(20 + h) * GB, free=(60 - h) * GB)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=90 + h, memory=40 + h)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        if h == 1 and self.power_failures:
+            self.power_failures -= 1
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return 350_500 + h * 1000  # milliwatts
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        assert sensor == pynvml.NVML_TEMPERATURE_GPU
+        return 60 + h
+
+    def nvmlDeviceGetClockInfo(self, h, clock):
+        return {pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619}[clock]
+
+    def nvmlDeviceGetFanSpeed(self, h):
+        self.fan_calls += 1
+        if h == 1:
+            raise pynvml.NVMLError_NotSupported(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return 30
+
+
+def test_gpu_metrics_per_gpu_with_nvml_units_converted():
+    nvml = FakeNvml()
+    sampler = GpuSampler.open(nvml)
+    rows = {(source, name): value for source, name, value in sampler.sample()}
+    assert rows[("gpu0", "gpu_memory_used_gb")] == 20.0 and rows[("gpu1", "gpu_memory_free_gb")] == 59.0
+    assert rows[("gpu0", "gpu_memory_used_percent")] == pytest.approx(25.0)
+    assert rows[("gpu1", "gpu_utilization_percent")] == 91.0
+    assert rows[("gpu1", "gpu_memory_bandwidth_utilization_percent")] == 41.0
+    assert rows[("gpu0", "gpu_power_w")] == pytest.approx(350.5)
+    assert rows[("gpu0", "gpu_temperature_c")] == 60.0
+    assert rows[("gpu0", "gpu_clock_sm_mhz")] == 1980.0 and rows[("gpu0", "gpu_clock_mem_mhz")] == 2619.0
+    assert rows[("gpu0", "gpu_fan_speed_percent")] == 30.0
+    # what one GPU cannot report is left out; a transient failure only this time
+    assert ("gpu1", "gpu_fan_speed_percent") not in rows and ("gpu1", "gpu_power_w") not in rows
+    rows = {(source, name): value for source, name, value in sampler.sample()}
+    assert rows[("gpu1", "gpu_power_w")] == pytest.approx(351.5)
+    assert nvml.fan_calls == 3  # GPU 1's fan is not asked again
+
+
+def test_no_nvml_means_cpu_metrics_only_and_one_info_line(caplog):
+    caplog.set_level(logging.INFO, logger="refractor.telemetry.system")
+    missing = FakeNvml(init_error=pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+    node = NodeSampler.open(missing)
+    assert node.gpus is None
+    assert [r.message for r in caplog.records] == [
+        "no GPU metrics on this machine (NVML: NVML Shared Library Not Found)"
+    ]
+    assert {source for source, _, _ in node.sample()} == {"system"}
+    assert GpuSampler.open(FakeNvml(count=0)) is None
+
+
+def test_node_sampler_rows_carry_system_and_gpu_sources():
+    node = NodeSampler(SystemSampler(), GpuSampler.open(FakeNvml()))
+    sources = {source for source, _, _ in node.sample()}
+    assert sources == {"system", "gpu0", "gpu1"}
+
+
+def test_the_real_nvml_on_a_machine_without_gpus_gives_no_sampler():
+    # this machine has no NVIDIA driver: the real library load fails, and that is not an error
+    if GpuSampler.open() is not None:
+        pytest.skip("this machine has an NVIDIA GPU")

@@ -7,8 +7,9 @@ console progress and the optional W&B sink.
 * :func:`~refractor.telemetry.metrics.rollout_step_metrics` — derived rollout metrics
   (docs/metrics.md#rollout-metrics);
   :func:`~refractor.telemetry.step_metrics.step_metrics` — everything stored for one training step.
-* :class:`~refractor.telemetry.system.SystemMetricsLoop`,
-  :class:`~refractor.telemetry.server_metrics.ServerMetricsScraper` — periodic driver and server metrics.
+* :class:`~refractor.telemetry.system.NodeSampler` (one machine's CPU, memory and NVML GPU metrics;
+  sampled on every node by ``refractor.runtime.node_metrics``),
+  :class:`~refractor.telemetry.server_metrics.ServerMetricsScraper` — periodic node and server metrics.
 * :class:`~refractor.telemetry.console.ConsoleSink`, :class:`~refractor.telemetry.wandb_sink.WandbSink`
   (import the latter only when ``use_wandb`` is on).
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from refractor.telemetry.metrics import RolloutSummary
-from refractor.telemetry.store import tokens_from_blob
+from refractor.telemetry.store import table_columns, tokens_from_blob
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,31 @@ class RunReader:
             r["attrs"] = json.loads(r["attrs"])
         return rows
 
-    def system_metrics(self, start: float | None = None, end: float | None = None) -> list[dict[str, Any]]:
-        lo = float("-inf") if start is None else start
-        hi = float("inf") if end is None else end
-        return self._rows("SELECT * FROM system_metrics WHERE time BETWEEN ? AND ? ORDER BY time", (lo, hi))
+    def system_metrics(
+        self,
+        start: float | None = None,
+        end: float | None = None,
+        *,
+        name: str | None = None,
+        source: str | None = None,
+        node: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Rows (``time, source, name, value, node``) in [start, end], by time; each filter optional.
+        A run store written before nodes were recorded gives ``node`` ''."""
+        clauses = ["time BETWEEN ? AND ?"]
+        args: list[Any] = [float("-inf") if start is None else start, float("inf") if end is None else end]
+        for column, value in (("name", name), ("source", source), ("node", node)):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                args.append(value)
+        if "node" in table_columns(self._conn, "system_metrics"):
+            node_column = "node"
+        elif node is None:
+            node_column = "'' AS node"
+        else:
+            return []
+        sql = (
+            f"SELECT time, source, name, value, {node_column} FROM system_metrics "
+            f"WHERE {' AND '.join(clauses)} ORDER BY time"
+        )
+        return self._rows(sql, tuple(args))

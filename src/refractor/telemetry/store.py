@@ -22,7 +22,7 @@ from typing import Any
 from refractor.errors import RefractorUserError
 from refractor.records import EvalRollout, Rollout, RolloutStatus, TimelineEvent
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: system_metrics.node (the address of the machine a row comes from)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -60,9 +60,14 @@ CREATE TABLE IF NOT EXISTS events (
     step INTEGER, start REAL NOT NULL, "end" REAL NOT NULL, attrs TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS events_start ON events (start);
 CREATE TABLE IF NOT EXISTS system_metrics (
-    time REAL NOT NULL, source TEXT NOT NULL, name TEXT NOT NULL, value REAL);
+    time REAL NOT NULL, source TEXT NOT NULL, name TEXT NOT NULL, value REAL,
+    node TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS system_metrics_time ON system_metrics (time);
 """
+
+# Columns added after version 1, added to an older run.db when a run writes to it again (a resume):
+# (table, column, definition).
+MIGRATIONS = [("system_metrics", "node", "TEXT NOT NULL DEFAULT ''")]
 
 
 def connect_writer(path: Path) -> sqlite3.Connection:
@@ -71,7 +76,15 @@ def connect_writer(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at checkpoints, fast commits
     conn.execute("PRAGMA busy_timeout=5000")
     conn.executescript(SCHEMA)
+    for table, column, definition in MIGRATIONS:
+        if column not in table_columns(conn, table):
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+    conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (_json(SCHEMA_VERSION),))
     return conn
+
+
+def table_columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
 
 
 def mark_crashed(path: Path) -> bool:
@@ -264,12 +277,13 @@ class RunStore:
         )
 
     def log_system_metrics(
-        self, source: str, metrics: Mapping[str, float], timestamp: float | None = None
+        self, source: str, metrics: Mapping[str, float], timestamp: float | None = None, node: str = ""
     ) -> None:
+        """``node``: the address of the machine measured ('' for what is not one machine's)."""
         ts = time.time() if timestamp is None else timestamp
         self._put(
-            "INSERT INTO system_metrics VALUES (?,?,?,?)",
-            [(ts, source, k, float(v)) for k, v in metrics.items()],
+            "INSERT INTO system_metrics (time, source, name, value, node) VALUES (?,?,?,?,?)",
+            [(ts, source, k, float(v), node) for k, v in metrics.items()],
         )
 
     def abandon_unfinished(self, next_step: int, reason: str) -> None:

@@ -1,45 +1,67 @@
-"""Driver-node system metrics (docs/metrics.md#system-metrics), read with psutil: CPU utilization
-between two samples, and memory. :class:`SystemMetricsLoop` stores a sample every interval with
-source ``driver``."""
+"""System and GPU metrics of one machine (docs/metrics.md#system-metrics).
+
+* :class:`SystemSampler`: CPU utilization between two samples, in total and per core, and memory,
+  through psutil. Source ``system``.
+* :class:`GpuSampler`: every GPU the machine has, through NVML (``nvidia-ml-py``): utilization,
+  memory, power, temperature, clocks. Source ``gpu<index>`` (NVML's index, the physical one). A
+  metric the GPU does not support is left out; without NVML (no driver, no GPU) there is no
+  sampler, and one info line says so.
+* :class:`NodeSampler`: both, as rows; what runs on every node (``refractor.runtime.node_metrics``).
+"""
 
 from __future__ import annotations
 
-import asyncio
-import time
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import psutil
 
 GB = 1024**3
+log = logging.getLogger(__name__)
+
+Rows = list[tuple[str, str, float]]  # (source, metric name, value)
 
 
 def _busy_and_total(times: Any) -> tuple[float, float]:
-    """CPU seconds (all cores) spent busy and in total; idle counts I/O wait too."""
+    """CPU seconds spent busy and in total; idle counts I/O wait too."""
     total = float(sum(times))
     idle = times.idle + getattr(times, "iowait", 0.0)
     return total - idle, total
 
 
+def _percent_busy(now: tuple[float, float], before: tuple[float, float]) -> float | None:
+    elapsed = now[1] - before[1]
+    return 100.0 * (now[0] - before[0]) / elapsed if elapsed > 0 else None
+
+
 class SystemSampler:
-    """``cpu_times`` and ``virtual_memory`` are psutil's functions (tests pass stand-ins)."""
+    """``cpu_times(percpu)`` and ``virtual_memory()`` are psutil's functions (tests pass stand-ins)."""
 
     def __init__(
         self,
-        cpu_times: Callable[[], Any] = psutil.cpu_times,
+        cpu_times: Callable[..., Any] = psutil.cpu_times,
         virtual_memory: Callable[[], Any] = psutil.virtual_memory,
     ) -> None:
         self.cpu_times = cpu_times
         self.virtual_memory = virtual_memory
-        self._last = _busy_and_total(cpu_times())
+        self._last = self._read()
+
+    def _read(self) -> tuple[tuple[float, float], list[tuple[float, float]]]:
+        return _busy_and_total(self.cpu_times()), [_busy_and_total(t) for t in self.cpu_times(percpu=True)]
 
     def sample(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        now = _busy_and_total(self.cpu_times())
-        total = now[1] - self._last[1]
-        if total > 0:
-            out["cpu_utilization_percent"] = 100.0 * (now[0] - self._last[0]) / total
-        self._last = now
+        total, cores = self._read()
+        last_total, last_cores = self._last
+        self._last = (total, cores)
+        busy = _percent_busy(total, last_total)
+        if busy is not None:
+            out["cpu_utilization_percent"] = busy
+        for i, (now, before) in enumerate(zip(cores, last_cores, strict=False)):
+            core_busy = _percent_busy(now, before)
+            if core_busy is not None:
+                out[f"cpu_core_{i}_utilization_percent"] = core_busy
         mem = self.virtual_memory()
         used = mem.total - mem.available  # what the machine cannot hand out (not psutil's narrower `used`)
         out["system_memory_used_gb"] = used / GB
@@ -48,25 +70,95 @@ class SystemSampler:
         return out
 
 
-class SystemMetricsLoop:
-    """Every ``interval_s``, one sample handed to ``log_metrics(source, metrics, timestamp)``."""
+class GpuSampler:
+    """The metrics of every GPU NVML sees. ``nvml`` is the ``pynvml`` module (tests pass a stand-in
+    with the same functions); build it with :meth:`open`."""
 
-    def __init__(
-        self,
-        log_metrics: Callable[[str, dict[str, float], float], None],
-        interval_s: float,
-        clock: Callable[[], float] = time.time,
-        sampler: SystemSampler | None = None,
-    ) -> None:
-        self.log_metrics = log_metrics
-        self.interval_s = interval_s
-        self.clock = clock
-        self.sampler = sampler
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml
+        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        self.unsupported: set[tuple[int, str]] = set()  # (GPU, metric) NVML refused: not asked again
 
-    async def run(self) -> None:
-        sampler = self.sampler or SystemSampler()  # the first CPU reading starts with the loop
-        while True:
-            await asyncio.sleep(self.interval_s)
-            metrics = sampler.sample()
-            if metrics:
-                self.log_metrics("driver", metrics, self.clock())
+    @classmethod
+    def open(cls, nvml: Any = None) -> GpuSampler | None:
+        """A sampler, or None (with one info line) when NVML cannot be used on this machine."""
+        try:
+            if nvml is None:
+                import pynvml as nvml
+            nvml.nvmlInit()
+            sampler = cls(nvml)
+        except Exception as err:  # noqa: BLE001 - no library, no driver, no GPU: CPU metrics only
+            log.info("no GPU metrics on this machine (NVML: %s)", err)
+            return None
+        if not sampler.handles:
+            log.info("no GPU metrics on this machine (NVML sees no GPU)")
+            return None
+        return sampler
+
+    def sample(self) -> Rows:
+        rows: Rows = []
+        for index, handle in enumerate(self.handles):
+            source = f"gpu{index}"
+            for name, value in self._metrics(index, handle):
+                rows.append((source, name, value))
+        return rows
+
+    def _metrics(self, index: int, handle: Any) -> list[tuple[str, float]]:
+        nvml = self.nvml
+        reads: dict[str, Callable[[], list[tuple[str, float]]]] = {
+            "memory": lambda: _memory(nvml.nvmlDeviceGetMemoryInfo(handle)),
+            "utilization": lambda: _utilization(nvml.nvmlDeviceGetUtilizationRates(handle)),
+            "power": lambda: [("gpu_power_w", nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)],
+            "temperature": lambda: [
+                ("gpu_temperature_c", float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)))
+            ],
+            "clocks": lambda: [
+                ("gpu_clock_sm_mhz", float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))),
+                ("gpu_clock_mem_mhz", float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM))),
+            ],
+            "fan": lambda: [("gpu_fan_speed_percent", float(nvml.nvmlDeviceGetFanSpeed(handle)))],
+        }
+        out: list[tuple[str, float]] = []
+        for what, read in reads.items():
+            if (index, what) in self.unsupported:
+                continue
+            try:
+                out += read()
+            except nvml.NVMLError_NotSupported:
+                self.unsupported.add((index, what))  # e.g. no fan on a data-centre GPU
+            except nvml.NVMLError as err:
+                log.debug("NVML %s: %s", what, err)  # transient: asked again next time
+        return out
+
+
+def _memory(info: Any) -> list[tuple[str, float]]:
+    return [
+        ("gpu_memory_used_gb", info.used / GB),
+        ("gpu_memory_free_gb", info.free / GB),
+        ("gpu_memory_used_percent", 100.0 * info.used / info.total if info.total else 0.0),
+    ]
+
+
+def _utilization(rates: Any) -> list[tuple[str, float]]:
+    return [
+        ("gpu_utilization_percent", float(rates.gpu)),
+        ("gpu_memory_bandwidth_utilization_percent", float(rates.memory)),
+    ]
+
+
+class NodeSampler:
+    """One machine's system and GPU metrics as rows; the first CPU reading is taken at creation."""
+
+    def __init__(self, system: SystemSampler | None = None, gpus: GpuSampler | None = None) -> None:
+        self.system = system or SystemSampler()
+        self.gpus = gpus
+
+    @classmethod
+    def open(cls, nvml: Any = None) -> NodeSampler:
+        return cls(SystemSampler(), GpuSampler.open(nvml))
+
+    def sample(self) -> Rows:
+        rows: Rows = [("system", name, value) for name, value in self.system.sample().items()]
+        if self.gpus is not None:
+            rows += self.gpus.sample()
+        return rows

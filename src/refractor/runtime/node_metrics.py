@@ -1,0 +1,125 @@
+"""System and GPU metrics from every node the run uses, into the driver's run store.
+
+One :class:`NodeMetricsActor` per Ray node that holds a refractor process (the driver's node, and
+every node of the servers' and trainer ranks' placement groups), pinned there, taking no CPU from
+the run's reservations. Every ``system_metrics_collection_interval_seconds`` the driver's
+:class:`NodeMetricsLoop` asks each actor for a sample (Ray calls: nothing assumes a shared file
+system or one machine) and stores the rows with the node's address. A node whose collector dies or
+fails is recorded once as a ``node_metrics_failed`` warning event and left out from then on; the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from refractor.records import TimelineEvent
+from refractor.telemetry.system import NodeSampler
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class NodeMetricsActor:
+    def __init__(self) -> None:
+        self.address = ray.util.get_node_ip_address()
+        self.sampler = NodeSampler.open()  # the first CPU reading: the first sample covers since then
+
+    def node(self) -> str:
+        return self.address
+
+    def sample(self) -> tuple[float, list[tuple[str, str, float]]]:
+        return time.time(), self.sampler.sample()
+
+
+def run_nodes(placement_groups: Iterable[Any]) -> list[str]:
+    """Ray node ids of the driver and of every bundle of ``placement_groups``, each once, in order."""
+    nodes = [ray.get_runtime_context().get_node_id()]
+    for pg in placement_groups:
+        table = ray.util.placement_group_table(pg)
+        for node in table.get("bundles_to_node_id", {}).values():
+            if node not in nodes:
+                nodes.append(node)
+    return nodes
+
+
+class NodeMetricsLoop:
+    """Samples every node's collector each ``interval_s`` into ``log_metrics(source, metrics,
+    timestamp, node)``; ``warn(event)`` records a collector that stopped."""
+
+    def __init__(
+        self,
+        node_ids: list[str],
+        log_metrics: Callable[..., None],
+        warn: Callable[[TimelineEvent], None],
+        interval_s: float,
+        call_timeout_s: float = 30.0,
+    ) -> None:
+        self.node_ids = node_ids
+        self.log_metrics = log_metrics
+        self.warn = warn
+        self.interval_s = interval_s
+        self.call_timeout_s = call_timeout_s
+        self.actors: dict[str, Any] = {}  # node address -> its collector
+
+    def start(self) -> None:
+        """Place one collector on each node (blocking: call before the event loop)."""
+        actors = [
+            NodeMetricsActor.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+            ).remote()
+            for node_id in self.node_ids
+        ]
+        for node_id, actor in zip(self.node_ids, actors, strict=True):
+            try:
+                self.actors[ray.get(actor.node.remote(), timeout=self.call_timeout_s)] = actor
+            except Exception as err:  # noqa: BLE001 - a node without metrics is no reason to stop
+                self._stopped(node_id, err)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.collect()
+
+    async def collect(self) -> None:
+        nodes = list(self.actors)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(_await(self.actors[n].sample.remote()), self.call_timeout_s) for n in nodes),
+            return_exceptions=True,
+        )
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, BaseException):
+                del self.actors[node]
+                self._stopped(node, result)
+                continue
+            timestamp, rows = result
+            by_source: dict[str, dict[str, float]] = {}
+            for source, name, value in rows:
+                by_source.setdefault(source, {})[name] = value
+            for source, metrics in by_source.items():
+                self.log_metrics(source, metrics, timestamp, node=node)
+
+    def _stopped(self, node: str, err: BaseException) -> None:
+        message = f"system metrics of node {node} stopped: {type(err).__name__}: {err}"[:2000]
+        log.warning(message)
+        now = time.time()
+        self.warn(
+            TimelineEvent("node_metrics_failed", now, now, "driver", {"node": node, "message": message})
+        )
+
+    def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Kill every collector (nothing to wait for: they hold no state)."""
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        self.actors.clear()
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
