@@ -195,6 +195,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     from refractor.runtime.node_metrics import NodeMetricsLoop, run_nodes
     from refractor.runtime.restarts import ServerRestarter
     from refractor.runtime.server_group import RayServerGroup, choose_engine
+    from refractor.runtime.topology import model_info, placement_group_info, topology_snapshot
     from refractor.runtime.trainer_group import RayTrainerGroup, TrainerGroupSettings
     from refractor.telemetry.console import ConsoleSink
     from refractor.telemetry.server_metrics import ServerMetricsScraper
@@ -255,7 +256,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
             cfg, tokenizer.pad_token_id, control_token=control_token, single_node=connection.nodes == 1
         )
         trainers = RayTrainerGroup(trainer_settings, trainer_pg)
-        infos = _start_side_by_side(servers, trainers)
+        infos, trainer_ranks = _start_side_by_side(servers, trainers)
         store.set_meta({"engine": engine, "servers": json.dumps([i.__dict__ for i in infos])})
         eval_servers = eval_server_names(cfg, [i.name for i in infos])
         trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
@@ -268,6 +269,22 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
             cfg.system_metrics_collection_interval_seconds,
         )
         node_metrics.start()
+        store.set_meta(
+            {
+                "topology": topology_snapshot(
+                    connection=connection,
+                    engine=engine,
+                    machines=node_metrics.describe_nodes(),
+                    servers=servers.placements(),
+                    trainer_ranks=trainer_ranks,
+                    placement_groups=[
+                        placement_group_info("inference servers", server_pg),
+                        placement_group_info("trainer ranks", trainer_pg),
+                    ],
+                    model=model_info(cfg.model, trainer_ranks),
+                )
+            }
+        )
         telemetry = [
             node_metrics,
             ServerMetricsScraper(clients, store.log_system_metrics, cfg.metrics_logger_interval_seconds),
@@ -335,15 +352,15 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
 
 
 def _start_side_by_side(servers, trainers):
-    """Boot the servers and the trainer ranks in parallel; returns the servers' infos. Interrupted,
-    it does not wait for the boots (the caller kills their actors, which ends them)."""
+    """Boot the servers and the trainer ranks in parallel; returns the servers' infos and the
+    ranks'. Interrupted, it does not wait for the boots (the caller kills their actors, which ends
+    them)."""
     pool = ThreadPoolExecutor(2, thread_name_prefix="boot")
     try:
         server_future = pool.submit(servers.start)
         trainer_future = pool.submit(trainers.setup)
         infos = server_future.result()
-        trainer_future.result()
-        return infos
+        return infos, trainer_future.result()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 

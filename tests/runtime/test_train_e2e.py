@@ -6,6 +6,7 @@ and a real FSDP trainer rank, and reads its results back from the SQLite run sto
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -88,6 +89,26 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
         # every node's own metrics (one node here), with its address (docs/metrics.md#system-metrics)
         memory = reader.system_metrics(name="system_memory_percent")
         assert memory and {(r["source"], bool(r["node"])) for r in memory} == {("system", True)}
+        # what ran where (docs/run-store.md#topology), joined to the metrics by node address
+        topology = reader.topology()
+        (machine,) = topology["machines"]
+        assert machine["address"] == memory[0]["node"] and machine["gpus"] == []
+        assert machine["packages"]["torch"] and machine["cpu_count"] >= 1
+        (server,) = topology["inference"]["servers"]
+        assert server["name"] == "server-0" and server["node"] == machine["address"]
+        assert server["url"] == json.loads(reader.meta()["servers"])[0]["url"]
+        (rank,) = topology["trainer"]["ranks"]
+        assert rank["rank"] == 0 and rank["device"] == "cpu" and rank["node"] == machine["address"]
+        assert [pg["name"] for pg in topology["placement_groups"]] == ["inference servers", "trainer ranks"]
+        assert all(
+            b["node"] == machine["address"] for pg in topology["placement_groups"] for b in pg["bundles"]
+        )
+        model = topology["model"]
+        assert model["architectures"] == ["Qwen2ForCausalLM"] and model["num_parameters"] > 0
+        assert (
+            topology["cluster"]["nodes"][0]["alive"]
+            and topology["cluster"]["driver_node"] == machine["address"]
+        )
     assert (Path(run_dir) / "logs" / "server-0.log").exists()
     saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
     assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()

@@ -10,7 +10,14 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from refractor.telemetry.system import GB, GpuSampler, NodeSampler, SystemSampler
+from refractor.telemetry.system import (
+    GB,
+    GpuSampler,
+    NodeSampler,
+    SystemSampler,
+    describe_gpus,
+    describe_machine,
+)
 
 CpuTimes = namedtuple("CpuTimes", "user nice system idle iowait")
 Memory = namedtuple("Memory", "total available")
@@ -108,6 +115,18 @@ class FakeNvml:
     def nvmlDeviceGetClockInfo(self, h, clock):
         return {pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619}[clock]
 
+    def nvmlDeviceGetName(self, h):
+        return b"NVIDIA H100 80GB HBM3" if h == 0 else "NVIDIA H100 80GB HBM3"  # bytes in old pynvml
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h:08d}"
+
+    def nvmlSystemGetDriverVersion(self):
+        return "570.86.15"
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        return 12080
+
     def nvmlDeviceGetFanSpeed(self, h):
         self.fan_calls += 1
         if h == 1:
@@ -156,3 +175,19 @@ def test_the_real_nvml_on_a_machine_without_gpus_gives_no_sampler():
     # this machine has no NVIDIA driver: the real library load fails, and that is not an error
     if GpuSampler.open() is not None:
         pytest.skip("this machine has an NVIDIA GPU")
+
+
+def test_machine_description_names_gpus_driver_and_cuda():
+    described = describe_gpus(FakeNvml())
+    assert described["driver_version"] == "570.86.15" and described["cuda_driver_version"] == "12.8"
+    assert [g["name"] for g in described["gpus"]] == ["NVIDIA H100 80GB HBM3"] * 2
+    assert described["gpus"][1] == {
+        "index": 1,
+        "name": "NVIDIA H100 80GB HBM3",
+        "uuid": "GPU-00000001",
+        "memory_gb": 80.0,
+    }
+    missing = describe_gpus(FakeNvml(init_error=pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)))
+    assert missing == {"gpus": [], "error": "NVML Shared Library Not Found"}
+    machine = describe_machine(FakeNvml())
+    assert machine["packages"]["torch"] and machine["cpu_count"] >= 1 and len(machine["gpus"]) == 2

@@ -21,7 +21,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from refractor.records import TimelineEvent
-from refractor.telemetry.system import NodeSampler
+from refractor.telemetry.system import NodeSampler, describe_machine
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,9 @@ class NodeMetricsActor:
 
     def node(self) -> str:
         return self.address
+
+    def describe(self) -> dict:
+        return {"address": self.address, **describe_machine()}
 
     def sample(self) -> tuple[float, list[tuple[str, str, float]]]:
         return time.time(), self.sampler.sample()
@@ -113,6 +116,17 @@ class NodeMetricsLoop:
         self.warn(
             TimelineEvent("node_metrics_failed", now, now, "driver", {"node": node, "message": message})
         )
+
+    def describe_nodes(self) -> list[dict]:
+        """Every sampled node's hardware and software (blocking; a node that cannot answer is
+        listed with its error)."""
+        out = []
+        for address, actor in self.actors.items():
+            try:
+                out.append(ray.get(actor.describe.remote(), timeout=self.call_timeout_s))
+            except Exception as err:  # noqa: BLE001 - the snapshot names what it could not read
+                out.append({"address": address, "error": f"{type(err).__name__}: {err}"})
+        return out
 
     def shutdown(self, timeout_s: float = 0.0) -> None:
         """Kill every collector (nothing to wait for: they hold no state)."""

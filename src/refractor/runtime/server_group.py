@@ -162,6 +162,10 @@ class InferenceServerActor:
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
 
+    def placement(self) -> dict:
+        """Where this server runs: its node's address and the GPUs Ray gave it."""
+        return {"node": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
     def log_tail(self) -> str:
         return self.server.log_tail() if self.server is not None else ""
 
@@ -209,6 +213,11 @@ class RayServerGroup:
         urls = [self._get_url(name, ref) for name, ref in zip(self.names, refs, strict=True)]
         self.infos = [ServerInfo(n, u) for n, u in zip(self.names, urls, strict=True)]
         return self.infos
+
+    def placements(self) -> list[dict]:
+        """Each server's name, URL, node address and GPUs (blocking)."""
+        where = ray.get([a.placement.remote() for a in self.actors], timeout=60)
+        return [{"name": i.name, "url": i.url, **w} for i, w in zip(self.infos, where, strict=True)]
 
     def _actor_alive(self, index: int) -> bool:
         try:

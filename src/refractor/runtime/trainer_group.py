@@ -88,7 +88,16 @@ class TrainerActor:
         self.trainer = Trainer(
             self.settings, self.rank, self.world_size, master_addr=master_addr, master_port=master_port
         )
-        return {"rank": self.rank, "device": str(self.trainer.device), "node": ray.util.get_node_ip_address()}
+        model = self.trainer.model
+        return {
+            "rank": self.rank,
+            "device": str(self.trainer.device),
+            "node": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            # sharded parameters report their full size: every rank gives the model's count
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "impl": self.trainer.impl,
+        }
 
     def init_weight_sync(self, servers: list[tuple[str, str]], eval_servers: list[str]) -> None:
         if self.rank != 0:

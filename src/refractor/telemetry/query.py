@@ -69,6 +69,10 @@ class RunReader:
     def meta(self) -> dict[str, Any]:
         return {r["key"]: json.loads(r["value"]) for r in self._rows("SELECT key, value FROM meta")}
 
+    def topology(self) -> dict[str, Any] | None:
+        """What ran where (docs/run-store.md#topology); None for a run that recorded none."""
+        return self.meta().get("topology")
+
     def config(self) -> dict[str, Any]:
         return self.meta().get("config", {})
 

