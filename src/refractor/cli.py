@@ -121,6 +121,35 @@ def train(
     err_console.print(f"[green]done[/]: run stored in {run_dir}")
 
 
+@app.command("runs")
+def runs(runs_dir: str = typer.Argument("runs", help="The folder that holds the run directories.")) -> None:
+    """List the runs under a folder, newest first: status, steps trained, last reward."""
+    import time
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from refractor.telemetry.query import list_runs
+
+    if not Path(runs_dir).is_dir():
+        fail(f"no folder {runs_dir!r}: pass the folder that holds the run directories (run_dir)", code=1)
+    found = list_runs(runs_dir)
+    if not found:
+        err_console.print(f"no runs under {runs_dir}")
+        return
+    table = Table("run", "status", "steps", "last reward", "created", "path", box=None)
+    for run in found:
+        table.add_row(
+            run.name,
+            run.status,
+            "0" if run.last_step is None else str(run.last_step + 1),
+            "" if run.last_reward is None else f"{run.last_reward:.4g}",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(run.created_at)),
+            str(run.path),
+        )
+    Console(width=200).print(table)
+
+
 from refractor.trainer.convert import convert_command  # noqa: E402 (light module: torch loads lazily)
 
 app.command("convert")(convert_command)

@@ -204,3 +204,30 @@ def test_train_lets_an_unexpected_error_through_with_its_traceback(monkeypatch):
     monkeypatch.setattr("refractor.train.run_training", failing_run)
     res = run("train", "--environments", '[{"name": "countdown"}]')
     assert isinstance(res.exception, RuntimeError) and "a bug" in str(res.exception)
+
+
+def test_runs_lists_status_steps_and_last_reward_and_shows_a_dead_running_run_as_crashed(tmp_path):
+    from refractor.runtime.run_lock import RunLock
+    from refractor.telemetry.store import RunStore
+
+    def make(name: str, rewards: list[float], status: str):
+        store = RunStore(tmp_path / name, run_name=name)
+        for step, reward in enumerate(rewards):
+            store.log_step_metrics(step, {"reward_sum_mean": reward})
+        store.close(status)
+
+    make("done", [0.25, 0.5, 0.875], "finished")
+    make("dead", [0.125], "running")  # what a killed driver leaves behind
+    make("live", [], "running")
+    lock = RunLock.acquire(tmp_path / "live")  # a driver that is still running
+    try:
+        result = runner.invoke(app, ["runs", str(tmp_path)])
+    finally:
+        lock.release()
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split()[1:4] for line in result.output.splitlines()[1:]}
+    assert rows["done"] == ["finished", "3", "0.875"]
+    assert rows["dead"] == ["crashed", "1", "0.125"]
+    assert rows["live"][:2] == ["running", "0"]
+    missing = runner.invoke(app, ["runs", str(tmp_path / "nope")])
+    assert missing.exit_code == 1 and "no folder" in missing.output

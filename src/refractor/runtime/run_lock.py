@@ -62,6 +62,22 @@ class RunLock:
             self._fd = None
 
 
+def is_held(root: str | Path) -> bool:
+    """Whether a live process on this host holds the lock of run directory ``root`` (read-only:
+    it takes a shared lock for an instant and writes nothing)."""
+    try:
+        fd = os.open(Path(root) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock if it was taken
+
+
 def _read_holder(fd: int) -> dict[str, object]:
     try:
         text = os.pread(fd, 4096, 0).decode()

@@ -21,24 +21,33 @@ from refractor.telemetry.store import table_columns, tokens_from_blob
 class RunInfo:
     name: str
     path: Path
-    status: str
+    status: str  # as stored; a `running` run nobody holds the lock of is shown as `crashed`
     created_at: float
     last_step: int | None
+    last_reward: float | None = None  # reward_sum_mean of the last step
 
 
 def list_runs(runs_dir: str | Path) -> list[RunInfo]:
     """Every run under ``runs_dir`` that has a run.db, newest first."""
+    from refractor.runtime.run_lock import is_held
+
     out = []
     for db in sorted(Path(runs_dir).glob("*/run.db")):
         with RunReader(db.parent) as r:
             meta = r.meta()
+            status = str(meta.get("status", "unknown"))
+            if status == "running" and not is_held(db.parent):
+                status = "crashed"  # its driver died; the next start records it so
+            last_step = r.last_step()
+            reward = None if last_step is None else r.step_metric(last_step, "reward_sum_mean")
             out.append(
                 RunInfo(
                     str(meta.get("run_name", db.parent.name)),
                     db.parent,
-                    str(meta.get("status", "unknown")),
+                    status,
                     float(meta.get("created_at", 0.0)),
-                    r.last_step(),
+                    last_step,
+                    reward,
                 )
             )
     return sorted(out, key=lambda i: i.created_at, reverse=True)
@@ -68,6 +77,10 @@ class RunReader:
 
     def meta(self) -> dict[str, Any]:
         return {r["key"]: json.loads(r["value"]) for r in self._rows("SELECT key, value FROM meta")}
+
+    def step_metric(self, step: int, name: str) -> float | None:
+        rows = self._rows("SELECT value FROM step_metrics WHERE step = ? AND name = ?", (step, name))
+        return rows[0]["value"] if rows else None
 
     def topology(self) -> dict[str, Any] | None:
         """What ran where (docs/run-store.md#topology); None for a run that recorded none."""
