@@ -110,7 +110,7 @@ def train(
     from refractor.train import run_training
 
     try:
-        run_dir = run_training(cfg, quiet=quiet, overwrite=overwrite)
+        run_dir = run_training(cfg, quiet=quiet, overwrite=overwrite, config_path=config)
     except RefractorUserError as err:
         fail(str(err), code=1)
     except KeyboardInterrupt:

@@ -1,10 +1,11 @@
 """``refractor train``: the driver that wires a run together and tears it down.
 
-Order: resolve the config and the model once -> run directory + run store -> environments and
-tokenizer -> Ray (connect or start) -> inference servers and trainer ranks start side by side ->
-weight-sync group -> resume (trainer state, orchestrator counters, prompt stream, weights pushed to
-the servers) -> the orchestrator's event loop -> shutdown of every actor and server process, on
-success, on error and on Ctrl-C.
+Order: resolve the config and the model once -> run directory + run store (the code snapshot is
+taken by a thread beside the rest of the start) -> environments and tokenizer -> Ray (connect or
+start) -> inference servers and trainer ranks start side by side -> weight-sync group -> resume
+(trainer state, orchestrator counters, prompt stream, weights pushed to the servers) -> the
+orchestrator's event loop -> shutdown of every actor and server process, on success, on error
+and on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +30,11 @@ from refractor.errors import RunSetupError
 if TYPE_CHECKING:
     from refractor.runtime.health import ServerWatchdog
     from refractor.runtime.run_lock import RunLock
+    from refractor.telemetry.store import RunStore
 
 log = logging.getLogger("refractor.train")
+
+CODE_SNAPSHOT_WAIT_S = 30.0  # how long the end of a run waits for a code snapshot still being taken
 
 
 @dataclass(frozen=True)
@@ -175,16 +180,23 @@ def load_tokenizer(cfg: RefractorConfig):
     return tok
 
 
-def run_training(cfg: RefractorConfig, *, quiet: bool = False, overwrite: bool = False) -> Path:
-    """Run a whole training job; returns the run directory. Raises RunSetupError for user mistakes."""
+def run_training(
+    cfg: RefractorConfig,
+    *,
+    quiet: bool = False,
+    overwrite: bool = False,
+    config_path: str | Path | None = None,
+) -> Path:
+    """Run a whole training job; returns the run directory. Raises RunSetupError for user mistakes.
+    ``config_path``: the file the config was read from (it locates the code snapshot's project)."""
     cfg, paths, lock = prepare_run(cfg, overwrite=overwrite)
     try:
-        return _train(cfg, paths, quiet)
+        return _train(cfg, paths, quiet, config_path)
     finally:
         lock.release()
 
 
-def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
+def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str | Path | None) -> Path:
 
     from refractor.inference.access import new_token
     from refractor.orchestrator import Orchestrator, OrchestratorSettings
@@ -211,8 +223,10 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
     servers = None
     trainers = None
     node_metrics = None
+    code_snapshot = None
     status = "failed"
     try:
+        code_snapshot = start_code_snapshot(cfg, config_path, store)
         write_config_file(cfg, paths)
         sinks.append(ConsoleSink(cfg.number_of_steps, quiet=quiet))
         if cfg.use_wandb:
@@ -344,11 +358,61 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool) -> Path:
                     group.shutdown(timeout_s=grace_s)
             for sink in sinks:
                 sink.close()
+            if code_snapshot is not None:
+                code_snapshot.join(CODE_SNAPSHOT_WAIT_S)
             try:
                 store.close(status)
             finally:
                 ray_host.close(connection is not None and connection.started_local)
     return paths.root
+
+
+def start_code_snapshot(
+    cfg: RefractorConfig, config_path: str | Path | None, store: RunStore
+) -> threading.Thread:
+    """Record the run's code in the run store from a thread, beside the start
+    (docs/run-store.md#code-snapshot). The project is the config file's folder, or the working
+    directory for a config given without a file or read from inside ``run_dir`` (a rerun of a
+    run's saved config.yaml); run and checkpoint directories are never taken."""
+    from refractor.telemetry.code_snapshot import CodeLimits, record_code_snapshot
+
+    skip = [Path(cfg.run_dir).resolve()]
+    if cfg.checkpoint_dir is not None:
+        skip.append(Path(cfg.checkpoint_dir).resolve())
+    project = Path.cwd()
+    if config_path is not None:
+        config_folder = Path(config_path).resolve().parent
+        if not config_folder.is_relative_to(skip[0]):
+            project = config_folder
+    thread = threading.Thread(
+        target=record_code_snapshot,
+        args=(store, project, lambda: user_code_folders(cfg), CodeLimits.from_config(cfg), skip),
+        name="refractor-code-snapshot",
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
+def user_code_folders(cfg: RefractorConfig) -> dict[str, Path]:
+    """The folder of every environment and dedicated eval the run loads from a user folder (installed
+    packages and built-ins are not snapshotted), as ``env:<name>`` / ``eval:<name>``."""
+    from refractor.envs.registry import discover
+    from refractor.evals.registry import discover_evals
+
+    envs = discover()
+    evals = discover_evals()
+    folders = {}
+    for entry in cfg.evals:
+        spec = evals.get(entry.name)
+        if spec is not None and spec.source == "folder":
+            folders[f"eval:{entry.name}"] = spec.folder
+    # an eval that is no dedicated eval is the environment of that name
+    for name in [e.name for e in cfg.environments] + [e.name for e in cfg.evals if e.name not in evals]:
+        spec = envs.get(name)
+        if spec is not None and spec.source == "folder":
+            folders[f"env:{name}"] = Path(spec.location)
+    return folders
 
 
 def _start_side_by_side(servers, trainers):

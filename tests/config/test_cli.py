@@ -185,7 +185,7 @@ def _no_signal_handler(monkeypatch):
 def test_train_prints_a_user_error_as_one_line_without_a_traceback(monkeypatch, error):
     _no_signal_handler(monkeypatch)
 
-    def failing_run(cfg, *, quiet, overwrite):
+    def failing_run(cfg, *, quiet, overwrite, config_path):
         raise error
 
     monkeypatch.setattr("refractor.train.run_training", failing_run)
@@ -198,7 +198,7 @@ def test_train_prints_a_user_error_as_one_line_without_a_traceback(monkeypatch, 
 def test_train_lets_an_unexpected_error_through_with_its_traceback(monkeypatch):
     _no_signal_handler(monkeypatch)
 
-    def failing_run(cfg, *, quiet, overwrite):
+    def failing_run(cfg, *, quiet, overwrite, config_path):
         raise RuntimeError("a bug, not a user mistake")
 
     monkeypatch.setattr("refractor.train.run_training", failing_run)

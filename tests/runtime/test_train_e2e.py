@@ -51,6 +51,7 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
             metrics_logger_interval_seconds=0.5,
         ),
         quiet=True,
+        config_path=QUICKSTART,
     )
     with RunReader(run_dir) as reader:
         steps = reader.step_metrics()
@@ -109,6 +110,9 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
             topology["cluster"]["nodes"][0]["alive"]
             and topology["cluster"]["driver_node"] == machine["address"]
         )
+        # the code the run started with: the repository its config file lives in
+        # (docs/run-store.md#code-snapshot)
+        assert reader.code_file("project", "configs/examples/quickstart.yaml") == QUICKSTART.read_text()
     assert (Path(run_dir) / "logs" / "server-0.log").exists()
     saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
     assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()

@@ -16,7 +16,7 @@ from refractor.records import (
 )
 from refractor.telemetry.metrics import rollout_step_metrics
 from refractor.telemetry.query import RunReader, list_runs
-from refractor.telemetry.store import RunStore
+from refractor.telemetry.store import SCHEMA_VERSION, RunStore
 
 
 def make_rollout(rid, group, status=RolloutStatus.KEPT, reason="", reward=1.0, record=Rollout, **fields):
@@ -292,4 +292,4 @@ def test_a_version_1_store_is_read_as_is_and_migrated_when_written_again(tmp_pat
     with RunReader(tmp_path) as reader:
         assert [(r["node"], r["value"]) for r in reader.system_metrics()] == [("", 12.5), ("10.0.0.1", 40.0)]
         assert reader.system_metrics(node="10.0.0.1")[0]["source"] == "system"
-        assert reader.meta()["schema_version"] == 2
+        assert reader.meta()["schema_version"] == SCHEMA_VERSION

@@ -515,16 +515,16 @@ class LoggingKeys(_Strict):
     wandb_project: str = Field("refractor", description="W&B project (env WANDB_PROJECT overrides).")
     wandb_run_name: str = Field("refractor_run", description="W&B run name (env WANDB_RUN_NAME overrides).")
     wandb_tags: list[str] = Field(default_factory=lambda: ["refractor"], description="W&B tags.")
-    wandb_upload_code: bool = Field(True, description="Telescope only: code snapshot upload.")
+    wandb_upload_code: bool = Field(True, description="Telescope only: code snapshot upload to W&B.")
     wandb_upload_logs: bool = Field(True, description="Telescope only: log upload.")
     wandb_upload_logs_detailed: bool = Field(False, description="Telescope only: detailed log upload.")
     wandb_upload_logs_stdout: bool = Field(False, description="Telescope only: stdout upload.")
     wandb_code_max_file_size_mb: float = Field(
-        2.0, gt=0, description="Telescope only: code snapshot file cap."
+        2.0, gt=0, description="Code snapshot in the run store: larger files are left out (and counted)."
     )
     wandb_code_exclude_patterns: list[str] = Field(
         default_factory=lambda: list(_WANDB_CODE_EXCLUDES),
-        description="Telescope only: code snapshot excludes.",
+        description="Code snapshot: glob patterns of names (or leading paths) of files and folders left out.",
     )
     system_metrics_collection_interval_seconds: float = Field(
         1.0, gt=0, le=MAX_SECONDS, description="System metrics sampling period."
@@ -580,12 +580,10 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
 # Keys accepted so Telescope YAMLs load unchanged, but which refractor does not act on.
 IGNORED_KEYS: dict[str, str] = {
     **{k: "the Megatron backend is not implemented yet" for k in MegatronKeys.model_fields},
-    "wandb_upload_code": "refractor does not upload code snapshots",
+    "wandb_upload_code": "the code snapshot is always stored in the local run store, never uploaded",
     "wandb_upload_logs": "logs stay in runs/<run>/logs",
     "wandb_upload_logs_detailed": "logs stay in runs/<run>/logs",
     "wandb_upload_logs_stdout": "logs stay in runs/<run>/logs",
-    "wandb_code_max_file_size_mb": "refractor does not upload code snapshots",
-    "wandb_code_exclude_patterns": "refractor does not upload code snapshots",
     "event_tail_window_seconds": "events go to the local run store, not W&B archives",
     "event_block_duration_seconds": "events go to the local run store, not W&B archives",
     "event_upload_interval_seconds": "events go to the local run store, not W&B archives",

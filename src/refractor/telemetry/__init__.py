@@ -3,7 +3,10 @@ console progress and the optional W&B sink.
 
 * :class:`~refractor.telemetry.store.RunStore` — single writer (the orchestrator), SQLite WAL.
 * :mod:`~refractor.telemetry.query` — ``list_runs``, ``RunReader`` (step metrics as rows,
-  rollouts by step/status, turns and tool calls, timeline range, system metrics).
+  rollouts by step/status, turns and tool calls, timeline range, system metrics, the code
+  snapshot), ``diff_code`` (two runs' code, file by file).
+* :func:`~refractor.telemetry.code_snapshot.take_code_snapshot` — the code a run starts with
+  (its project's git state and files, its user environment folders).
 * :func:`~refractor.telemetry.metrics.rollout_step_metrics` — derived rollout metrics
   (docs/metrics.md#rollout-metrics);
   :func:`~refractor.telemetry.step_metrics.step_metrics` — everything stored for one training step.

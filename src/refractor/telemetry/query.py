@@ -6,13 +6,17 @@ waits for the writer.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import sqlite3
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from refractor.telemetry.code_snapshot import CodeFile, CodeInfo, CodeRoot, GitState
 from refractor.telemetry.metrics import RolloutSummary
 from refractor.telemetry.store import table_columns, tokens_from_blob
 
@@ -222,3 +226,86 @@ class RunReader:
             f"WHERE {' AND '.join(clauses)} ORDER BY time"
         )
         return self._rows(sql, tuple(args))
+
+    # --- the code snapshot (docs/run-store.md#code-snapshot); a run store without one reads empty ---
+    def code_info(self) -> CodeInfo | None:
+        counts = self.meta().get("code_snapshot")
+        if counts is None or not table_columns(self._conn, "code_roots"):
+            return None
+        known = {f.name for f in dataclasses.fields(CodeInfo)} - {"roots"}
+        roots = [
+            CodeRoot(
+                r["root"],
+                r["folder"],
+                None
+                if r["git_commit"] is None
+                else GitState(
+                    r["git_commit"],
+                    r["git_branch"],
+                    bool(r["git_dirty"]),
+                    r["git_diff"],
+                    bool(r["git_diff_truncated"]),
+                ),
+            )
+            for r in self._rows("SELECT * FROM code_roots ORDER BY rowid")
+        ]
+        return CodeInfo(roots=roots, **{k: v for k, v in counts.items() if k in known})
+
+    def code_files(self) -> list[CodeFile]:
+        if not table_columns(self._conn, "code_files"):
+            return []
+        rows = self._rows("SELECT root, path, size, sha256 FROM code_files ORDER BY root, path")
+        return [CodeFile(**r) for r in rows]
+
+    def code_file(self, root: str, path: str) -> str | None:
+        """A stored file's text (undecodable bytes become U+FFFD); None when it is not stored."""
+        if not table_columns(self._conn, "code_files"):
+            return None
+        row = self._conn.execute(
+            "SELECT content FROM code_files WHERE root = ? AND path = ?", (root, path)
+        ).fetchone()
+        return None if row is None else zlib.decompress(row[0]).decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class FileChange:
+    root: str
+    path: str
+    diff: str  # unified diff from the first run's file to the second's (/dev/null when absent)
+
+
+@dataclass(frozen=True)
+class CodeDiff:
+    added: list[FileChange]  # in the second run only
+    removed: list[FileChange]  # in the first run only
+    changed: list[FileChange]
+
+    @property
+    def same(self) -> bool:
+        return not (self.added or self.removed or self.changed)
+
+
+def diff_code(before: RunReader, after: RunReader, context: int = 3) -> CodeDiff:
+    """How the code snapshot of ``after`` differs from that of ``before``, file by file (files are
+    compared by SHA-256; only those that differ are read)."""
+    old = {(f.root, f.path): f.sha256 for f in before.code_files()}
+    new = {(f.root, f.path): f.sha256 for f in after.code_files()}
+
+    def change(key: tuple[str, str]) -> FileChange:
+        a = before.code_file(*key) if key in old else None
+        b = after.code_file(*key) if key in new else None
+        name = "/".join(key)
+        lines = difflib.unified_diff(
+            [] if a is None else a.splitlines(keepends=True),
+            [] if b is None else b.splitlines(keepends=True),
+            "/dev/null" if a is None else f"a/{name}",
+            "/dev/null" if b is None else f"b/{name}",
+            n=context,
+        )
+        return FileChange(*key, "".join(line if line.endswith("\n") else line + "\n" for line in lines))
+
+    return CodeDiff(
+        added=[change(k) for k in sorted(new.keys() - old.keys())],
+        removed=[change(k) for k in sorted(old.keys() - new.keys())],
+        changed=[change(k) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]],
+    )

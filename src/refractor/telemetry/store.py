@@ -8,21 +8,27 @@ consistent snapshot at any time without blocking the writer or being blocked by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import sqlite3
 import sys
 import threading
 import time
+import zlib
 from array import array
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refractor.errors import RefractorUserError
 from refractor.records import EvalRollout, Rollout, RolloutStatus, TimelineEvent
 
-SCHEMA_VERSION = 2  # 2: system_metrics.node (the address of the machine a row comes from)
+if TYPE_CHECKING:
+    from refractor.telemetry.code_snapshot import CodeSnapshot
+
+# 2: system_metrics.node (the address of the machine a row comes from); 3: code_roots, code_files
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -63,6 +69,12 @@ CREATE TABLE IF NOT EXISTS system_metrics (
     time REAL NOT NULL, source TEXT NOT NULL, name TEXT NOT NULL, value REAL,
     node TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS system_metrics_time ON system_metrics (time);
+CREATE TABLE IF NOT EXISTS code_roots (
+    root TEXT PRIMARY KEY, folder TEXT NOT NULL, git_commit TEXT, git_branch TEXT, git_dirty INTEGER,
+    git_diff TEXT, git_diff_truncated INTEGER);
+CREATE TABLE IF NOT EXISTS code_files (
+    root TEXT NOT NULL, path TEXT NOT NULL, size INTEGER NOT NULL, sha256 TEXT NOT NULL,
+    content BLOB NOT NULL, PRIMARY KEY (root, path));
 """
 
 # Columns added after version 1, added to an older run.db when a run writes to it again (a resume):
@@ -197,6 +209,29 @@ def rollout_rows(
     ]
 
 
+def code_snapshot_rows(snapshot: CodeSnapshot) -> list[tuple[str, list[tuple]]]:
+    """(sql, rows) pairs that replace the stored code snapshot: its roots, its files (zlib
+    compressed) and its counts (meta ``code_snapshot``)."""
+    roots = [
+        (r.label, r.folder)
+        + (
+            (None,) * 5
+            if r.git is None
+            else (r.git.commit, r.git.branch, int(r.git.dirty), r.git.diff, int(r.git.diff_truncated))
+        )
+        for r in snapshot.info.roots
+    ]
+    files = [(f.root, f.path, f.size, f.sha256, zlib.compress(content)) for f, content in snapshot.files]
+    counts = {k: v for k, v in dataclasses.asdict(snapshot.info).items() if k != "roots"}
+    return [
+        ("DELETE FROM code_roots", [()]),
+        ("DELETE FROM code_files", [()]),
+        ("INSERT INTO code_roots VALUES (?,?,?,?,?,?,?)", roots),
+        ("INSERT INTO code_files VALUES (?,?,?,?,?)", files),
+        ("INSERT OR REPLACE INTO meta VALUES ('code_snapshot', ?)", [(_json(counts),)]),
+    ]
+
+
 def token_blob(ids: Iterable[int]) -> bytes:
     """Token ids as little-endian int32 bytes (4 bytes a token instead of ~7 as JSON text)."""
     out = array("i", ids)
@@ -286,6 +321,11 @@ class RunStore:
             [(ts, source, k, float(v), node) for k, v in metrics.items()],
         )
 
+    def log_code_snapshot(self, snapshot: CodeSnapshot) -> None:
+        """Store the run's code in one transaction, replacing any earlier snapshot (a resumed run
+        records the code it resumed with)."""
+        self._put_all(code_snapshot_rows(snapshot))
+
     def abandon_unfinished(self, next_step: int, reason: str) -> None:
         """A resumed run redoes every step from ``next_step`` on: what an earlier attempt wrote for
         those steps is marked ``abandoned`` (rollouts, their sample metrics) or removed (step
@@ -326,11 +366,16 @@ class RunStore:
 
     # --- writer thread ---
     def _put(self, sql: str, rows: list[tuple]) -> None:
+        self._put_all([(sql, rows)])
+
+    def _put_all(self, statements: list[tuple[str, list[tuple]]]) -> None:
+        """Queue statements that are committed in the same transaction."""
         self._raise_if_failed()
         if self._closed:
             raise RuntimeError(f"run store {self.path} is closed")
-        if rows:
-            self._queue.put((sql, rows))
+        statements = [(sql, rows) for sql, rows in statements if rows]
+        if statements:
+            self._queue.put(statements)
 
     def _raise_if_failed(self) -> None:
         if self._error is None:
@@ -364,8 +409,9 @@ class RunStore:
             if batch and self._error is None:
                 try:
                     self._conn.execute("BEGIN")
-                    for sql, rows in batch:
-                        self._conn.executemany(sql, rows)
+                    for statements in batch:
+                        for sql, rows in statements:
+                            self._conn.executemany(sql, rows)
                     self._conn.execute("COMMIT")
                 except BaseException as err:  # keep the thread alive; the next caller sees the error
                     self._error = err
