@@ -15,3 +15,10 @@ class RefractorUserError(Exception):
 
 class RunSetupError(RefractorUserError, RuntimeError):
     """The run cannot start as configured; the message says what to change."""
+
+
+def one_line(err: BaseException) -> str:
+    """``"Type: first line of the message"``: an error as a response or log line can carry it (torch's
+    errors append C++ frames after the first line)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__

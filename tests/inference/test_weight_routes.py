@@ -16,12 +16,9 @@ import time
 import httpx
 import pytest
 import torch
-import uvicorn
-from transformers import AutoTokenizer
+from native_thread_server import PROMPT, ThreadServer
 
-from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
-from refractor.inference.engine.async_engine import AsyncLLMEngine
-from refractor.inference.server import create_app
+from refractor.inference.engine import SamplingParams
 from refractor.inference.vllm.launcher import free_port
 from refractor.testing import TEST_CONTROL_TOKEN
 from refractor.weight_sync.buckets import iter_buckets
@@ -31,47 +28,6 @@ from refractor.weight_sync.sender import CanaryError, WeightSender
 from refractor.weight_sync.settings import WeightSyncSettings
 
 CONTROL = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}  # the control routes' credential
-
-PROMPT = list(range(3, 30))
-ENGINE_CONFIG = EngineConfig(
-    max_model_len=512,
-    max_num_seqs=4,
-    kv_cache_memory_gb=0.02,
-    dtype="float32",
-    device="cpu",
-    enforce_eager=True,
-)
-
-
-class ThreadServer:
-    """A native engine behind uvicorn, served from a thread of the test process."""
-
-    def __init__(self, name: str, model_path):
-        self.name = name
-        self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, ENGINE_CONFIG))
-        app = create_app(
-            self.engine, AutoTokenizer.from_pretrained(model_path), name, control_token=TEST_CONTROL_TOKEN
-        )
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-
-    @property
-    def ref(self) -> ServerRef:
-        return ServerRef(self.name, self.url)
-
-    def generate(self, n: int = 2, max_tokens: int = 12, seed: int = 0):
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, seed=seed)
-        return asyncio.run(self.engine.generate(PROMPT, params)).outputs
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""Request bodies of the OpenAI-compatible server (pydantic), shaped like vLLM 0.32's.
+"""Request bodies of the native server (pydantic), shaped like vLLM 0.32's.
 
 Unknown fields are ignored (as vLLM does), wrong types and out-of-range values are a 400 that
-names the field. ``to_sampling_params`` maps each body onto the engine's ``SamplingParams``.
+names the field. ``sampling_params`` maps each generation body onto the engine's ``SamplingParams``;
+``InitInfo`` and ``UpdateWeightsBody`` are the weight-update routes' parameters.
 """
 
 from __future__ import annotations
@@ -197,3 +198,39 @@ class TokenizeRequest(_Body):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of `prompt` or `messages`")
         return self
+
+
+# A weight-transfer group is the trainer plus every inference worker; gloo sets up per-rank state,
+# so a group size far past any deployment is refused rather than allowed to exhaust memory.
+MAX_WORLD_SIZE = 1 << 16
+MAX_TRANSFER_TIMEOUT_S = 24 * 3600.0
+
+
+class InitInfo(_Body):
+    """``init_info`` of ``/init_weight_transfer_engine``: the group this server joins as a worker.
+
+    Which ranks, ports and backends a worker may take is ``check_worker_join``'s rule (shared with
+    the vLLM workers); this model checks types and the bounds that rule does not cover.
+    """
+
+    master_address: str = Field(min_length=1, max_length=255)
+    master_port: int
+    world_size: int = Field(le=MAX_WORLD_SIZE)
+    rank_offset: int
+    group: str = Field("full", min_length=1, max_length=255)
+    backend: str = "gloo"
+    init_timeout_s: float = Field(300.0, gt=0, le=MAX_TRANSFER_TIMEOUT_S)
+    timeout_s: float = Field(300.0, gt=0, le=MAX_TRANSFER_TIMEOUT_S)
+
+
+class UpdateInfo(_Body):
+    """``update_info`` of ``/update_weights``: which group streams the update, and its version tag."""
+
+    group: str = "full"
+    version: int | str | None = None
+
+
+class UpdateWeightsBody(_Body):
+    """The whole body of ``/update_weights`` (the route parses it itself, see there)."""
+
+    update_info: UpdateInfo

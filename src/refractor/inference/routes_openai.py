@@ -33,7 +33,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def _check_prompt(state: ServerState, ids: list[int]) -> None:
+def _check_prompt(state: ServerState, ids: list[int], params: SamplingParams) -> None:
     vocab = state.engine.engine.model.config.vocab_size
     if not ids:
         raise BadRequest("the prompt is empty")
@@ -41,6 +41,13 @@ def _check_prompt(state: ServerState, ids: list[int]) -> None:
         raise BadRequest(
             f"the prompt has {len(ids)} tokens but max_model_len is {state.max_model_len}: it must "
             "leave room for at least one generated token"
+        )
+    # vLLM's rule: a max_tokens the context cannot hold is refused, not silently shortened
+    room = state.max_model_len - len(ids)
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise BadRequest(
+            f"max_tokens ({params.max_tokens}) is too large: the prompt has {len(ids)} tokens and "
+            f"max_model_len is {state.max_model_len}, which leaves room for {room}"
         )
     if min(ids) < 0 or max(ids) >= vocab:
         raise BadRequest(f"prompt token ids must be in [0, {vocab})")
@@ -57,8 +64,8 @@ async def _run(
     request: Request, state: ServerState, jobs: list[tuple[str, list[int], SamplingParams, int]]
 ) -> list[RequestOutput] | None:
     """Generate every job concurrently; None if the client went away (everything aborted)."""
-    for rid, ids, _, _ in jobs:
-        _check_prompt(state, ids)
+    for rid, ids, params, _ in jobs:
+        _check_prompt(state, ids, params)
         if rid in state.active_request_ids:
             raise BadRequest(f"request id {rid!r} is already in flight")
 

@@ -35,12 +35,17 @@ from pydantic import ValidationError
 
 from refractor.inference.access import CONTROL_TOKEN_ENV, AccessGuard
 from refractor.inference.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimit
-from refractor.inference.engine.async_engine import PAUSE_MODES, AsyncLLMEngine, EngineDeadError
+from refractor.inference.engine.async_engine import (
+    PAUSE_MODES,
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestFailedError,
+)
 from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.request_schemas import AbortRequest
 from refractor.inference.routes_openai import router as openai_router
 from refractor.inference.server_metrics import ServerMetrics
-from refractor.inference.server_state import BadRequest, ServerState, error_response
+from refractor.inference.server_state import BadRequest, ServerState, error_response, invalid_request
 from refractor.inference.weight_routes import weight_update_router
 
 log = logging.getLogger(__name__)
@@ -76,14 +81,15 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(_invalid_request(exc.errors()), HTTPStatus.BAD_REQUEST)
+        return error_response(invalid_request(exc.errors()), HTTPStatus.BAD_REQUEST)
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest):
         return error_response(str(exc), exc.status)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, exc: EngineDeadError):
+    @app.exception_handler(RequestFailedError)
+    async def _failed_in_engine(request: Request, exc: EngineDeadError | RequestFailedError):
         return error_response(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
 
     @app.get("/health")
@@ -134,20 +140,12 @@ def _control_router(engine: AsyncLLMEngine, state: ServerState) -> APIRouter:
         try:
             body = AbortRequest.model_validate_json(raw) if raw.strip() else AbortRequest()
         except ValidationError as err:
-            raise BadRequest(_invalid_request(err.errors())) from None
+            raise BadRequest(invalid_request(err.errors())) from None
         ids = None if not body.request_ids else state.matching_ids(body.request_ids)
         aborted = await engine.abort(ids) if ids is None or ids else 0
         return JSONResponse({"status": "aborted", "aborted": aborted})
 
     return router
-
-
-def _invalid_request(errors: Iterable[Any]) -> str:
-    """One line naming each invalid field of a request body (pydantic's error list)."""
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors
-    )
-    return f"invalid request: {problems}"
 
 
 # ---- processes ---------------------------------------------------------------------------------

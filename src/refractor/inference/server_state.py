@@ -62,15 +62,26 @@ class ServerState:
 
 
 class BadRequest(ValueError):
-    """A request the server refuses with 400 (also raised for unknown models: 404)."""
+    """A request the server refuses: 400, or the 4xx given (404 for unknown models, 409 for a
+    weight-update call out of order)."""
 
     def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST):
         super().__init__(message)
         self.status = status
 
 
+def invalid_request(errors: Iterable[Any]) -> str:
+    """One line naming each invalid field of a request body (pydantic's error list)."""
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors
+    )
+    return f"invalid request: {problems}"
+
+
 def error_response(message: str, status: HTTPStatus) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status.value, "InternalServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(
+        status.value, "InternalServerError"
+    )
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": None, "code": status.value}},
         status_code=status.value,

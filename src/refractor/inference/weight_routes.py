@@ -17,14 +17,19 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from http import HTTPStatus
 from typing import Any
 
 import torch
-from fastapi import APIRouter, Body, HTTPException, Query
+from fastapi import APIRouter, Body, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
-from refractor.weight_sync.data_plane import BucketReceiver
-from refractor.weight_sync.process_group import TransferGroup, check_worker_join
+from refractor.errors import one_line
+from refractor.inference.request_schemas import InitInfo, UpdateInfo, UpdateWeightsBody
+from refractor.inference.server_state import BadRequest, invalid_request
+from refractor.weight_sync.data_plane import BucketReceiver, MalformedStream
+from refractor.weight_sync.process_group import CollectiveTimeout, TransferGroup, check_worker_join
 
 
 async def _call(fn, *args, **kwargs) -> Any:
@@ -69,31 +74,42 @@ def weight_update_router(engine) -> APIRouter:
         return {"weight_version": None if version is None else str(version)}
 
     @router.post("/init_weight_transfer_engine")
-    async def init_weight_transfer_engine(init_info: dict[str, Any] = Body(..., embed=True)):
+    async def init_weight_transfer_engine(init_info: InitInfo = Body(..., embed=True)):
+        info = init_info  # the body key names the parameter
         try:
-            group_name = init_info.get("group", "full")
-            backend = init_info.get("backend", "gloo")
-            create = dict(
-                master_address=init_info["master_address"],
-                master_port=int(init_info["master_port"]),
-                rank=int(init_info["rank_offset"]),
-                world_size=int(init_info["world_size"]),
-                backend=backend,
-                group_name=group_name,
-                device=state.engine_device() if backend == "nccl" else None,
-                init_timeout_s=float(init_info.get("init_timeout_s", 300.0)),
-                timeout_s=float(init_info.get("timeout_s", 300.0)),
+            check_worker_join(info.rank_offset, info.world_size, info.master_port, info.backend)
+        except ValueError as err:
+            raise BadRequest(f"invalid init_info: {err}") from None
+        device = state.engine_device()
+        if info.backend == "nccl" and device.type != "cuda":
+            raise BadRequest(
+                f"invalid init_info: backend 'nccl' needs a CUDA engine, this one runs on {device}"
             )
-            check_worker_join(create["rank"], create["world_size"], create["master_port"], backend)
-        except KeyError as err:
-            raise HTTPException(400, f"invalid init_info: missing {err}") from None
-        except (ValueError, TypeError) as err:
-            raise HTTPException(400, f"invalid init_info: {err}") from None
-        group = await asyncio.to_thread(lambda: TransferGroup.create(**create))
-        previous = state.receivers.pop(group_name, None)
+
+        def join() -> TransferGroup:
+            return TransferGroup.create(
+                master_address=info.master_address,
+                master_port=info.master_port,
+                rank=info.rank_offset,
+                world_size=info.world_size,
+                backend=info.backend,
+                group_name=info.group,
+                device=device if info.backend == "nccl" else None,
+                init_timeout_s=info.init_timeout_s,
+                timeout_s=info.timeout_s,
+            )
+
+        try:
+            group = await asyncio.to_thread(join)
+        except Exception as err:  # noqa: BLE001 - rendezvous failures come in many types
+            raise BadRequest(
+                f"cannot join weight-transfer group {info.group!r} at {info.master_address}:"
+                f"{info.master_port} as rank {info.rank_offset} of {info.world_size}: {one_line(err)}"
+            ) from None
+        previous = state.receivers.pop(info.group, None)
         if previous is not None:
             previous.group.shutdown()
-        state.receivers[group_name] = BucketReceiver(group)
+        state.receivers[info.group] = BucketReceiver(group)
         return {"message": "Weight transfer initialized"}
 
     @router.post("/shutdown_weight_transfer_engine")
@@ -106,44 +122,24 @@ def weight_update_router(engine) -> APIRouter:
     @router.post("/start_weight_update")
     async def start_weight_update():
         if state.update_active:
-            raise HTTPException(409, "start_weight_update called while a weight update is already active")
+            raise BadRequest(
+                "start_weight_update called while a weight update is already active", HTTPStatus.CONFLICT
+            )
         state.update_active = True
         return {"message": "Weight update started"}
 
     @router.post("/update_weights")
-    async def update_weights(update_info: dict[str, Any] = Body(..., embed=True)):
+    async def update_weights(request: Request):
         if not state.update_active:
-            raise HTTPException(409, "start_weight_update must be called before update_weights")
-        group_name = update_info.get("group", "full")
-        receiver = state.receivers.get(group_name)
-        if receiver is None:
-            state.update_active = False
-            raise HTTPException(
-                400,
-                f"weight-transfer group {group_name!r} was never initialized "
-                f"(known: {sorted(state.receivers)})",
-            )
+            raise BadRequest("start_weight_update must be called before update_weights", HTTPStatus.CONFLICT)
+        # any failure ends the update, a malformed body too (parsed here, not by FastAPI, for that):
+        # the trainer's next start_weight_update must not find one still active
         try:
-            # the whole update is received before anything is written: a failed transfer leaves
-            # the engine on its previous weights
-            received = await asyncio.to_thread(
-                lambda: [pair for bucket in receiver.receive() for pair in bucket]
-            )
-            names = {name for name, _ in engine.named_parameters()}
-            start = time.perf_counter()
-            try:
-                # the KV of running requests is kept here; /reset_prefix_cache decides whether it is
-                # recomputed
-                await _call(engine.update_weights, received, update_info.get("version"), False)
-            except Exception as err:
-                # report anyway (nothing written: the canary fails) so the trainer is not left
-                # waiting for this worker in the report gather
-                await asyncio.to_thread(receiver.send_report, 0, len(names), 0.0)
-                raise HTTPException(500, f"loading the received weights failed: {err!r}") from err
-            written = names & {name for name, _ in received}
-            await asyncio.to_thread(
-                receiver.send_report, len(written), len(names), time.perf_counter() - start
-            )
+            body = UpdateWeightsBody.model_validate_json(await request.body())
+            await _receive_and_load(state, body.update_info)
+        except ValidationError as err:
+            state.update_active = False
+            raise BadRequest(invalid_request(err.errors())) from None
         except BaseException:
             state.update_active = False
             raise
@@ -152,10 +148,51 @@ def weight_update_router(engine) -> APIRouter:
     @router.post("/finish_weight_update")
     async def finish_weight_update(weight_version: str | None = Body(None, embed=True)):
         if not state.update_active:
-            raise HTTPException(409, "finish_weight_update called without a matching start_weight_update")
+            raise BadRequest(
+                "finish_weight_update called without a matching start_weight_update", HTTPStatus.CONFLICT
+            )
         state.update_active = False
         if weight_version is not None and str(engine.weight_version) != weight_version:
             await _call(engine.update_weights, [], weight_version)  # tag without new tensors
         return JSONResponse({"message": "Weight update finished"})
 
     return router
+
+
+async def _receive_and_load(state: _TransferState, update_info: UpdateInfo) -> None:
+    """Receive one whole update, then write it (a failed transfer leaves the previous weights)."""
+    engine = state.engine
+    receiver = state.receivers.get(update_info.group)
+    if receiver is None:
+        raise BadRequest(
+            f"weight-transfer group {update_info.group!r} was never initialized "
+            f"(known: {sorted(state.receivers)})"
+        )
+    try:
+        received = await asyncio.to_thread(lambda: [pair for bucket in receiver.receive() for pair in bucket])
+    except Exception as err:
+        # the receiver no longer knows where the stream stands: the group cannot carry another update
+        state.receivers.pop(update_info.group, None)
+        receiver.group.shutdown()
+        message = (
+            f"receiving the weights failed, nothing was written: {one_line(err)}; weight-transfer group "
+            f"{update_info.group!r} was shut down (call /init_weight_transfer_engine again)"
+        )
+        if isinstance(err, MalformedStream | CollectiveTimeout):  # the sender's stream, not this server
+            raise BadRequest(message) from None
+        raise HTTPException(500, message) from err
+    names = {name for name, _ in engine.named_parameters()}
+    start = time.perf_counter()
+    try:
+        # the KV of running requests is kept here; /reset_prefix_cache decides whether it is recomputed
+        await _call(engine.update_weights, received, update_info.version, False)
+    except Exception as err:
+        # report anyway (nothing written: the canary fails) so the trainer is not left waiting for
+        # this worker in the report gather
+        await asyncio.to_thread(receiver.send_report, 0, len(names), 0.0)
+        message = f"loading the received weights failed: {one_line(err)}"
+        if isinstance(err, ValueError):  # the engine's refusal of bad tensors: names, shapes, NaN/Inf
+            raise BadRequest(message) from None
+        raise HTTPException(500, message) from err
+    written = names & {name for name, _ in received}
+    await asyncio.to_thread(receiver.send_report, len(written), len(names), time.perf_counter() - start)

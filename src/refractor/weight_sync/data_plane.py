@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from refractor.errors import one_line
 from refractor.weight_sync.buckets import TensorMeta, dtype_from_name, split_by_dtype
 from refractor.weight_sync.process_group import TransferGroup
 
@@ -38,6 +39,17 @@ KIND_FLAT = 1
 KIND_PER_TENSOR = 2
 _MODE_KIND = {"flattened_bucket": KIND_FLAT, "per_tensor": KIND_PER_TENSOR}
 _MAX_IN_FLIGHT = 2  # payload broadcasts the sender keeps in flight (double buffering)
+# Metadata takes about 100 bytes a tensor; a header announcing more than this is garbage, and the
+# receive buffer would be allocated before anything else could be checked.
+MAX_METADATA_BYTES = 64 << 20
+
+
+class MalformedStream(ValueError):
+    """A weight stream that breaks the data-plane protocol (the sender's fault, named in the message).
+
+    The receiver cannot tell where the next unit of the stream starts, so the group it came through
+    cannot carry further updates.
+    """
 
 
 def byte_checksum(data: torch.Tensor) -> torch.Tensor:
@@ -213,6 +225,8 @@ class BucketReceiver:
         self.receive_s = 0.0
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield each bucket of one update until the END header. Raises ``MalformedStream`` on a
+        header or metadata that breaks the protocol, before allocating anything it announces."""
         g = self.group
         self.reset_stats()
         while True:
@@ -224,10 +238,11 @@ class BucketReceiver:
                 self.receive_s += time.perf_counter() - t0
                 return
             index = self.buckets
+            _check_header(index, kind, payload_bytes, meta_bytes, n_tensors)
             if meta_bytes:
                 blob = torch.empty(meta_bytes, dtype=torch.uint8, device=g.device)
                 g.broadcast(blob)
-                metas = [TensorMeta(n, d, tuple(s)) for n, d, s in json.loads(blob.cpu().numpy().tobytes())]
+                metas = _parse_metadata(index, blob.cpu().numpy().tobytes())
                 if index < len(self._known_metadata):
                     self._known_metadata[index] = metas
                 else:
@@ -235,12 +250,12 @@ class BucketReceiver:
             elif index < len(self._known_metadata):
                 metas = self._known_metadata[index]
             else:
-                raise RuntimeError(
+                raise MalformedStream(
                     f"weight transfer: bucket {index} arrived without metadata and none is "
                     "cached (the trainer and this worker disagree about the group's history)"
                 )
             if len(metas) != n_tensors or sum(m.nbytes for m in metas) != payload_bytes:
-                raise RuntimeError(
+                raise MalformedStream(
                     f"weight transfer: bucket {index} header ({n_tensors} tensors, "
                     f"{payload_bytes} bytes) does not match its metadata"
                 )
@@ -254,7 +269,7 @@ class BucketReceiver:
     def _receive_payload(self, kind: int, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
         g = self.group
         if kind == KIND_FLAT:
-            buffer = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=g.device)
+            buffer = _allocate((sum(m.nbytes for m in metas),), torch.uint8, g.device)
             g.broadcast(buffer)
             self.checksum.add(buffer)
             out = []
@@ -264,15 +279,13 @@ class BucketReceiver:
                 out.append((m.name, view))
                 offset += m.nbytes
             return out
-        if kind == KIND_PER_TENSOR:
-            out = []
-            for m in metas:
-                tensor = torch.empty(m.shape, dtype=dtype_from_name(m.dtype), device=g.device)
-                g.broadcast(tensor)
-                self.checksum.add(tensor)
-                out.append((m.name, tensor))
-            return out
-        raise RuntimeError(f"weight transfer: unknown bucket kind {kind}")
+        out = []
+        for m in metas:
+            tensor = _allocate(m.shape, dtype_from_name(m.dtype), g.device)
+            g.broadcast(tensor)
+            self.checksum.add(tensor)
+            out.append((m.name, tensor))
+        return out
 
     def send_report(self, params_loaded: int, params_total: int, load_s: float) -> WorkerReport:
         report = WorkerReport(
@@ -288,3 +301,52 @@ class BucketReceiver:
         )
         self.group.gather(report.to_tensor(self.group.device))
         return report
+
+
+def _check_header(index: int, kind: int, payload_bytes: int, meta_bytes: int, n_tensors: int) -> None:
+    if kind not in (KIND_FLAT, KIND_PER_TENSOR):
+        raise MalformedStream(f"weight transfer: bucket {index} has unknown kind {kind}")
+    if payload_bytes < 0 or n_tensors < 0 or not 0 <= meta_bytes <= MAX_METADATA_BYTES:
+        raise MalformedStream(
+            f"weight transfer: bucket {index} header announces {payload_bytes} payload bytes, "
+            f"{meta_bytes} metadata bytes (at most {MAX_METADATA_BYTES}) and {n_tensors} tensors"
+        )
+
+
+def _parse_metadata(index: int, blob: bytes) -> list[TensorMeta]:
+    """The bucket's ``[[name, dtype, shape], ...]`` list; ``MalformedStream`` naming what is wrong."""
+    try:
+        entries = json.loads(blob.decode("utf-8"))
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise MalformedStream(f"weight transfer: bucket {index} metadata is not JSON ({err})") from None
+    if not isinstance(entries, list):
+        raise MalformedStream(f"weight transfer: bucket {index} metadata is not a list")
+    metas = []
+    for entry in entries:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], str)
+            and isinstance(entry[2], list)
+            and all(type(d) is int and d >= 0 for d in entry[2])
+        ):
+            raise MalformedStream(
+                f"weight transfer: bucket {index} metadata entry {repr(entry)[:200]} is not "
+                "[name, dtype, [non-negative dims]]"
+            )
+        try:
+            dtype_from_name(entry[1])
+        except ValueError as err:
+            raise MalformedStream(f"weight transfer: bucket {index}: {err}") from None
+        metas.append(TensorMeta(entry[0], entry[1], tuple(entry[2])))
+    return metas
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as err:  # a size this device cannot hold: the stream announced garbage
+        raise MalformedStream(
+            f"weight transfer: cannot allocate a {dtype} tensor of shape {list(shape)}: {one_line(err)}"
+        ) from None

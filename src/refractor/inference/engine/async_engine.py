@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from refractor.errors import one_line
 from refractor.inference.engine.llm_engine import EngineStats, LLMEngine
 from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.sequence import RequestOutput
@@ -29,7 +30,12 @@ PAUSE_MODES = ("abort", "keep", "wait")
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine failed as a whole (a step failed for each of its requests, or outside any request's
+    work): every request in flight ends with this error."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request's work raised inside an engine step; the step's other requests went on."""
 
 
 class AsyncLLMEngine:
@@ -56,7 +62,7 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as err:  # keep serving: fail what was in flight, not the process
+            except Exception as err:  # failed for everyone: fail what is in flight, keep the process
                 log.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(err)
                 continue
@@ -74,8 +80,13 @@ class AsyncLLMEngine:
     def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
         for output in outputs:
             waiter = self._waiters.pop(output.request_id, None)
-            if waiter is not None:
+            if waiter is None:
+                continue
+            if output.error is None:
                 _post(*waiter, output, None)
+            else:
+                message = f"request {output.request_id!r} failed in the engine: {output.error}"
+                _post(*waiter, None, RequestFailedError(message))
 
     def _fail_all(self, err: Exception) -> None:
         try:
@@ -83,7 +94,7 @@ class AsyncLLMEngine:
         except Exception:
             log.exception("abort after a failed step also failed")
         for loop, future in self._waiters.values():
-            _post(loop, future, None, EngineDeadError(f"engine step failed: {err}"))
+            _post(loop, future, None, EngineDeadError(f"engine step failed: {one_line(err)}"))
         self._waiters.clear()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from refractor.errors import one_line
 from refractor.inference.engine.block_manager import BlockManager
 from refractor.inference.engine.config import EngineConfig
 from refractor.inference.engine.model_runner import ModelRunner
-from refractor.inference.engine.sampler import Sampler, SamplingBatch
+from refractor.inference.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.scheduler import Scheduler
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, Sequence
@@ -36,6 +37,10 @@ def sequence_seed(seed: int, index: int) -> int:
 
 class PromptTooLongError(ValueError):
     """A prompt leaves no room to generate within ``max_model_len``."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed for each of its requests, run alone as well: the engine itself is at fault."""
 
 
 @dataclass
@@ -115,6 +120,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs ({params.logprobs}) exceeds the vocabulary of {vocab} tokens")
         if params.stop and self.detokenize is None:
             raise ValueError(
                 "stop strings need a tokenizer; this engine was built without one (use stop_token_ids)"
@@ -153,7 +160,12 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode step; return the requests that finished in it."""
+        """Run one prefill or decode step; return the requests that finished in it.
+
+        A request whose work raises inside the step fails alone: its output comes back with
+        ``error`` set and its KV freed, and the step's other requests go on (see ``_sample_isolating``).
+        Raises ``EngineStepError`` when the step fails for every one of two or more requests.
+        """
         if self.paused or not self.scheduler.has_work:
             return []
         started = time.perf_counter()
@@ -162,8 +174,33 @@ class LLMEngine:
             return []
         if is_prefill:
             self.prompt_tokens_total += sum(s.num_tokens for s in seqs)
+        sampled, failures = self._sample_isolating(seqs, is_prefill)
+        if not sampled and len(failures) > 1:
+            err = next(iter(failures.values()))
+            raise EngineStepError(
+                f"the step failed for each of its {len(failures)} requests, even run alone: {one_line(err)}"
+            ) from err
+        now = time.monotonic()
+        finished_requests = []
+        for group, out in sampled:
+            for row, seq in enumerate(group):
+                if seq.request_id in failures:
+                    continue
+                try:
+                    if self._record(seq, out, row, now):
+                        finished_requests.append(seq.request_id)
+                except Exception as err:  # e.g. the tokenizer in a stop-string check: this request's alone
+                    failures[seq.request_id] = err
+                self.generation_tokens_total += 1
+        outputs = [self._pop_output(r) for r in finished_requests if r not in failures]
+        outputs += [self._fail(r, err) for r, err in failures.items()]
+        self.steps_total += 1
+        self.busy_seconds_total += time.perf_counter() - started
+        return outputs
+
+    def _sample(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         logits = self.runner.run(seqs, is_prefill)
-        out = self.sampler(
+        return self.sampler(
             logits,
             SamplingBatch(
                 temperatures=[s.params.temperature for s in seqs],
@@ -173,28 +210,63 @@ class LLMEngine:
                 num_top_logprobs=[s.params.logprobs for s in seqs],
             ),
         )
-        now = time.monotonic()
-        finished_requests = []
-        for row, seq in enumerate(seqs):
-            seq.append(
-                out.token_ids[row],
-                out.logprobs[row],
-                self.weight_version,
-                out.ranks[row] if out.ranks is not None and seq.params.logprobs is not None else None,
-                out.top_logprobs[row] if out.top_logprobs is not None and seq.params.logprobs else None,
+
+    def _sample_isolating(
+        self, seqs: list[Sequence], is_prefill: bool
+    ) -> tuple[list[tuple[list[Sequence], SamplerOutput]], dict[str, Exception]]:
+        """Sample ``seqs`` as one batch; if that raises, bisect it to find the sequences that fail alone.
+
+        Returns the groups that ran with their outputs, and the exception of each request with a
+        sequence that failed on its own. Re-running is safe because nothing is recorded before a
+        group has sampled: a sequence's KV slots are its own and are written again, and its tokens
+        are appended only after. (Seeded rows would draw again only if the sampler raised after its
+        draws, which takes a device fault, and that fails every group.) A group that fails only when
+        batched (out of memory, say) runs as its halves. The cost is about two runs per halving
+        level for each failing sequence.
+        """
+        try:
+            return [(seqs, self._sample(seqs, is_prefill))], {}
+        except Exception as err:
+            if len(seqs) == 1:
+                log.error("request %s failed in the engine step: %s", seqs[0].request_id, one_line(err))
+                return [], {seqs[0].request_id: err}
+            log.warning(
+                "an engine step of %d sequences failed (%s); re-running it in halves",
+                len(seqs),
+                one_line(err),
             )
-            request = self.requests[seq.request_id]
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if self._check_stop(seq):
-                self.scheduler.remove(seq)
-                if all(s.is_finished for s in request.seqs):
-                    finished_requests.append(seq.request_id)
-        self.generation_tokens_total += len(seqs)
-        outputs = [self._pop_output(r) for r in finished_requests]
-        self.steps_total += 1
-        self.busy_seconds_total += time.perf_counter() - started
-        return outputs
+        half = len(seqs) // 2
+        first, first_failures = self._sample_isolating(seqs[:half], is_prefill)
+        rest = [s for s in seqs[half:] if s.request_id not in first_failures]  # a failed request is done
+        if not rest:
+            return first, first_failures
+        second, second_failures = self._sample_isolating(rest, is_prefill)
+        return first + second, first_failures | second_failures
+
+    def _record(self, seq: Sequence, out: SamplerOutput, row: int, now: float) -> bool:
+        """Append the sampled token to ``seq``; True when that finished its whole request."""
+        seq.append(
+            out.token_ids[row],
+            out.logprobs[row],
+            self.weight_version,
+            out.ranks[row] if out.ranks is not None and seq.params.logprobs is not None else None,
+            out.top_logprobs[row] if out.top_logprobs is not None and seq.params.logprobs else None,
+        )
+        request = self.requests[seq.request_id]
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if not self._check_stop(seq):
+            return False
+        self.scheduler.remove(seq)
+        return all(s.is_finished for s in request.seqs)
+
+    def _fail(self, request_id: str, err: Exception) -> RequestOutput:
+        """End a request whose work raised in a step: every sequence finishes with "error", KV freed."""
+        for seq in self.requests[request_id].seqs:
+            if not seq.is_finished:
+                seq.finish("error")
+            self.scheduler.remove(seq)
+        return self._pop_output(request_id, one_line(err))
 
     def _check_stop(self, seq: Sequence) -> bool:
         token = seq.token_ids[-1]
@@ -215,7 +287,7 @@ class LLMEngine:
         tail = self.detokenize(seq.output_token_ids[-window:])
         return next((s for s in seq.params.stop if s in tail), None)
 
-    def _pop_output(self, request_id: str) -> RequestOutput:
+    def _pop_output(self, request_id: str, error: str | None = None) -> RequestOutput:
         request = self.requests.pop(request_id)
         return RequestOutput(
             request_id,
@@ -223,6 +295,7 @@ class LLMEngine:
             [CompletionOutput.from_sequence(s) for s in request.seqs],
             request.arrival_time,
             request.first_token_time,
+            error=error,
         )
 
     def generate(
@@ -231,7 +304,8 @@ class LLMEngine:
         params: SamplingParams | list[SamplingParams],
         priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Offline convenience: run the given prompts to completion; outputs in prompt order."""
+        """Offline convenience: run the given prompts to completion; outputs in prompt order (a request
+        that failed in a step comes back with ``error`` set)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{self._arrivals + i}" for i in range(len(prompts))]
         for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):

@@ -10,6 +10,9 @@ MAX_TOP_K = 2**31 - 1  # sampled in int32/int64 tensors; a top_k at or above the
 MAX_TOKENS = 2**31 - 1
 MAX_STOP = 1024
 MAX_STOP_CHARS = 1024
+# Below this, logits / temperature leaves float32's range (NaN log-probs, or a temperature that
+# rounds to 0 and samples at 1); a temperature this small is greedy in all but name.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass
@@ -33,8 +36,12 @@ class SamplingParams:
         errors = []
         if not 1 <= self.n <= MAX_N:
             errors.append(f"n must be between 1 and {MAX_N}, got {self.n}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            errors.append(f"temperature must be a finite number >= 0, got {self.temperature}")
+        usable = self.temperature == 0 or self.temperature >= MIN_TEMPERATURE  # False for NaN
+        if not (math.isfinite(self.temperature) and usable):
+            errors.append(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                f"got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:  # also false for NaN
             errors.append(f"top_p must be in (0, 1], got {self.top_p}")
         if not -1 <= self.top_k <= MAX_TOP_K:

@@ -114,7 +114,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     logprobs: list[float]  # processed log-prob of each sampled token
-    finish_reason: str  # stop | length | abort
+    finish_reason: str  # stop | length | abort | error (its request failed in an engine step)
     stop_reason: int | str | None
     weight_versions: list[WeightVersionSpan]
     ranks: list[int] = field(default_factory=list)  # present when the request asked for logprobs
@@ -142,6 +142,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float = field(default_factory=time.monotonic)
+    error: str | None = None  # why the request failed in an engine step (its completions end in "error")
 
     @property
     def num_generated_tokens(self) -> int:
