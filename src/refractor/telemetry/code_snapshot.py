@@ -22,13 +22,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from refractor.records import TimelineEvent
 
 if TYPE_CHECKING:
     from refractor.config import RefractorConfig
-    from refractor.telemetry.store import RunStore
 
 log = logging.getLogger("refractor.code_snapshot")
 
@@ -126,8 +125,17 @@ def take_code_snapshot(
     return CodeSnapshot(builder.info, builder.files, builder.warnings)
 
 
+class SnapshotStore(Protocol):
+    """What ``record_code_snapshot`` writes to (the run store; a Protocol so that the store can
+    import this module's types without an import cycle)."""
+
+    def log_code_snapshot(self, snapshot: CodeSnapshot) -> None: ...
+
+    def log_event(self, event: TimelineEvent) -> None: ...
+
+
 def record_code_snapshot(
-    store: RunStore,
+    store: SnapshotStore,
     project: Path,
     folders: Callable[[], Mapping[str, Path]],
     limits: CodeLimits,
