@@ -48,6 +48,30 @@ def worst_error(outputs, model, hf_token_logprobs) -> float:
     )
 
 
+def check_phase_spans(result, before: float, after: float) -> None:
+    """The push's phases, in order, inside the push, each bucket gathered then sent."""
+    spans = {}
+    for e in result.spans:
+        assert e.name.startswith("weight_sync/") and e.component == "trainer"
+        assert before <= e.start <= e.end <= after, e
+        spans.setdefault(e.name.removeprefix("weight_sync/"), []).append(e)
+    assert set(spans) == {"gather_ahead", "pause", "server", "gather", "send", "drain", "finish", "resume"}
+    sends = spans["send"]
+    assert (
+        [e.attrs["bucket"] for e in sends]
+        == list(range(len(sends)))
+        == [e.attrs["bucket"] for e in spans["gather"]]
+    )
+    assert sum(e.attrs["bytes"] for e in sends) == result.stats.bytes and len(sends) > 1
+    assert spans["pause"][0].end <= sends[0].start and sends[-1].end <= spans["drain"][0].end
+    assert spans["drain"][0].end <= spans["finish"][0].start <= spans["resume"][0].start
+    assert sorted(e.attrs["server"] for e in spans["server"]) == sorted(result.reports)
+    for e in spans["server"]:  # each server's workers reported how long they received and loaded
+        worker = result.reports[e.attrs["server"]][0]
+        assert e.attrs["load_seconds"] == worker.load_us / 1e6 > 0
+        assert e.attrs["receive_seconds"] == worker.receive_us / 1e6 > 0
+
+
 def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logprobs):
     train, evaluation = qwen_servers
     sender = WeightSender(
@@ -56,7 +80,9 @@ def test_full_and_training_only_targets(qwen_servers, hf_models, hf_token_logpro
         eval_servers={"eval-0"},
     )
     try:
+        before = time.time()
         result = sender.push(iter_buckets(hf_models[1].named_parameters(), 300 << 10), version=5)
+        check_phase_spans(result, before, time.time())
         assert sorted(result.reports) == ["eval-0", "train-0"]
         assert all(r.params_loaded == r.params_total > 0 for rs in result.reports.values() for r in rs)
         for server in qwen_servers:

@@ -82,8 +82,17 @@ def test_two_ranks_train_on_one_packed_batch_and_merge_their_timelines(local_ray
         assert result.metrics["learning_rate"] == 1e-3 and result.step == 0
         steps = [e for e in result.timeline if e.name == "step"]
         assert sorted(e.attrs["rank"] for e in steps) == [0, 1]
+        node = ray.util.get_node_ip_address()
+        assert all(e.attrs["node"] == node and e.attrs["gpu"] is None for e in result.timeline)
 
-        asyncio.run(group.save_checkpoint(1, {"next_sample_idx": 5}))
+        spans = asyncio.run(group.save_checkpoint(1, {"next_sample_idx": 5}))
+        for rank in (0, 1):  # every rank's save, its phases inside it
+            mine = {e.name: e for e in spans if e.attrs["rank"] == rank}
+            assert {"checkpoint", "checkpoint/get_state_dict", "checkpoint/dcp_save"} <= set(mine)
+            assert ("checkpoint/retention" in mine) == (rank == 0)  # rank 0 applies the retention
+            whole = mine.pop("checkpoint")
+            assert all(whole.start <= e.start <= e.end <= whole.end for e in mine.values())
+            assert all(e.attrs["step"] == 1 and e.attrs["node"] == node for e in spans)
         assert json.loads(group.read_checkpoint_file(1, "orchestrator.json")) == {"next_sample_idx": 5}
         assert (tmp_path / "group" / "checkpoints" / "step_1" / "meta.json").is_file()
         assert group.read_checkpoint_file(1, "missing.json") is None

@@ -194,6 +194,40 @@ def test_minibatches_take_one_optimizer_step_each(tiny_qwen2_path):
     assert math.isfinite(result.metrics["loss"]) and result.metrics["trainer/batch/micro_batches"] >= 3
 
 
+def test_the_step_timeline_nests_per_microbatch_and_gives_microbatch_statistics(tiny_qwen2_path):
+    trainer = Trainer(make_settings(tiny_qwen2_path))
+    trainer.timeline_attrs = {"node": "10.0.0.7", "gpu": None}
+    result = trainer.train_step(pack(make_samples(n=9, seed=3), number_of_minibatches=3, step=4))
+    (step,) = [e for e in result.timeline if e.name == "step"]
+    forwards = [e for e in result.timeline if e.name == "forward"]
+    assert len(forwards) == result.metrics["timing_microbatch_count"] >= 3
+    assert {e.attrs["minibatch"] for e in forwards} == {0, 1, 2}
+    assert len([e for e in result.timeline if e.name == "optimizer"]) == 3  # one per minibatch
+    for e in result.timeline:
+        assert step.start <= e.start <= e.end <= step.end
+        assert (e.attrs["step"], e.attrs["rank"], e.attrs["node"], e.attrs["gpu"]) == (4, 0, "10.0.0.7", None)
+    for op in ("forward", "loss_computation", "backward"):
+        seconds = [e.end - e.start for e in result.timeline if e.name == op]
+        mean = math.fsum(seconds) / len(seconds)
+        m = result.metrics
+        assert m[f"timing_{op}_microbatch_mean"] == pytest.approx(mean, abs=1e-6)
+        assert m[f"timing_{op}_microbatch_min"] == pytest.approx(min(seconds), abs=1e-6)
+        assert m[f"timing_{op}_microbatch_max"] == pytest.approx(max(seconds), abs=1e-6)
+        std = math.sqrt(math.fsum((x - mean) ** 2 for x in seconds) / len(seconds))
+        assert m[f"timing_{op}_microbatch_std"] == pytest.approx(std, abs=1e-6)
+        assert m[f"timing_{op}_total"] == pytest.approx(math.fsum(seconds), abs=1e-6)
+    assert "timing_optimizer_microbatch_mean" not in result.metrics  # once per minibatch, not microbatch
+
+
+def test_track_gpu_events_false_keeps_only_the_whole_step(tiny_qwen2_path):
+    trainer = Trainer(make_settings(tiny_qwen2_path, track_gpu_events=False))
+    result = trainer.train_step(pack(make_samples(n=4)))
+    assert [e.name for e in result.timeline] == ["step"]
+    timings = sorted(k for k in result.metrics if k.startswith("timing_"))
+    assert timings == ["timing_microbatch_count", "timing_step_active", "timing_step_total"]
+    assert math.isfinite(result.metrics["loss"])
+
+
 def test_auto_picks_the_native_model_and_falls_back_to_hf_for_uncovered_architectures(tiny_qwen2_path):
     from refractor.testing import TinyModelSpec, build_tiny_model
     from refractor.trainer.policy_model import choose_impl

@@ -40,7 +40,7 @@ def test_update_targets_are_the_strings_servers_and_the_run_store_see():
 
 def test_a_sync_report_becomes_the_weight_sync_timeline_event():
     report = SyncReport.of_push(100.0, 102.0, push_result(UpdateTarget.TRAINING_ONLY))
-    event = report.timeline_event(4, UpdateTarget.TRAINING_ONLY)
+    (event,) = report.timeline_events(4, UpdateTarget.TRAINING_ONLY)
     assert event == TimelineEvent(
         "weight_sync",
         100.0,
@@ -79,7 +79,7 @@ def test_the_trainer_group_reports_rank_zeros_sync(monkeypatch):
     group.call_timeout_s = 10.0
     (event,) = asyncio.run(group.update_weights(7, "training_only"))
     assert calls == [UpdateTarget.TRAINING_ONLY, UpdateTarget.TRAINING_ONLY]
-    assert event == report.timeline_event(7, UpdateTarget.TRAINING_ONLY)
+    assert [event] == report.timeline_events(7, UpdateTarget.TRAINING_ONLY)
     assert (event.start, event.end, event.attrs["version"]) == (1.0, 2.0, 7)
 
 

@@ -546,7 +546,10 @@ class LoggingKeys(_Strict):
         0.5, gt=0, description="Telescope only: torch-memory drain period."
     )
     rollout_block_size: int = Field(500, ge=1, description="Telescope only: steps per W&B rollout archive.")
-    track_gpu_events: bool = Field(True, description="Record trainer timeline spans.")
+    track_gpu_events: bool = Field(
+        True,
+        description="Record every trainer span (CUDA events on GPU); false: only the step, wall clock.",
+    )
 
 
 class EvalKeys(_Strict):

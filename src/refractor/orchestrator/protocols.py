@@ -17,7 +17,10 @@ class Trainer(Protocol):
         """Send the weights after ``version`` steps to the servers of ``target`` (``full``: every
         server; ``training_only``: all but the eval servers); return when they all hold them."""
 
-    async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None: ...
+    async def save_checkpoint(
+        self, step: int, orchestrator_state: dict[str, Any]
+    ) -> list[TimelineEvent] | None:
+        """Save on every rank; return the ranks' ``checkpoint`` spans (or None)."""
 
 
 class StepSink(Protocol):

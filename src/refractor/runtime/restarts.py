@@ -124,7 +124,8 @@ class ServerRestarter:
         self.clients[name].rebase(info.url)
         async with self.host.weights_lock:
             sync = await self.trainers.refresh_server(name, info.url)
-        self.host.record(sync)
+        for event in sync:
+            self.host.record(event)
         self.host.bring_back_server(name)
         self.host.record(
             TimelineEvent(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from refractor.algorithms.packing import PackingSettings, pack_step
@@ -26,6 +27,7 @@ from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.runtime.cluster import LOOPBACK, Reservation
 from refractor.runtime.health import await_ranks
 from refractor.trainer.settings import TrainerSettings
+from refractor.trainer.timing import StepTimer
 from refractor.weight_sync import SyncReport, UpdateTarget, WeightSyncSettings
 
 
@@ -88,12 +90,15 @@ class TrainerActor:
         self.trainer = Trainer(
             self.settings, self.rank, self.world_size, master_addr=master_addr, master_port=master_port
         )
+        node = ray.util.get_node_ip_address()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        self.trainer.timeline_attrs = {"node": node, "gpu": gpu_ids[0] if gpu_ids else None}
         model = self.trainer.model
         return {
             "rank": self.rank,
             "device": str(self.trainer.device),
-            "node": ray.util.get_node_ip_address(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "node": node,
+            "gpu_ids": gpu_ids,
             # sharded parameters report their full size: every rank gives the model's count
             "num_parameters": sum(p.numel() for p in model.parameters()),
             "impl": self.trainer.impl,
@@ -143,11 +148,17 @@ class TrainerActor:
                 pass
             return None
         result = push(buckets)
-        return SyncReport.of_push(start, time.time(), result)
+        return SyncReport.of_push(start, time.time(), result, {"rank": 0, **self.trainer.timeline_attrs})
 
-    def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> str:
+    def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> list[TimelineEvent]:
+        """Every rank saves its part; returns this rank's ``checkpoint`` spans (wall clock)."""
         extra = {"orchestrator.json": json.dumps(orchestrator_state)}
-        return str(self.trainer.save_checkpoint(step, extra_files=extra))
+        timer = StepTimer(
+            torch.device("cpu"), attrs={"step": step, "rank": self.rank, **self.trainer.timeline_attrs}
+        )
+        with timer.span("checkpoint"):
+            self.trainer.save_checkpoint(step, extra_files=extra, timer=timer)
+        return timer.finish()[0]
 
     def load_checkpoint(self, which) -> int:
         return self.trainer.load_checkpoint(which)
@@ -223,9 +234,9 @@ class RayTrainerGroup:
             f"the weight sync to version {version}",
             self.call_timeout_s,
         )
-        return [reports[0].timeline_event(version, target)]
+        return reports[0].timeline_events(version, target)
 
-    async def refresh_server(self, name: str, url: str) -> TimelineEvent:
+    async def refresh_server(self, name: str, url: str) -> list[TimelineEvent]:
         """Push the current weights to the restarted server ``name`` (now at ``url``), canary
         checked; it is in every later update. Queued behind a train step in progress, so the
         server gets the newest weights under their own version."""
@@ -235,14 +246,16 @@ class RayTrainerGroup:
             self.call_timeout_s,
         )
         version, report = results[0]
-        return report.timeline_event(version, UpdateTarget.RESTARTED)
+        return report.timeline_events(version, UpdateTarget.RESTARTED)
 
-    async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> None:
-        await await_ranks(
+    async def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> list[TimelineEvent]:
+        """Every rank's ``checkpoint`` spans."""
+        spans = await await_ranks(
             [a.save_checkpoint.remote(step, orchestrator_state) for a in self.actors],
             f"the checkpoint of step {step}",
             self.call_timeout_s,
         )
+        return [event for rank in spans for event in rank]
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         with contextlib.suppress(Exception):  # best effort; the actors are killed next

@@ -20,6 +20,7 @@ Checkpoints saved without a ``files`` record are checked only for readable JSON 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from refractor.errors import RefractorUserError
 from refractor.trainer.checkpoint_files import FileRecord, find_damage, fsync_dir, record_files
+from refractor.trainer.timing import StepTimer
 
 CHECKPOINT_FORMAT = "refractor-dcp-1"
 META_FILE = "meta.json"
@@ -209,6 +211,7 @@ def save_checkpoint(
     extra_files: Mapping[str, str | bytes] | None = None,
     save_rng: bool = True,
     after_rename: Callable[[], None] | None = None,
+    timer: StepTimer | None = None,
 ) -> Path:
     """Write ``state`` (a DCP state dict) to ``root/step_<step>`` atomically. Call on every rank.
 
@@ -216,7 +219,7 @@ def save_checkpoint(
     and SHA-256) before renaming ``step_<step>_tmp`` to ``step_<step>`` (replacing an older copy),
     then runs ``after_rename``. A write that fails on any rank (a full disk) raises
     :class:`CheckpointWriteError` on every rank, removes the partial directory and leaves the
-    checkpoints saved before untouched.
+    checkpoints saved before untouched. ``timer`` gets a ``checkpoint/<phase>`` span per phase.
     """
     rank = dist.get_rank()
     final = checkpoint_path(root, step)
@@ -255,11 +258,17 @@ def save_checkpoint(
         _replace_dir(tmp, final)
         fsync_dir(final.parent)
 
-    for phase in (start, write_shards, finish):
-        _on_every_rank(phase, root, final, tmp)
+    def span(name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if timer is None else timer.span(f"checkpoint/{name}")
+
+    for name, phase in (("mkdir", start), ("dcp_save", write_shards), ("finalize", finish)):
+        with span(name):
+            _on_every_rank(phase, root, final, tmp)
     if rank == 0 and after_rename is not None:
-        after_rename()
-    dist.barrier()
+        with span("retention"):
+            after_rename()
+    with span("barrier"):
+        dist.barrier()
     return final
 
 

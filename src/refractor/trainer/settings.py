@@ -87,6 +87,7 @@ class TrainerSettings:
     activation_checkpointing: bool | str = True  # true | false | "selective"
     trainer_compile: bool = True  # CUDA only
     weight_broadcast_bucket_mb: int = 256
+    track_gpu_events: bool = True  # false: of the step's spans only the whole `step` (wall clock)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     forward: ForwardSettings = field(default_factory=ForwardSettings)
     loss: LossSettings = field(default_factory=LossSettings)

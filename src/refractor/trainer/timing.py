@@ -1,13 +1,19 @@
 """Spans of one training step: CUDA events on GPU (one synchronize per step), wall clock on CPU.
 
 ``with timer.span("forward", microbatch=3): ...`` records a span; ``timer.finish()`` resolves them
-into ``TimelineEvent`` records (unix-second start/end) and ``timing_<name>_total`` seconds.
+into ``TimelineEvent`` records (unix-second start/end), ``timing_<name>_total`` seconds and, for
+spans run once per micro-batch, ``timing_<name>_microbatch_{mean,std,min,max}``.
 Names nest with ``/`` (a child span is ``parent/child``); the spans and their names are listed in
 docs/metrics.md#trainer-spans.
+
+A timer made with ``detail=False`` (``track_gpu_events: false``) keeps only the spans opened with
+``always=True`` (the whole ``step``), timed by the wall clock: no CUDA event is recorded, and on GPU
+the one synchronize per step happens when such a span ends.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -20,8 +26,17 @@ from refractor.records import TimelineEvent
 
 
 class StepTimer:
-    def __init__(self, device: torch.device, component: str = "trainer", attrs: dict[str, Any] | None = None):
-        self.cuda = device.type == "cuda"
+    def __init__(
+        self,
+        device: torch.device,
+        component: str = "trainer",
+        attrs: dict[str, Any] | None = None,
+        *,
+        detail: bool = True,
+    ):
+        self.on_gpu = device.type == "cuda"
+        self.cuda = self.on_gpu and detail  # CUDA events only for the detailed spans
+        self.detail = detail
         self.component = component
         self.attrs = attrs or {}
         self._spans: list[tuple[str, Any, Any, dict[str, Any]]] = []
@@ -39,11 +54,16 @@ class StepTimer:
         return time.perf_counter()
 
     @contextmanager
-    def span(self, name: str, **attrs: Any) -> Iterator[None]:
+    def span(self, name: str, *, always: bool = False, **attrs: Any) -> Iterator[None]:
+        if not (self.detail or always):
+            yield
+            return
         start = self._mark()
         try:
             yield
         finally:
+            if self.on_gpu and not self.cuda:
+                torch.cuda.synchronize()  # a wall-clock span of GPU work ends when the work does
             self._spans.append((name, start, self._mark(), attrs))
 
     def _offset(self, mark: Any) -> float:
@@ -53,14 +73,17 @@ class StepTimer:
         return mark - self._t0_perf
 
     def finish(self) -> tuple[list[TimelineEvent], dict[str, float]]:
-        """Synchronize once and return (events, ``timing_<name>_total`` seconds, + microbatch counts)."""
+        """Synchronize once and return (events, the ``timing_*`` seconds of the module docstring)."""
         if self.cuda:
             torch.cuda.synchronize()
         events: list[TimelineEvent] = []
         totals: dict[str, float] = defaultdict(float)
+        per_microbatch: dict[str, list[float]] = defaultdict(list)
         for name, start, end, attrs in self._spans:
             s = self._offset(start)
             e = self._offset(end)
+            if "microbatch" in attrs:
+                per_microbatch[name].append(e - s)
             events.append(
                 TimelineEvent(
                     name=name,
@@ -71,4 +94,10 @@ class StepTimer:
                 )
             )
             totals[f"timing_{name.replace('/', '_')}_total"] += e - s
+        for name, durations in per_microbatch.items():
+            key = f"timing_{name.replace('/', '_')}_microbatch"
+            totals[f"{key}_mean"] = statistics.fmean(durations)
+            totals[f"{key}_std"] = statistics.pstdev(durations)
+            totals[f"{key}_min"] = min(durations)
+            totals[f"{key}_max"] = max(durations)
         return events, dict(totals)

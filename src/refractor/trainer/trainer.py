@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -66,6 +67,8 @@ class Trainer:
         self.world_size = self.info.world_size
         self.device = self.info.device
         self.checkpoint_dir = settings.checkpoint.root
+        # added to every timeline event of this rank (the Ray actor sets its node and GPU)
+        self.timeline_attrs: dict[str, Any] = {}
 
         source, init_checkpoint = self._model_source(settings.model)
         self.model_dir = source
@@ -168,11 +171,15 @@ class Trainer:
             )
         if self.info.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        timer = StepTimer(self.device, attrs={"step": batch.step, "rank": self.rank})
+        timer = StepTimer(
+            self.device,
+            attrs={"step": batch.step, "rank": self.rank, **self.timeline_attrs},
+            detail=self.settings.track_gpu_events,
+        )
         lr = self.learning_rate
         wall = time.perf_counter()
         self.model.train()
-        with timer.span("step"):
+        with timer.span("step", always=True):
             outcome = run_step(
                 self.model,
                 self.optimizer,
@@ -231,7 +238,10 @@ class Trainer:
         return self.checkpoint_dir
 
     def save_checkpoint(
-        self, step: int | None = None, extra_files: Mapping[str, str | bytes] | None = None
+        self,
+        step: int | None = None,
+        extra_files: Mapping[str, str | bytes] | None = None,
+        timer: StepTimer | None = None,
     ) -> Path:
         """Save ``step_<step>`` (default: ``self.step``) atomically; call on every rank.
 
@@ -239,21 +249,15 @@ class Trainer:
         included (exact resume); otherwise only weights. ``extra_files`` (name -> content, e.g. the
         orchestrator's ``orchestrator.json``) land in the directory before it becomes visible.
         Retention (``checkpoint_keep_last`` / ``checkpoint_keep_every``) runs after the rename.
+        ``timer`` records the ``checkpoint/*`` spans (docs/metrics.md#checkpoint-spans).
         """
         root = self._require_checkpoint_dir()
         step = self._step if step is None else step
         checkpoint = self.settings.checkpoint
         training_state = checkpoint.checkpoint_save_training_state
-        if training_state:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {
-                "model": {hf_name(k): v for k, v in model_sd.items()},
-                "optimizer": optim_sd,
-                "scheduler": self.scheduler.state_dict(),
-                "trainer": {"step": self._step, "skipped_updates": self.skipped_updates},
-            }
-        else:
-            state = {"model": self._hf_model_state(), "trainer": {"step": self._step}}
+        get_state = contextlib.nullcontext() if timer is None else timer.span("checkpoint/get_state_dict")
+        with get_state:
+            state = self._checkpoint_state(training_state)
         meta = {
             "base_model": self.settings.model,
             "model_impl": self.impl,
@@ -271,7 +275,19 @@ class Trainer:
             after_rename=lambda: ckpt.apply_retention(
                 root, step, checkpoint.checkpoint_keep_last, checkpoint.checkpoint_keep_every
             ),
+            timer=timer,
         )
+
+    def _checkpoint_state(self, training_state: bool) -> dict[str, Any]:
+        if not training_state:
+            return {"model": self._hf_model_state(), "trainer": {"step": self._step}}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": {hf_name(k): v for k, v in model_sd.items()},
+            "optimizer": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "trainer": {"step": self._step, "skipped_updates": self.skipped_updates},
+        }
 
     def load_checkpoint(self, which: int | str | bool = "latest") -> int:
         """Restore model, optimizer, scheduler, RNG and step from ``step_<N>`` (or the latest); returns N."""

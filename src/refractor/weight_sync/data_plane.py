@@ -104,6 +104,20 @@ class WorkerReport:
 
 
 @dataclass(frozen=True)
+class BucketTiming:
+    """When the sender waited for one caller bucket and sent it (unix seconds). ``waited_from`` ->
+    ``started``: getting the bucket from the caller (the trainer's gather of it, when not gathered
+    ahead); ``started`` -> ``ended``: packing it and issuing its broadcasts (asynchronous: this
+    includes waiting for the broadcasts in flight before it to finish)."""
+
+    index: int
+    waited_from: float
+    started: float
+    ended: float
+    bytes: int
+
+
+@dataclass(frozen=True)
 class SendStats:
     checksum: int
     tensors: int
@@ -111,6 +125,9 @@ class SendStats:
     buckets: int
     metadata_sent: bool
     seconds: float
+    bucket_timings: tuple[BucketTiming, ...] = ()
+    drained_from: float = 0.0  # unix seconds: the last bucket was issued, and its broadcasts ...
+    finished: float = 0.0  # ... had all finished
 
 
 # --- sender ----------------------------------------------------------------------------------
@@ -135,6 +152,8 @@ class BucketSender:
         nbytes = 0
         index = 0
         metadata_sent = False
+        timings: list[BucketTiming] = []
+        waited_from = time.time()
 
         def issue(tensor: torch.Tensor) -> None:
             in_flight.append((g.broadcast_async(tensor), tensor))
@@ -145,6 +164,8 @@ class BucketSender:
 
         with torch.no_grad():
             for caller_bucket in buckets:
+                started = time.time()
+                caller_bytes = 0
                 for bucket in split_by_dtype(caller_bucket):
                     metas = [TensorMeta.of(name, t) for name, t in bucket]
                     meta_blob = b""
@@ -180,10 +201,26 @@ class BucketSender:
                     self._record_metadata(index, metas)
                     tensors += len(metas)
                     nbytes += bucket_bytes
+                    caller_bytes += bucket_bytes
                     index += 1
+                ended = time.time()
+                timings.append(BucketTiming(len(timings), waited_from, started, ended, caller_bytes))
+                waited_from = ended
+            drained_from = time.time()
             issue(torch.tensor([KIND_END, 0, 0, 0], dtype=torch.int64, device=g.device))
             drain(0)
-        return SendStats(checksum.item(), tensors, nbytes, index, metadata_sent, time.perf_counter() - start)
+        finished = time.time()
+        return SendStats(
+            checksum.item(),
+            tensors,
+            nbytes,
+            index,
+            metadata_sent,
+            time.perf_counter() - start,
+            tuple(timings),
+            drained_from,
+            finished,
+        )
 
     def _record_metadata(self, index: int, metas: list[TensorMeta]) -> None:
         if index < len(self._known_metadata):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from refractor.records import TimelineEvent
@@ -27,6 +27,8 @@ class PushResult:
     stats: SendStats
     reports: dict[str, list[WorkerReport]]  # server name -> one report per worker
     gathered_ahead_bytes: int = 0  # bucket bytes materialized before the pause
+    # the sync's phases as `weight_sync/<phase>` spans (docs/metrics.md#weight-sync-spans)
+    spans: tuple[TimelineEvent, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,11 @@ class SyncReport:
     transfer_seconds: float
     trainer_seconds: float
     paused_seconds: float
+    spans: tuple[TimelineEvent, ...] = ()  # the push's phases (children of the weight_sync event)
+    attrs: dict = field(default_factory=dict)  # where it ran (rank, node, gpu): added to every event
 
     @classmethod
-    def of_push(cls, start: float, end: float, result: PushResult) -> SyncReport:
+    def of_push(cls, start: float, end: float, result: PushResult, attrs: dict | None = None) -> SyncReport:
         return cls(
             start=start,
             end=end,
@@ -49,10 +53,22 @@ class SyncReport:
             transfer_seconds=result.transfer_seconds,
             trainer_seconds=result.trainer_seconds,
             paused_seconds=result.paused_seconds,
+            spans=result.spans,
+            attrs=dict(attrs or {}),
         )
 
-    def timeline_event(self, version: int, target: UpdateTarget) -> TimelineEvent:
-        """The run store's ``weight_sync`` event (its attrs feed the ``timing_weight_sync_*`` metrics)."""
+    def timeline_events(self, version: int, target: UpdateTarget) -> list[TimelineEvent]:
+        """The run store's ``weight_sync`` event (its attrs feed the ``timing_weight_sync_*``
+        metrics), then its phases, each with the update's ``version`` and ``target``."""
+        tags = {**self.attrs, "version": version, "target": UpdateTarget(target).value}
+        children = [
+            TimelineEvent(s.name, s.start, s.end, s.component, {**s.attrs, **tags}) for s in self.spans
+        ]
+        parent = self._parent(version, target)
+        parent.attrs.update(self.attrs)
+        return [parent, *children]
+
+    def _parent(self, version: int, target: UpdateTarget) -> TimelineEvent:
         return TimelineEvent(
             "weight_sync",
             self.start,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from refractor.records import TimelineEvent
 from refractor.weight_sync.control_plane import ServerControl, ServerRef, WeightSyncError
 from refractor.weight_sync.data_plane import BucketSender, SendStats, WorkerReport
 from refractor.weight_sync.process_group import CollectiveTimeout, TransferGroup, host_store
@@ -225,19 +226,26 @@ class WeightSender:
         corrupt: bool,
     ) -> PushResult:
         start = time.perf_counter()
+        spans = _Spans()
         target = group.target
         controls = group.servers
-        ahead, ahead_bytes = gather_ahead(buckets, self.settings.gather_before_pause_bytes)
+        with spans.span("gather_ahead") as attrs:
+            ahead, ahead_bytes = gather_ahead(buckets, self.settings.gather_before_pause_bytes)
+            attrs.update(buckets=len(ahead), bytes=ahead_bytes)
         what = f"weight update to version {version} ({target.value!r})"
         unresponsive: frozenset[str] = frozenset()
         paused_at = time.perf_counter()
         try:  # resumed in every case: a server that paused must not stay paused because another failed
-            self._on_all(controls, ServerControl.pause, what)
-            self._on_all(controls, ServerControl.start_weight_update, what)
+            with spans.span("pause"):
+                self._on_all(controls, ServerControl.pause, what)
+                self._on_all(controls, ServerControl.start_weight_update, what)
             receiving = {
                 c: self._pool.submit(c.update_weights, target.value, str(version), self.timeout_s)
                 for c in controls
             }
+            receive_spans = {c: spans.open("server", server=c.server.name) for c in controls}
+            for control, future in receiving.items():
+                future.add_done_callback(lambda _, span=receive_spans[control]: span.close())
             try:
                 stream = _release_as_sent(ahead, buckets)
                 stats = group.sender.send(self._checked(stream, receiving, controls, what), corrupt=corrupt)
@@ -247,14 +255,18 @@ class WeightSender:
                 failure = self._failure(what, controls, receiving, err)
                 unresponsive = failure.unresponsive
                 raise failure from err
-            self._wait_all(receiving, what, controls)
-            self._on_all(controls, lambda c: c.finish_weight_update(str(version)), what)
-            recompute = self.settings.inflight_kv == "recompute"
-            self._on_all(controls, lambda c: c.reset_prefix_cache(reset_running_requests=recompute), what)
+            spans.add_buckets(stats)
+            with spans.span("finish"):
+                self._wait_all(receiving, what, controls)
+                self._on_all(controls, lambda c: c.finish_weight_update(str(version)), what)
+                recompute = self.settings.inflight_kv == "recompute"
+                self._on_all(controls, lambda c: c.reset_prefix_cache(reset_running_requests=recompute), what)
         finally:
-            self._resume_quietly([c for c in controls if c.server.name not in unresponsive])
+            with spans.span("resume"):
+                self._resume_quietly([c for c in controls if c.server.name not in unresponsive])
             paused = time.perf_counter() - paused_at
         by_server = self._reports_by_server(group, reports)
+        spans.add_server_reports(receive_spans, by_server)
         check_canary(stats, by_server, version)
         return PushResult(
             version,
@@ -265,6 +277,7 @@ class WeightSender:
             stats=stats,
             reports=by_server,
             gathered_ahead_bytes=ahead_bytes,
+            spans=spans.events(),
         )
 
     def _checked(self, buckets, receiving: dict[ServerControl, Future], controls, what):
@@ -416,4 +429,62 @@ def check_canary(stats: SendStats, reports: dict[str, list[WorkerReport]], versi
     if problems:
         raise CanaryError(
             f"weight update to version {version} is not what the trainer sent:\n  " + "\n  ".join(problems)
+        )
+
+
+class _OpenSpan:
+    def __init__(self, name: str, attrs: dict[str, Any]):
+        self.name = name
+        self.attrs = attrs
+        self.start = time.time()
+        self.end: float | None = None
+
+    def close(self) -> None:
+        if self.end is None:
+            self.end = time.time()
+
+
+class _Spans:
+    """The phases of one push as ``weight_sync/<phase>`` timeline spans (wall clock; rank 0's
+    view: a server's span runs from the trainer's call of its receive route to the call's answer,
+    with the receive and load durations that server's workers reported)."""
+
+    def __init__(self) -> None:
+        self._spans: list[_OpenSpan] = []
+
+    def open(self, name: str, **attrs: Any) -> _OpenSpan:
+        span = _OpenSpan(name, attrs)
+        self._spans.append(span)
+        return span
+
+    def add(self, name: str, start: float, end: float, **attrs: Any) -> None:
+        span = self.open(name, **attrs)
+        span.start, span.end = start, end
+
+    @contextlib.contextmanager
+    def span(self, name: str, **attrs: Any) -> Iterator[dict[str, Any]]:
+        span = self.open(name, **attrs)
+        try:
+            yield span.attrs
+        finally:
+            span.close()
+
+    def add_buckets(self, stats: SendStats) -> None:
+        for t in stats.bucket_timings:
+            self.add("gather", t.waited_from, t.started, bucket=t.index, bytes=t.bytes)
+            self.add("send", t.started, t.ended, bucket=t.index, bytes=t.bytes)
+        if stats.bucket_timings:  # the last broadcasts finish
+            self.add("drain", stats.drained_from, stats.finished)
+
+    def add_server_reports(self, spans: dict[ServerControl, _OpenSpan], reports: dict[str, list]) -> None:
+        for control, span in spans.items():
+            workers = reports.get(control.server.name, [])
+            span.attrs["receive_seconds"] = max((w.receive_us for w in workers), default=0) / 1e6
+            span.attrs["load_seconds"] = max((w.load_us for w in workers), default=0) / 1e6
+
+    def events(self) -> tuple[TimelineEvent, ...]:
+        return tuple(
+            TimelineEvent(f"weight_sync/{s.name}", s.start, s.end, "trainer", s.attrs)
+            for s in sorted(self._spans, key=lambda s: s.start)
+            if s.end is not None
         )
