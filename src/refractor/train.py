@@ -16,7 +16,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,7 @@ import yaml
 
 from refractor.config import RefractorConfig
 from refractor.errors import RunSetupError
+from refractor.records import TimelineEvent
 
 if TYPE_CHECKING:
     from refractor.runtime.health import ServerWatchdog
@@ -213,10 +214,16 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     from refractor.telemetry.server_metrics import ServerMetricsScraper
     from refractor.telemetry.store import RunStore
 
+    started = time.time()
     envs = load_environments(cfg)
     evals = load_evals(cfg, envs)
+    envs_ready = time.time()
     tokenizer = load_tokenizer(cfg)
     store = RunStore(paths.root, config=cfg.model_dump(mode="json"), run_name=cfg.run_name)
+    startup = StartupEvents(store)
+    startup.mark("orchestrator_start", started)
+    startup.mark("environments_prepare_start", started)
+    startup.mark("environments_prepare_done", envs_ready)
     sinks = []
     ray_host = RayHost()
     connection = None
@@ -233,7 +240,9 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             from refractor.telemetry.wandb_sink import WandbSink
 
             sinks.append(WandbSink.from_config(cfg))
+        startup.mark("ray_init_start")
         connection = ray_host.connect(RaySettings.from_config(cfg, run_dir=str(paths.root)))
+        startup.mark("ray_init_done")
         if not quiet:
             print(f"refractor: {connection.describe()}", flush=True)
         # the secret of this run's server control routes: handed to the servers and to trainer
@@ -270,7 +279,9 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             cfg, tokenizer.pad_token_id, control_token=control_token, single_node=connection.nodes == 1
         )
         trainers = RayTrainerGroup(trainer_settings, trainer_pg)
-        infos, trainer_ranks = _start_side_by_side(servers, trainers)
+        startup.mark("inference_processes_start")
+        startup.mark("trainer_process_start")
+        infos, trainer_ranks = _start_side_by_side(servers, trainers, startup.mark)
         store.set_meta({"engine": engine, "servers": json.dumps([i.__dict__ for i in infos])})
         eval_servers = eval_server_names(cfg, [i.name for i in infos])
         trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
@@ -367,6 +378,17 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     return paths.root
 
 
+class StartupEvents:
+    """The start of a run as orchestrator instants in the run store (docs/metrics.md#timeline-events)."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        now = time.time() if at is None else at
+        self.store.log_event(TimelineEvent(name, now, now, "orchestrator", {}), step=0)
+
+
 def start_code_snapshot(
     cfg: RefractorConfig, config_path: str | Path | None, store: RunStore
 ) -> threading.Thread:
@@ -415,14 +437,20 @@ def user_code_folders(cfg: RefractorConfig) -> dict[str, Path]:
     return folders
 
 
-def _start_side_by_side(servers, trainers):
+def _start_side_by_side(servers, trainers, mark: Callable[[str], None]):
     """Boot the servers and the trainer ranks in parallel; returns the servers' infos and the
-    ranks'. Interrupted, it does not wait for the boots (the caller kills their actors, which ends
-    them)."""
+    ranks'; ``mark`` gets ``inference_servers_ready`` and ``trainer_ready`` as each is. Interrupted,
+    it does not wait for the boots (the caller kills their actors, which ends them)."""
+
+    def boot(start, event):
+        out = start()
+        mark(event)
+        return out
+
     pool = ThreadPoolExecutor(2, thread_name_prefix="boot")
     try:
-        server_future = pool.submit(servers.start)
-        trainer_future = pool.submit(trainers.setup)
+        server_future = pool.submit(boot, servers.start, "inference_servers_ready")
+        trainer_future = pool.submit(boot, trainers.setup, "trainer_ready")
         infos = server_future.result()
         return infos, trainer_future.result()
     finally:

@@ -149,6 +149,10 @@ def test_tool_env_executes_errors_and_counts():
         ("sleeper", False, "timeout"),
     ]
     assert logged[0][0].arguments == '{"query": "rl"}'
+    for record in logged[0] + logged[1]:  # every call is timed, the one cut by the timeout too
+        assert record.started_at <= record.ended_at
+    sleeper_call = logged[1][3]
+    assert sleeper_call.ended_at - sleeper_call.started_at >= 0.2
     metrics = outcome.result.sample_metrics
     assert metrics["total_tool_calls"] == 6 and metrics["tool_success_count"] == 2
     assert metrics["tool_error_count"] == 4 and metrics["tool_success_rate"] == pytest.approx(2 / 6)

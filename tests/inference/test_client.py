@@ -59,6 +59,8 @@ def test_generate_tokens_logprobs_versions(server, tiny_qwen3_path):
     ref = logits.log_softmax(-1).gather(1, torch.tensor(one.token_ids)[:, None])[:, 0]
     assert (torch.tensor(one.logprobs, dtype=torch.float64) - ref).abs().max() <= 1e-4
     assert [r.index for r in many] == [0, 1, 2] and all(len(r.token_ids) == 6 for r in many)
+    assert one.latency["e2e_latency"] >= one.latency["ttft"] > 0  # the server's timings, parsed
+    assert all(r.latency == many[0].latency for r in many)  # one request: one account
     cut = one.token_ids.index(one.token_ids[3]) + 1
     assert stopped.token_ids == one.token_ids[:cut] and stopped.finish_reason == "stop"
     with pytest.raises(ValueError, match="generate_choices"):

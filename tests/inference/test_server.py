@@ -150,6 +150,12 @@ def test_generate_endpoint_matches_vllm_shape(server, hf):
         assert (torch.tensor([c["logprob"] for c in content], dtype=torch.float64) - ref).abs().max() <= 1e-4
     again = httpx.post(server.url + "/inference/v1/generate", json={**body, "request_id": "g2"}).json()
     assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in data["choices"]]  # seeded
+    # the engine's account of the request's time: its phases add up
+    t = data["latency"]
+    assert sorted(t) == ["decode_time", "e2e_latency", "prefill_time", "queue_time", "ttft"]
+    assert min(t.values()) >= 0 and t["decode_time"] > 0
+    assert t["ttft"] == pytest.approx(t["queue_time"] + t["prefill_time"], abs=1e-9)
+    assert t["e2e_latency"] == pytest.approx(t["ttft"] + t["decode_time"], abs=1e-9)
 
 
 @pytest.mark.parametrize(

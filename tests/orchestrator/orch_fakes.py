@@ -31,6 +31,7 @@ class FakeResult:
     logprobs: list[float]
     finish_reason: str
     weight_versions: list[Any] = field(default_factory=list)
+    latency: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -216,6 +217,10 @@ class MemoryStore:
         self.rollouts: list[tuple[Any, int, int]] = []
         self.steps: dict[int, dict[str, float]] = {}
         self.events: list[Any] = []
+        self.meta: dict[str, Any] = {}
+
+    def set_meta(self, items, replace_existing=True):
+        self.meta.update(items)
 
     def log_rollouts(self, rollouts, trainer_step, inference_step):
         self.rollouts += [(r, trainer_step, inference_step) for r in rollouts]

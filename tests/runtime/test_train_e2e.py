@@ -113,7 +113,21 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
         # the code the run started with: the repository its config file lives in
         # (docs/run-store.md#code-snapshot)
         assert reader.code_file("project", "configs/examples/quickstart.yaml") == QUICKSTART.read_text()
-    assert (Path(run_dir) / "logs" / "server-0.log").exists()
+        # the timeline (docs/metrics.md#timeline-events): the start, every rollout's life, the
+        # weight syncs with their phases; nothing left in flight
+        events = reader.timeline()
+        names = {e["name"] for e in events}
+        assert {"orchestrator_start", "ray_init_done", "inference_servers_ready", "trainer_ready"} <= names
+        assert {"weight_sync/pause", "weight_sync/send", "weight_sync/server", "weight_sync/resume"} <= names
+        for r in kept[:8]:
+            mine = [
+                e
+                for e in events
+                if e["component"] == "rollout" and e["attrs"]["rollout_id"] == r["rollout_id"]
+            ]
+            assert [e["name"] for e in mine] == ["generation", "env_response", "reward"]
+            assert mine[0]["attrs"]["server"] == "server-0" and mine[0]["attrs"]["lane"] == r["lane"]
+        assert reader.meta()["inflight"]["count"] == 0
     saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
     assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()
 

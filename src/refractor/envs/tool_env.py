@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -96,8 +97,17 @@ class ToolEnvironment(MultiTurnEnvironment):
 
     async def execute_tool(self, call: ParsedToolCall) -> ToolCallRecord:
         record = ToolCallRecord(
-            tool_name=call.name, arguments=json.dumps(call.arguments, default=str), raw_text=call.raw_text
+            tool_name=call.name,
+            arguments=json.dumps(call.arguments, default=str),
+            raw_text=call.raw_text,
+            started_at=time.time(),
         )
+        try:
+            return await self._execute(call, record)
+        finally:
+            record.ended_at = time.time()
+
+    async def _execute(self, call: ParsedToolCall, record: ToolCallRecord) -> ToolCallRecord:
         tool = self.tools.get(call.name)
         if tool is None:
             record.success = False

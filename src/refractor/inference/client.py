@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -80,10 +80,22 @@ class GenerateResult:
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     stop_reason: int | str | None = None
     index: int = 0
+    # the server's account of the request's time, in seconds (queue_time, ttft, prefill_time,
+    # decode_time, e2e_latency); empty when the server gives none (vLLM)
+    latency: dict[str, float] = field(default_factory=dict)
 
 
 def _version(value: Any) -> int | str:
     return int(value) if isinstance(value, str) and value.lstrip("-").isdigit() else value
+
+
+def _latency(value: Any) -> dict[str, float]:
+    """The response's ``latency`` object, numbers only (a server's garbage is dropped, not raised)."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        str(k): float(v) for k, v in value.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def parse_generate_choice(choice: dict[str, Any]) -> GenerateResult:
@@ -185,7 +197,11 @@ class InferenceClient:
         if self.model is not None:
             body["model"] = self.model
         data = await self._post_json("/inference/v1/generate", body)
-        return sorted((parse_generate_choice(c) for c in data["choices"]), key=lambda r: r.index)
+        latency = _latency(data.get("latency"))
+        return sorted(
+            (replace(parse_generate_choice(c), latency=latency) for c in data["choices"]),
+            key=lambda r: r.index,
+        )
 
     async def generate(
         self, token_ids: list[int], sampling: Sampling, *, request_id: str | None = None, priority: int = 0

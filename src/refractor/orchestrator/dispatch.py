@@ -31,6 +31,7 @@ from refractor.orchestrator.batching import BatchAssembler
 from refractor.orchestrator.chat import ChatTokens
 from refractor.orchestrator.inflight import InFlightGroup
 from refractor.orchestrator.lanes import LaneManager
+from refractor.orchestrator.lifecycle import RolloutEvents
 from refractor.orchestrator.prompts import PromptPrefetcher
 from refractor.orchestrator.rollout import (
     InferenceServer,
@@ -67,8 +68,10 @@ class Dispatcher:
         clock: Callable[[], float],
         event: Callable[..., None],
         on_group_done: Callable[[Group], None],
+        rollout_events: RolloutEvents | None = None,
     ) -> None:
         self.settings = settings
+        self.rollout_events = rollout_events
         self.envs = envs
         self.servers = servers
         self.prompts = prompts
@@ -222,6 +225,7 @@ class Dispatcher:
             clock=self.clock,
             generating=self.generating,
             on_generation_end=lambda _: self._release(ig, i) if self.free_after_generation else None,
+            events=self.rollout_events,
         )
         try:
             await run_rollout(

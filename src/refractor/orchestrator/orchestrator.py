@@ -33,6 +33,7 @@ from refractor.orchestrator.dispatch import Dispatcher
 from refractor.orchestrator.eval_schedule import EvalScheduler
 from refractor.orchestrator.inflight import InFlightGroup
 from refractor.orchestrator.lanes import LaneManager
+from refractor.orchestrator.lifecycle import InflightSnapshots, RolloutEvents
 from refractor.orchestrator.prompts import PromptPrefetcher, PromptStream
 from refractor.orchestrator.protocols import StepSink, TelemetryLoop, Trainer
 from refractor.orchestrator.rollout import InferenceServer, PreparedPrompt, SerialServer, prepare_prompt
@@ -42,6 +43,8 @@ from refractor.orchestrator.train_batch import summarize, train_samples
 from refractor.records import DiscardReason, Group, PromptRef, RolloutStatus, TimelineEvent
 from refractor.telemetry.step_metrics import StepTiming, step_metrics
 from refractor.weight_sync import UpdateTarget
+
+INFLIGHT_SNAPSHOT_INTERVAL_S = 1.0  # the run store's "running now" is at most this old
 
 log = logging.getLogger("refractor.orchestrator")
 
@@ -72,7 +75,13 @@ class Orchestrator:
         self.sinks = list(sinks)
         self.clock = clock
         self.evals = evals
-        self.telemetry = list(telemetry)
+        self.rollout_events = RolloutEvents(
+            lambda e: self.store.log_event(e, step=self.counters.inference_step), clock
+        )
+        self.telemetry = [
+            *telemetry,
+            InflightSnapshots(self.rollout_events, store.set_meta, INFLIGHT_SNAPSHOT_INTERVAL_S),
+        ]
         self.number_of_steps = settings.number_of_steps
         self.counters = StepCounters()
         self.pins = (
@@ -112,6 +121,7 @@ class Orchestrator:
             clock,
             event=self._event,
             on_group_done=self._complete_group,
+            rollout_events=self.rollout_events,
         )
         self.train_queue: asyncio.Queue[tuple[int, Batch]] = asyncio.Queue()
         self._batch_cut = asyncio.Event()  # set at every cut (a held weight push may go)
@@ -351,7 +361,10 @@ class Orchestrator:
         while True:
             try:
                 async with self.weights_lock:
-                    return await self.trainer.update_weights(version, target=target) or []
+                    with self.rollout_events.span(
+                        "weight_sync", "trainer", record=False, version=version, target=str(target)
+                    ):
+                        return await self.trainer.update_weights(version, target=target) or []
             except Exception as err:
                 if self.server_recovery is None or not await self.server_recovery(err):
                     raise

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from refractor.envs.base import Environment, strip_eos
 from refractor.envs.scoring import score_rollout
 from refractor.inference.client import Sampling
 from refractor.orchestrator.chat import ChatTokens
+from refractor.orchestrator.lifecycle import RolloutEvents
 from refractor.records import (
     DiscardReason,
     Rollout,
@@ -30,6 +32,7 @@ from refractor.records import (
     RolloutStatus,
     Sample,
     ToolCall,
+    ToolCallRecord,
     TrajectoryStep,
     Turn,
     append_turn_tokens,
@@ -41,6 +44,7 @@ class GenerateResult(Protocol):
     logprobs: list[float]
     finish_reason: str
     weight_versions: Any
+    latency: dict[str, float]
 
 
 class InferenceServer(Protocol):
@@ -168,6 +172,16 @@ class SampleHooks:
     clock: Callable[[], float]
     on_generation_end: Callable[[Rollout], None] = lambda r: None
     generating: set[int] = field(default_factory=set)  # rollout ids currently in their generation phase
+    events: RolloutEvents | None = None  # the lifecycle spans; None: not recorded (evals)
+
+    def span(self, name: str, rollout: Rollout, **attrs: Any) -> AbstractContextManager[dict[str, Any]]:
+        if self.events is None:
+            return nullcontext({})
+        return self.events.span(name, **_rollout_attrs(rollout), **attrs)
+
+
+def _rollout_attrs(rollout: Rollout) -> dict[str, Any]:
+    return {"rollout_id": rollout.rollout_id, "group_id": rollout.group_id, "sample": rollout.sample_idx}
 
 
 async def run_rollout(
@@ -194,9 +208,11 @@ async def run_rollout(
     hooks.on_generation_end(rollout)
     if rollout.status == RolloutStatus.DISCARDED:
         return rollout
-    outcome = await score_rollout(
-        env, state, eos_token=settings.eos_token, timeout_s=settings.reward_timeout_s
-    )
+    with hooks.span("reward", rollout) as span:
+        outcome = await score_rollout(
+            env, state, eos_token=settings.eos_token, timeout_s=settings.reward_timeout_s
+        )
+        span["ok"] = outcome.ok
     rollout.reward_time = outcome.elapsed_s
     if not outcome.ok:
         rollout.mark(RolloutStatus.DISCARDED, outcome.reason, outcome.detail)
@@ -221,6 +237,24 @@ class SampleRun:
     chat: ChatTokens
     settings: RolloutSettings
     hooks: SampleHooks
+
+
+def _record_tool_spans(hooks: SampleHooks, rollout: Rollout, turn: int, calls: list[ToolCallRecord]) -> None:
+    """``tool_execution`` spans of the tool calls that an environment timed."""
+    if hooks.events is None:
+        return
+    for i, c in enumerate(calls):
+        if c.started_at is not None and c.ended_at is not None:
+            hooks.events.add(
+                "tool_execution",
+                c.started_at,
+                c.ended_at,
+                **_rollout_attrs(rollout),
+                turn=turn,
+                tool_call=i,
+                tool=c.tool_name,
+                success=c.success,
+            )
 
 
 async def _generate_turns(run: SampleRun) -> None:
@@ -265,9 +299,12 @@ async def _generate_turns(run: SampleRun) -> None:
                 if settings.seed is None
                 else sampling_seed(settings.seed, run.prompt.ordinal, rollout.sample_idx, index)
             )
-            result = await server.generate(
-                prompt_ids, replace(base, max_tokens=budget, seed=seed), priority=-index
-            )
+            with hooks.span("generation", rollout, turn=index, server=server.name, lane=rollout.lane) as span:
+                result = await server.generate(
+                    prompt_ids, replace(base, max_tokens=budget, seed=seed), priority=-index
+                )
+                span.update(finish_reason=result.finish_reason, completion_tokens=len(result.token_ids))
+                span.update(result.latency)  # the server's account (docs/metrics.md#latency)
         except asyncio.CancelledError:
             raise
         except Exception as err:
@@ -311,9 +348,12 @@ async def _generate_turns(run: SampleRun) -> None:
             return
         try:
             env_start = hooks.clock()
-            env_msgs = await env.env_response([*messages, assistant], state)
+            with hooks.span("env_response", rollout, turn=index):
+                env_msgs = await env.env_response([*messages, assistant], state)
             turn.env_time = hooks.clock() - env_start
             done, reason = env.is_done(state)
+            executed = state.pop_pending_tool_calls()
+            _record_tool_spans(hooks, rollout, index, executed)
             turn.tool_calls = [
                 ToolCall(
                     c.tool_name,
@@ -327,9 +367,11 @@ async def _generate_turns(run: SampleRun) -> None:
                         "truncated": c.truncated,
                         "result_tokens": c.result_tokens,
                         "sandbox_id": c.sandbox_id,
+                        "started_at": c.started_at,
+                        "ended_at": c.ended_at,
                     },
                 )
-                for c in state.pop_pending_tool_calls()
+                for c in executed
             ]
             if done:
                 if turn.finish_reason == "length" or not env.is_multi_turn:

@@ -97,6 +97,8 @@ class ToolCallRecord:
     truncated: bool = False
     result_tokens: int | None = None
     sandbox_id: str | None = None
+    started_at: float | None = None  # unix seconds the call ran (the environment's clock), if timed
+    ended_at: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ToolCallRecord:

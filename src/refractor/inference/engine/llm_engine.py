@@ -296,6 +296,9 @@ class LLMEngine:
             request.arrival_time,
             request.first_token_time,
             error=error,
+            scheduled_time=min(
+                (q.scheduled_time for q in request.seqs if q.scheduled_time is not None), default=None
+            ),
         )
 
     def generate(

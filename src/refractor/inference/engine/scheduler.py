@@ -11,6 +11,7 @@ preempted: its blocks are freed and it is recomputed later (prompt + tokens gene
 from __future__ import annotations
 
 import heapq
+import time
 
 from refractor.inference.engine.block_manager import BlockManager
 from refractor.inference.engine.sequence import Sequence, SequenceStatus
@@ -46,6 +47,8 @@ class Scheduler:
             heapq.heappop(self.waiting)
             self.block_manager.grow(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:  # a preempted sequence keeps its first start
+                seq.scheduled_time = time.monotonic()
             batch.append(seq)
             tokens += seq.num_tokens
         if batch:

@@ -61,6 +61,7 @@ class Sequence:
         self.version_spans: list[WeightVersionSpan] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.scheduled_time: float | None = None  # time.monotonic() it first ran (its queue time ended)
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +144,22 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float = field(default_factory=time.monotonic)
     error: str | None = None  # why the request failed in an engine step (its completions end in "error")
+    scheduled_time: float | None = None  # its first sequence first ran (None: it never did)
+
+    def latency(self) -> dict[str, float]:
+        """Seconds (time.monotonic differences): ``queue_time`` (arrival -> first scheduled),
+        ``ttft`` (arrival -> first token), ``prefill_time`` (first scheduled -> first token),
+        ``decode_time`` (first token -> finish), ``e2e_latency`` (arrival -> finish). A phase the
+        request never reached is left out."""
+        out = {"e2e_latency": self.finish_time - self.arrival_time}
+        if self.scheduled_time is not None:
+            out["queue_time"] = self.scheduled_time - self.arrival_time
+        if self.first_token_time is not None:
+            out["ttft"] = self.first_token_time - self.arrival_time
+            out["decode_time"] = self.finish_time - self.first_token_time
+            if self.scheduled_time is not None:
+                out["prefill_time"] = self.first_token_time - self.scheduled_time
+        return out
 
     @property
     def num_generated_tokens(self) -> int:
