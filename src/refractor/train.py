@@ -209,7 +209,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     from refractor.runtime.restarts import ServerRestarter
     from refractor.runtime.server_group import RayServerGroup, choose_engine
     from refractor.runtime.topology import model_info, placement_group_info, topology_snapshot
-    from refractor.runtime.trainer_group import RayTrainerGroup, TrainerGroupSettings
+    from refractor.runtime.trainer_group import RayTrainerGroup, TrainerGroupSettings, TrainerMemoryLoop
     from refractor.telemetry.console import ConsoleSink
     from refractor.telemetry.server_metrics import ServerMetricsScraper
     from refractor.telemetry.store import RunStore
@@ -313,6 +313,12 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         telemetry = [
             node_metrics,
             ServerMetricsScraper(clients, store.log_system_metrics, cfg.metrics_logger_interval_seconds),
+            TrainerMemoryLoop(
+                trainers,
+                store.log_system_metrics,
+                store.log_event,
+                cfg.ray_torch_memory_drain_interval_seconds,
+            ),
         ]
         orchestrator = Orchestrator(
             OrchestratorSettings.from_config(cfg),

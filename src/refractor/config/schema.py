@@ -530,7 +530,7 @@ class LoggingKeys(_Strict):
         1.0, gt=0, le=MAX_SECONDS, description="System metrics sampling period."
     )
     torch_memory_sample_interval_seconds: float = Field(
-        0.1, gt=0, le=MAX_SECONDS, description="Trainer torch-memory sampling period."
+        0.1, gt=0, le=MAX_SECONDS, description="Trainer torch-memory sampling period (CUDA ranks)."
     )
     event_tail_window_seconds: int = Field(60, ge=1, description="Telescope only: W&B event tail window.")
     event_block_duration_seconds: int = Field(
@@ -543,7 +543,10 @@ class LoggingKeys(_Strict):
         2.0, gt=0, le=MAX_SECONDS, description="Infra metrics poll period."
     )
     ray_torch_memory_drain_interval_seconds: float = Field(
-        0.5, gt=0, description="Telescope only: torch-memory drain period."
+        0.5,
+        gt=0,
+        le=MAX_SECONDS,
+        description="How often the driver collects the ranks' torch-memory samples.",
     )
     rollout_block_size: int = Field(500, ge=1, description="Telescope only: steps per W&B rollout archive.")
     track_gpu_events: bool = Field(
@@ -591,7 +594,6 @@ IGNORED_KEYS: dict[str, str] = {
     "event_block_duration_seconds": "events go to the local run store, not W&B archives",
     "event_upload_interval_seconds": "events go to the local run store, not W&B archives",
     "rollout_block_size": "rollouts go to the local run store, not W&B archives",
-    "ray_torch_memory_drain_interval_seconds": "torch memory is reported with each step",
     "megatron_global_batch_size": "unused in Telescope too",
 }
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +28,12 @@ from refractor.algorithms.packing import PackingSettings, pack_step
 from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.runtime.cluster import LOOPBACK, Reservation
 from refractor.runtime.health import await_ranks
+from refractor.telemetry.torch_memory import TorchMemoryRecorder, torch_memory_gb
 from refractor.trainer.settings import TrainerSettings
 from refractor.trainer.timing import StepTimer
 from refractor.weight_sync import SyncReport, UpdateTarget, WeightSyncSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class TrainerGroupSettings:
     # node's address (ranks or servers on other nodes must reach it), else loopback on one node
     rendezvous_host: str | None = None
     weight_transfer_host: str | None = None
+    torch_memory_interval_s: float = 0.1  # torch_memory_sample_interval_seconds (CUDA ranks only)
 
     @classmethod
     def from_config(
@@ -56,6 +62,7 @@ class TrainerGroupSettings:
             weight_sync=WeightSyncSettings.from_config(cfg, control_token),
             packing=PackingSettings.from_config(cfg, pad_token_id),
             call_timeout_s=float(cfg.trainer_call_timeout_s),
+            torch_memory_interval_s=float(cfg.torch_memory_sample_interval_seconds),
             rendezvous_host=LOOPBACK if single_node else None,
             weight_transfer_host=LOOPBACK if loopback_transfer else None,
         )
@@ -74,6 +81,8 @@ class TrainerActor:
         self.world_size = world_size
         self.trainer = None
         self.sender = None
+        self.memory: TorchMemoryRecorder | None = None
+        self.torch_memory_interval_s = group.torch_memory_interval_s
         # the version the trainer's weights are: the servers' label for them (a step trains version
         # `step` into `step + 1`; a resume pushes the checkpoint's version)
         self.version = 0
@@ -93,6 +102,10 @@ class TrainerActor:
         node = ray.util.get_node_ip_address()
         gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self.trainer.timeline_attrs = {"node": node, "gpu": gpu_ids[0] if gpu_ids else None}
+        device = self.trainer.device
+        if device.type == "cuda":
+            self.memory = TorchMemoryRecorder(lambda: torch_memory_gb(device), self.torch_memory_interval_s)
+            self.memory.start()
         model = self.trainer.model
         return {
             "rank": self.rank,
@@ -169,7 +182,20 @@ class TrainerActor:
         path = checkpoint_path(self.trainer.checkpoint_dir, step) / name
         return path.read_text() if path.exists() else None
 
+    def drain_torch_memory(self) -> dict[str, Any]:
+        """The torch-memory samples since the last drain (none on CPU), with the rank's node,
+        the samples dropped from a full buffer and why sampling stopped, if it did."""
+        memory = self.memory
+        return {
+            "node": self.trainer.timeline_attrs["node"],
+            "samples": [] if memory is None else memory.drain(),
+            "dropped": 0 if memory is None else memory.dropped,
+            "error": None if memory is None else memory.error,
+        }
+
     def shutdown(self) -> None:
+        if self.memory is not None:
+            self.memory.stop()
         if self.sender is not None:
             self.sender.close()
         if self.trainer is not None:
@@ -183,6 +209,7 @@ class RayTrainerGroup:
         self.settings = settings
         self.call_timeout_s = self.settings.call_timeout_s
         self.world_size = reservation.count
+        self.on_gpu = False  # known after setup
         self.actors = [
             TrainerActor.options(
                 num_cpus=reservation.cpus,
@@ -198,7 +225,9 @@ class RayTrainerGroup:
     # --- start-up (blocking; called from the driver before the event loop) ---
     def setup(self) -> list[dict[str, Any]]:
         addr, port = ray.get(self.actors[0].rendezvous_address.remote())
-        return ray.get([a.setup.remote(addr, port) for a in self.actors])
+        infos = ray.get([a.setup.remote(addr, port) for a in self.actors])
+        self.on_gpu = any(i["device"].startswith("cuda") for i in infos)
+        return infos
 
     def init_weight_sync(self, servers: list[tuple[str, str]], eval_servers: list[str]) -> None:
         ray.get([a.init_weight_sync.remote(servers, eval_servers) for a in self.actors])
@@ -262,3 +291,69 @@ class RayTrainerGroup:
             ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout_s)
         for a in self.actors:
             ray.kill(a, no_restart=True)
+
+
+class TrainerMemoryLoop:
+    """Every ``interval_s`` (``ray_torch_memory_drain_interval_seconds``) drains each CUDA rank's
+    torch-memory samples into ``log_metrics(source, metrics, timestamp, node)`` as source
+    ``torch:trainer-<rank>`` (docs/metrics.md#system-metrics). With no rank on a GPU it says so
+    once and ends. A rank that cannot be drained, or whose sampling stopped, is recorded once as a
+    ``torch_memory_failed`` warning event and left out from then on; the run goes on."""
+
+    def __init__(
+        self,
+        group: RayTrainerGroup,
+        log_metrics: Callable[..., None],
+        warn: Callable[[TimelineEvent], None],
+        interval_s: float,
+        call_timeout_s: float = 30.0,
+    ) -> None:
+        self.group = group
+        self.log_metrics = log_metrics
+        self.warn = warn
+        self.interval_s = interval_s
+        self.call_timeout_s = call_timeout_s
+        self.ranks = dict(enumerate(group.actors))
+        self.dropped: dict[int, int] = {}
+
+    async def run(self) -> None:
+        if not self.group.on_gpu:
+            log.info("torch memory is not sampled: no trainer rank runs on a GPU")
+            return
+        while self.ranks:
+            await asyncio.sleep(self.interval_s)
+            await self.collect()
+
+    async def collect(self) -> None:
+        ranks = list(self.ranks)
+        results = await asyncio.gather(
+            *(
+                asyncio.wait_for(_await(self.ranks[r].drain_torch_memory.remote()), self.call_timeout_s)
+                for r in ranks
+            ),
+            return_exceptions=True,
+        )
+        for rank, result in zip(ranks, results, strict=True):
+            if isinstance(result, BaseException):
+                self._stopped(rank, f"{type(result).__name__}: {result}")
+                continue
+            for timestamp, metrics in result["samples"]:
+                self.log_metrics(f"torch:trainer-{rank}", metrics, timestamp, node=result["node"])
+            if result["dropped"] > self.dropped.get(rank, 0):
+                self.dropped[rank] = result["dropped"]
+                log.warning("trainer rank %d dropped %d torch-memory samples", rank, result["dropped"])
+            if result["error"] is not None:
+                self._stopped(rank, result["error"])
+
+    def _stopped(self, rank: int, reason: str) -> None:
+        self.ranks.pop(rank, None)
+        message = f"torch memory of trainer rank {rank} is no longer sampled: {reason}"[:2000]
+        log.warning(message)
+        now = time.time()
+        self.warn(
+            TimelineEvent("torch_memory_failed", now, now, "driver", {"rank": rank, "message": message})
+        )
+
+
+async def _await(ref: Any) -> Any:
+    return await ref

@@ -28,6 +28,10 @@ GAUGES = {
     "num_requests_running": "requests_running",
     "num_requests_waiting": "requests_waiting",
     "kv_cache_usage_perc": "cache_usage",
+    # native engine on a GPU: torch's memory of the engine's device
+    "torch_allocated_gb": "torch_allocated_gb",
+    "torch_reserved_gb": "torch_reserved_gb",
+    "torch_max_allocated_gb": "torch_max_allocated_gb",
 }
 COUNTERS = {
     "request_success_total": "requests_total",
