@@ -1,0 +1,141 @@
+"""Log lines of every component, into the driver's run store and ``runs/<run>/logs/``.
+
+Each component keeps its lines in a bounded buffer in its own process (refractor.telemetry.
+log_capture): the driver and the orchestrator, each trainer rank (its Python logging and its
+stdout/stderr), each inference server actor (the lines its server process appends to its log
+file, read on the server's node). Every ``interval_s`` the driver's :class:`LogCollector` drains
+the driver's buffer and asks every actor for its lines over a Ray call (``drain_logs``, served
+beside the actor's other work), then stores them and appends them to the plain-text copies.
+Nothing assumes a shared file system or one machine. Lines a buffer dropped are recorded as one
+WARNING line saying how many; an actor that does not answer is recorded once as a
+``log_collection_failed`` warning event (and asked again: a restarted server answers again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from refractor.records import TimelineEvent
+from refractor.telemetry.log_capture import LogBatch, LogLine, ProcessLogs
+from refractor.telemetry.log_files import LogFileCopies
+
+log = logging.getLogger(__name__)
+
+COLLECT_INTERVAL_S = 1.0  # the dashboard's live log view shows new lines within about this
+
+
+@dataclass
+class LogSource:
+    component: str
+    rank: int | None
+    drain: Callable[[], Any]  # starts the actor's drain_logs call: an ObjectRef of a LogBatch
+    failing: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.component if self.rank is None else f"{self.component}-{self.rank}"
+
+
+class LogCollector:
+    """Collects ``local`` (this process's lines) and every added source into ``store_lines`` and
+    ``copies``; ``warn(event)`` records a source that stopped answering."""
+
+    def __init__(
+        self,
+        local: ProcessLogs,
+        store_lines: Callable[[list[LogLine]], None],
+        copies: LogFileCopies,
+        warn: Callable[[TimelineEvent], None],
+        interval_s: float = COLLECT_INTERVAL_S,
+        call_timeout_s: float = 30.0,
+    ) -> None:
+        self.local = local
+        self.store_lines = store_lines
+        self.copies = copies
+        self.warn = warn
+        self.interval_s = interval_s
+        self.call_timeout_s = call_timeout_s
+        self.sources: list[LogSource] = []
+
+    def add_actor_source(self, component: str, rank: int | None, drain: Callable[[], Any]) -> None:
+        self.sources.append(LogSource(component, rank, drain))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.collect()
+
+    async def collect(self) -> None:
+        results = await asyncio.gather(
+            *(asyncio.wait_for(_await(s.drain()), self.call_timeout_s) for s in self.sources),
+            return_exceptions=True,
+        )
+        await asyncio.to_thread(self._record_all, results)
+
+    def collect_now(self) -> None:
+        """One collection, blocking (the end of the run, before the actors are stopped)."""
+        results: list[Any] = []
+        for source in self.sources:
+            try:
+                results.append(ray.get(source.drain(), timeout=self.call_timeout_s))
+            except Exception as err:  # noqa: BLE001 - recorded like a failed call of the loop
+                results.append(err)
+        self._record_all(results)
+
+    def close(self) -> None:
+        """A last collection of every source, then the copies are closed and this process's
+        capture removed."""
+        try:
+            self.collect_now()
+        finally:
+            self.local.close()
+            self._record(None, self.local.drain())
+            self.copies.close()
+
+    def _record_all(self, results: list[Any]) -> None:
+        self._record(None, self.local.drain())
+        for source, result in zip(self.sources, results, strict=True):
+            if isinstance(result, BaseException):
+                self._failed(source, result)
+                continue
+            source.failing = False
+            self._record(source, result)
+
+    def _record(self, source: LogSource | None, batch: LogBatch) -> None:
+        lines = list(batch.lines)
+        if batch.dropped:
+            component, rank = ("driver", None) if source is None else (source.component, source.rank)
+            who = component if source is None else source.name
+            message = (
+                f"refractor: {batch.dropped} lines of {who} were dropped "
+                "(more output than the log limits keep; see docs/run-store.md#logs)"
+            )
+            lines.append(LogLine(time.time(), "WARNING", component, rank, batch.node, "log", message))
+        if not lines:
+            return
+        self.store_lines(lines)
+        self.copies.write(lines, server_file=batch.file)
+
+    def _failed(self, source: LogSource, err: BaseException) -> None:
+        if source.failing:
+            return
+        source.failing = True
+        message = f"logs of {source.name} could not be collected: {type(err).__name__}: {err}"[:2000]
+        log.warning(message)
+        now = time.time()
+        self.warn(
+            TimelineEvent(
+                "log_collection_failed", now, now, "driver", {"source": source.name, "message": message}
+            )
+        )
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
