@@ -113,7 +113,16 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
         # the code the run started with: the repository its config file lives in
         # (docs/run-store.md#code-snapshot)
         assert reader.code_file("project", "configs/examples/quickstart.yaml") == QUICKSTART.read_text()
-    assert (Path(run_dir) / "logs" / "server-0.log").exists()
+        # every component's log lines, with the node they come from (docs/run-store.md#logs)
+        lines = reader.logs(limit=100_000)
+        origins = {(r["component"], r["rank"], r["source"]) for r in lines}
+        assert {("driver", None, "log"), ("trainer", 0, "log"), ("server", 0, "file")} <= origins
+        assert {r["node"] for r in lines} == {machine["address"]}
+        (server_line,) = reader.logs(component="server", text="refractor native server", limit=10)
+    logs = Path(run_dir) / "logs"
+    assert server_line["message"] in (logs / "server-0.log").read_text()  # the server's file, indexed
+    assert "trainer rank 0/1 on cpu" in (logs / "trainer-0.log").read_text()
+    assert "run t: started a local Ray cluster" in (logs / "driver.log").read_text()
     saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
     assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()
 
