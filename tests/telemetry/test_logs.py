@@ -15,6 +15,7 @@ from refractor.telemetry.log_capture import (
     LogLine,
     ProcessLogs,
     StreamTee,
+    level_name,
 )
 from refractor.telemetry.log_files import FileFollower, LogFileCopies, line_level
 from refractor.telemetry.query import RunReader
@@ -95,6 +96,7 @@ def test_the_handler_records_logging_by_component_and_never_recurses(monkeypatch
     ]
     assert lines[0].message == "refractor.orchestrator.lanes: lane 3 freed" and lines[0].rank is None
     assert "ValueError: boom" in lines[3].message and lines[3].node == "10.0.0.1"
+    assert [level_name(n) for n in (5, 25, 35, 60)] == ["DEBUG", "INFO", "WARNING", "CRITICAL"]
 
 
 def test_the_tee_passes_output_through_and_keeps_whole_lines():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class LogCollector:
         self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
         self.sources: list[LogSource] = []
+        # a collection cancelled at shutdown may still be recording in its thread when the last
+        # collection starts
+        self._recording = threading.Lock()
 
     def add_actor_source(self, component: str, rank: int | None, drain: Callable[[], Any]) -> None:
         self.sources.append(LogSource(component, rank, drain))
@@ -96,17 +100,19 @@ class LogCollector:
             self.collect_now()
         finally:
             self.local.close()
-            self._record(None, self.local.drain())
-            self.copies.close()
+            with self._recording:
+                self._record(None, self.local.drain())
+                self.copies.close()
 
     def _record_all(self, results: list[Any]) -> None:
-        self._record(None, self.local.drain())
-        for source, result in zip(self.sources, results, strict=True):
-            if isinstance(result, BaseException):
-                self._failed(source, result)
-                continue
-            source.failing = False
-            self._record(source, result)
+        with self._recording:
+            self._record(None, self.local.drain())
+            for source, result in zip(self.sources, results, strict=True):
+                if isinstance(result, BaseException):
+                    self._failed(source, result)
+                    continue
+                source.failing = False
+                self._record(source, result)
 
     def _record(self, source: LogSource | None, batch: LogBatch) -> None:
         lines = list(batch.lines)

@@ -111,8 +111,11 @@ class LogBuffer:
 
 
 def level_name(levelno: int) -> str:
-    name = logging.getLevelName(levelno)
-    return name if name in LEVELS else ("DEBUG" if levelno < logging.INFO else "INFO")
+    """The highest of LEVELS at or below ``levelno`` (a custom level 25 is INFO)."""
+    for name in reversed(LEVELS):
+        if levelno >= logging.getLevelName(name):
+            return name
+    return "DEBUG"
 
 
 class BufferHandler(logging.Handler):
@@ -258,9 +261,9 @@ class ProcessLogs:
             self.console.setLevel(logging.WARNING)
             root.addHandler(self.console)
         root.addHandler(self.handler)
-        refractor = logging.getLogger("refractor")
-        if refractor.level == logging.NOTSET:  # refractor's INFO lines are recorded (not printed)
-            refractor.setLevel(logging.INFO)
+        self._refractor_level = logging.getLogger("refractor").level
+        if self._refractor_level == logging.NOTSET:  # refractor's INFO lines are recorded (not printed)
+            logging.getLogger("refractor").setLevel(logging.INFO)
         if capture_streams:
             self._streams = (sys.stdout, sys.stderr)
             sys.stdout = StreamTee(sys.stdout, self.buffer, "stdout", "INFO", component, rank, node)
@@ -271,11 +274,12 @@ class ProcessLogs:
         return LogBatch(batch.lines, batch.dropped, self.handler.node)
 
     def close(self) -> None:
-        """Give back the streams and remove the handlers (the buffer keeps what it holds)."""
+        """Give back the streams, the handlers and the level (the buffer keeps what it holds)."""
         root = logging.getLogger()
         root.removeHandler(self.handler)
         if self.console is not None:
             root.removeHandler(self.console)
+        logging.getLogger("refractor").setLevel(self._refractor_level)
         if self._streams is not None:
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
