@@ -398,6 +398,9 @@ def test_a_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
         }
         ran = {r["prompt_ordinal"] for r in reader.rollouts() if r["reason"] != "server_restart"}
         assert restarted <= ran  # what the dead server was generating ran again
+        # the log of the first process and that of the restarted one (logs/server-0.restart1.log)
+        starts = reader.logs(component="server", rank=0, text="refractor native server")
+        assert len(starts) == 2 and starts[0]["message"] != starts[1]["message"]  # two pids
 
 
 @pytest.mark.slow

@@ -215,6 +215,10 @@ def test_the_reader_pages_logs_newest_last_with_an_id_cursor(store_with_lines):
         assert set(row) == {"id", "time", "level", "component", "rank", "node", "source", "message"}
         with pytest.raises(ValueError, match="unknown log level 'LOUD'"):
             reader.logs(level="LOUD")
+        summary = [
+            (r["component"], r["rank"], r["lines"], r["warnings"], r["last_id"]) for r in reader.log_summary()
+        ]
+        assert summary == [("server", 0, 5, 0, 18), ("server", 1, 5, 0, 20), ("trainer", 0, 10, 4, 19)]
 
 
 def test_a_run_store_of_schema_3_reads_no_logs_and_gets_the_table_when_written_again(tmp_path):
@@ -225,7 +229,7 @@ def test_a_run_store_of_schema_3_reads_no_logs_and_gets_the_table_when_written_a
     conn.commit()
     conn.close()
     with RunReader(tmp_path) as reader:
-        assert reader.logs() == [] and reader.meta()["schema_version"] == 3
+        assert reader.logs() == [] and reader.log_summary() == [] and reader.meta()["schema_version"] == 3
     store = RunStore(tmp_path)  # a resume
     store.log_lines([line("after the resume")])
     store.close()

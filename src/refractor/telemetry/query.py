@@ -271,6 +271,18 @@ class RunReader:
         rows = self._rows(f"SELECT * FROM logs{where} ORDER BY id {order} LIMIT ?", (*args, int(limit)))
         return rows if order == "ASC" else rows[::-1]
 
+    def log_summary(self) -> list[dict[str, Any]]:
+        """Per component and rank: ``lines``, ``warnings`` (WARNING and above), ``first_time``,
+        ``last_time``, ``last_id``; ordered by component, then rank (what a log view offers)."""
+        if not table_columns(self._conn, "logs"):
+            return []
+        return self._rows(
+            "SELECT component, rank, COUNT(*) AS lines, "
+            "SUM(level IN ('WARNING', 'ERROR', 'CRITICAL')) AS warnings, "
+            "MIN(time) AS first_time, MAX(time) AS last_time, MAX(id) AS last_id "
+            "FROM logs GROUP BY component, rank ORDER BY component, rank"
+        )
+
     # --- the code snapshot (docs/run-store.md#code-snapshot); a run store without one reads empty ---
     def code_info(self) -> CodeInfo | None:
         counts = self.meta().get("code_snapshot")
