@@ -84,13 +84,23 @@ class LogCollector:
         await asyncio.to_thread(self._record_all, results)
 
     def collect_now(self) -> None:
-        """One collection, blocking (the end of the run, before the actors are stopped)."""
-        results: list[Any] = []
-        for source in self.sources:
-            try:
-                results.append(ray.get(source.drain(), timeout=self.call_timeout_s))
-            except Exception as err:  # noqa: BLE001 - recorded like a failed call of the loop
-                results.append(err)
+        """One collection, blocking (the end of the run, before the actors are stopped): every
+        source is asked at once and waited for ``call_timeout_s`` in all."""
+        refs = [_call(source.drain) for source in self.sources]
+        pending = [r for r in refs if not isinstance(r, BaseException)]
+        ready = (
+            set(ray.wait(pending, num_returns=len(pending), timeout=self.call_timeout_s)[0])
+            if pending
+            else set()
+        )
+        results = []
+        for ref in refs:
+            if isinstance(ref, BaseException):
+                results.append(ref)
+            elif ref in ready:
+                results.append(_call(ray.get, ref))
+            else:
+                results.append(TimeoutError(f"no answer within {self.call_timeout_s:g} s"))
         self._record_all(results)
 
     def close(self) -> None:
@@ -145,3 +155,11 @@ class LogCollector:
 
 async def _await(ref: Any) -> Any:
     return await ref
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or the exception it raised (recorded like a failed call of the loop)."""
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001 - a source that fails is recorded, not raised
+        return err
