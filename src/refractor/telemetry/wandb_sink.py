@@ -8,9 +8,12 @@ files under ``logs/`` (``wandb_upload_logs``). ``WANDB_PROJECT`` / ``WANDB_RUN_N
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TABLE_COLUMNS = [
     "step",
@@ -118,12 +121,17 @@ class WandbSink:
         """Run-level warnings reach W&B through the console output it records."""
 
     def upload_logs(self) -> list[Path]:
-        """Save every ``*.log`` of ``log_dir`` as a run file ``logs/<name>`` (what it holds now)."""
+        """Save every ``*.log`` of ``log_dir`` as a run file ``logs/<name>`` (what it holds now). A
+        failed upload is a warning: the files stay in the run directory either way."""
         if self.log_dir is None or not self.log_dir.is_dir():
             return []
         paths = sorted(self.log_dir.glob("*.log"))
-        for path in paths:
-            self.run.save(str(path), base_path=str(self.log_dir.parent), policy="now")
+        try:
+            for path in paths:
+                self.run.save(str(path), base_path=str(self.log_dir.parent), policy="now")
+        except Exception as err:  # noqa: BLE001 - the run's end must not fail on an upload
+            log.warning("the log files were not uploaded to W&B: %s: %s", type(err).__name__, err)
+            return []
         return paths
 
     def close(self) -> None:
