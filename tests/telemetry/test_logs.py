@@ -104,16 +104,22 @@ def test_the_tee_passes_output_through_and_keeps_whole_lines():
     buffer = LogBuffer(LogLimits(max_line_chars=20))
     tee = StreamTee(original, buffer, "stdout", "INFO", "trainer", 1, "10.0.0.2")
     print("hello", "world", file=tee)
+    print(file=tee)  # a blank line is not kept
+    tee.write("\rloading 10%")
+    tee.write("\rloading 100%\r\n")  # a progress bar: its final state
     tee.write("part")
     tee.write("ial\n:actor_name:TrainerActor\n")  # Ray's task marker is not output
     tee.write("unfinished")
     tee.write(" and far too long")
     assert (
-        original.getvalue() == "hello world\npartial\n:actor_name:TrainerActor\nunfinished and far too long"
+        original.getvalue()
+        == "hello world\n\n\rloading 10%\rloading 100%\r\npartial\n:actor_name:TrainerActor\n"
+        "unfinished and far too long"
     )
     lines = buffer.drain().lines
     assert [x.message for x in lines] == [
         "hello world",
+        "loading 100%",
         "partial",
         "unfinished and far t [... 7 more characters cut]",  # a line never ends: kept in pieces
     ]
@@ -144,7 +150,10 @@ def test_a_server_log_file_is_followed_across_a_restart(tmp_path):
     follower.follow(first)
     follower.poll()  # nothing new
     with open(first, "ab") as f:
-        f.write(b"INFO 11-25 19:08:01 [api.py:1] started\nbad \xff byte\nno newline yet")
+        f.write(
+            b"INFO 11-25 19:08:01 [api.py:1] started\nshards 50%\rshards 100%\r\n"
+            b"bad \xff byte\nno newline yet"
+        )
     follower.poll()
     second = tmp_path / "server-0.restart1.log"
     follower.follow(second)  # the rest of the first file, its last line included
@@ -154,6 +163,7 @@ def test_a_server_log_file_is_followed_across_a_restart(tmp_path):
     lines = buffer.drain().lines
     assert [(x.level, x.message) for x in lines] == [
         ("INFO", "INFO 11-25 19:08:01 [api.py:1] started"),
+        ("INFO", "shards 100%"),
         ("INFO", "bad \ufffd byte"),
         ("INFO", "no newline yet"),
         ("ERROR", "2026-11-25 19:09:00,001 ERROR refractor.inference: died"),

@@ -63,6 +63,12 @@ def clean_text(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
+def terminal_text(line: str) -> str:
+    """What a terminal shows of ``line``: the text after its last carriage return (a progress bar
+    redrawn with ``\r`` is its final state), a ``\r\n`` ending removed."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
+
+
 def cut_line(text: str, max_chars: int) -> str:
     if len(text) <= max_chars:
         return text
@@ -200,8 +206,8 @@ class StreamTee(io.TextIOBase):
                 lines.append(self._partial)
                 self._partial = ""
         now = time.time()
-        for line in lines:
-            if line.startswith(_RAY_MARKERS):
+        for line in map(terminal_text, lines):
+            if not line or line.startswith(_RAY_MARKERS):
                 continue
             self.lines.add(LogLine(now, self.level, self.component, self.rank, self.node, self.source, line))
         return written if written is not None else len(text)

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
-from refractor.telemetry.log_capture import LogBuffer, LogLine
+from refractor.telemetry.log_capture import LogBuffer, LogLine, terminal_text
 
 # the first level word near the start of a line: "INFO 11-25 19:08:01 [x.py:1] ..." (vLLM),
 # "2026-11-25 19:08:01,123 WARNING refractor.x: ..." (refractor serve)
@@ -77,9 +77,9 @@ class FileFollower:
             self._partial = b""
         now = time.time()
         for raw in lines:
-            if not raw:
+            text = terminal_text(raw.decode("utf-8", "replace"))
+            if not text:
                 continue
-            text = raw.decode("utf-8", "replace").rstrip("\r")
             self.buffer.add(
                 LogLine(now, line_level(text), self.component, self.rank, self.node, "file", text)
             )
