@@ -126,6 +126,25 @@ def test_the_tee_passes_output_through_and_keeps_whole_lines():
     assert {(x.component, x.rank, x.source, x.level) for x in lines} == {("trainer", 1, "stdout", "INFO")}
 
 
+def test_the_console_shows_what_it_showed_before(monkeypatch):
+    import sys
+
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(logging.root, "handlers", [])  # nothing configured logging (pytest did)
+    library = logging.getLogger("some_library")
+    monkeypatch.setattr(library, "handlers", [logging.StreamHandler(stderr)])  # prints its own
+    logs = ProcessLogs("driver", None, "n", capture_streams=False)
+    try:
+        logging.getLogger("refractor.train").warning("a warning")
+        logging.getLogger("refractor.train").info("an info line: recorded, not printed")
+        library.warning("printed once")
+    finally:
+        logs.close()
+    assert stderr.getvalue() == "a warning\nprinted once\n"
+    assert len(logs.drain().lines) == 3 and logging.root.handlers == []
+
+
 def test_captured_streams_are_given_back(capsys):
     import sys
 

@@ -233,6 +233,17 @@ class StreamTee(io.TextIOBase):
         return self.original.buffer
 
 
+def unhandled_elsewhere(record: logging.LogRecord) -> bool:
+    """Whether no logger between ``record``'s and the root has a handler: the records Python's
+    last-resort handler would print (a library that prints its own records is not printed twice)."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.root:
+        if logger.handlers:
+            return False
+        logger = logger.parent if logger.propagate else None
+    return True
+
+
 class ProcessLogs:
     """This process's lines: a :class:`BufferHandler` on the root logger and, with
     ``capture_streams``, ``sys.stdout`` / ``sys.stderr`` replaced by :class:`StreamTee`\\ s.
@@ -243,8 +254,9 @@ class ProcessLogs:
     code (NCCL, CUDA) therefore stays in Ray's worker logs on its node only.
 
     Adding a handler to the root logger turns off Python's last-resort handler, which is what
-    prints warnings when nothing configured logging; a stderr handler at WARNING takes its place
-    then, so what reaches the console does not change.
+    prints warnings when nothing configured logging; a stderr handler at WARNING, for the records
+    that handler would have printed, takes its place then, so what reaches the console does not
+    change.
     """
 
     def __init__(
@@ -265,6 +277,7 @@ class ProcessLogs:
         if not root.handlers:
             self.console = logging.StreamHandler(sys.stderr)
             self.console.setLevel(logging.WARNING)
+            self.console.addFilter(unhandled_elsewhere)
             root.addHandler(self.console)
         root.addHandler(self.handler)
         self._refractor_level = logging.getLogger("refractor").level
