@@ -145,6 +145,16 @@ def test_the_console_shows_what_it_showed_before(monkeypatch):
     assert len(logs.drain().lines) == 3 and logging.root.handlers == []
 
 
+def test_a_flood_in_one_write_is_counted_not_split():
+    buffer = LogBuffer(LogLimits(lines_per_s=1, burst=3), Clock())  # the clock stands still
+    tee = StreamTee(io.StringIO(), buffer, "stdout", "INFO", "trainer", 0, "n")
+    tee.write("".join(f"line {i}\n" for i in range(1_000_000)) + "partial")
+    tee.write(" end\n")
+    batch = buffer.drain()
+    assert [x.message for x in batch.lines] == ["line 0", "line 1", "line 2"]
+    assert batch.dropped == 1_000_000 - 3 + 1  # and "partial end": no room left for it
+
+
 def test_captured_streams_are_given_back(capsys):
     import sys
 

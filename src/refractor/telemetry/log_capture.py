@@ -87,15 +87,28 @@ class LogBuffer:
         self._refilled_at = clock()
         self._lock = threading.Lock()
 
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(
+            float(self.limits.burst), self._tokens + (now - self._refilled_at) * self.limits.lines_per_s
+        )
+        self._refilled_at = now
+
+    def room(self) -> int:
+        """How many lines would be kept now."""
+        with self._lock:
+            self._refill()
+            return max(0, min(int(self._tokens), self.limits.max_lines - len(self._lines)))
+
+    def count_dropped(self, lines: int) -> None:
+        with self._lock:
+            self._dropped += lines
+
     def add(self, line: LogLine) -> bool:
         """Keep ``line`` (cut to ``max_line_chars``); False when it was dropped (over the rate or
         the buffer full)."""
         with self._lock:
-            now = self._clock()
-            self._tokens = min(
-                float(self.limits.burst), self._tokens + (now - self._refilled_at) * self.limits.lines_per_s
-            )
-            self._refilled_at = now
+            self._refill()
             if self._tokens < 1.0 or len(self._lines) >= self.limits.max_lines:
                 self._dropped += 1
                 return False
@@ -201,7 +214,12 @@ class StreamTee(io.TextIOBase):
         written = self.original.write(text)
         with self._lock:
             pending = self._partial + text
-            *lines, self._partial = pending.split("\n")
+            # a flood in one write (a huge repr) is split only as far as the buffer has room now;
+            # the lines past that are counted, never split into a list
+            *lines, self._partial = pending.split("\n", self.lines.room())
+            if "\n" in self._partial:
+                skipped, _, self._partial = self._partial.rpartition("\n")
+                self.lines.count_dropped(skipped.count("\n") + 1)
             if len(self._partial) > self.lines.limits.max_line_chars:
                 lines.append(self._partial)
                 self._partial = ""
