@@ -157,7 +157,7 @@ def test_a_rank_s_prints_and_logging_reach_the_store_while_it_is_busy_and_a_floo
         assert (
             dropped["level"] == "WARNING" and f" {100_000 - kept} lines of trainer-0 " in dropped["message"]
         )
-        assert 5_000 <= kept < 50_000  # the burst and what the rate let through, not the flood
+        assert 4_000 < kept < 50_000  # the burst and what the rate let through, not the flood
         assert failed["attrs"]["source"] == "trainer-1"  # once, though collected many times
         assert "[stdout] hello from a rank" in (tmp_path / "logs" / "trainer-0.log").read_text()
     finally:
