@@ -275,3 +275,25 @@ def test_a_run_store_of_schema_3_reads_no_logs_and_gets_the_table_when_written_a
     with RunReader(tmp_path) as reader:
         assert [r["message"] for r in reader.logs()] == ["after the resume"]
         assert reader.meta()["schema_version"] == 4
+
+
+def test_unwritable_log_files_are_one_warning_and_the_store_still_gets_every_line(tmp_path):
+    import asyncio
+
+    from refractor.runtime.log_collector import LogCollector
+
+    stored = []
+    events = []
+    copies = LogFileCopies(tmp_path / "logs")
+    (tmp_path / "logs").rmdir()
+    (tmp_path / "logs").write_text("a file where the folder was")  # writing into it fails
+    local = ProcessLogs("driver", None, "n", capture_streams=False)
+    collector = LogCollector(local, stored.extend, copies, events.append)
+    logging.getLogger("refractor.train").warning("one")
+    asyncio.run(collector.collect())
+    logging.getLogger("refractor.train").warning("two")
+    asyncio.run(collector.collect())
+    collector.close()
+    messages = [x.message for x in stored]
+    assert "refractor.train: one" in messages and "refractor.train: two" in messages
+    assert [(e.name, e.attrs["source"]) for e in events] == [("log_files_failed", "files")]

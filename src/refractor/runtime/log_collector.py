@@ -59,7 +59,7 @@ class LogCollector:
     ) -> None:
         self.local = local
         self.store_lines = store_lines
-        self.copies = copies
+        self.copies: LogFileCopies | None = copies  # None once writing them failed
         self.warn = warn
         self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
@@ -112,7 +112,8 @@ class LogCollector:
             self.local.close()
             with self._recording:
                 self._record(None, self.local.drain())
-                self.copies.close()
+                if self.copies is not None:
+                    self.copies.close()
 
     def _record_all(self, results: list[Any]) -> None:
         with self._recording:
@@ -137,20 +138,26 @@ class LogCollector:
         if not lines:
             return
         self.store_lines(lines)
-        self.copies.write(lines, server_file=batch.file)
+        if self.copies is None:
+            return
+        try:
+            self.copies.write(lines, server_file=batch.file)
+        except OSError as err:  # a full disk, a permission: the run store still gets every line
+            self.copies = None
+            self._warn("log_files_failed", "files", f"the log files in logs/ are no longer written: {err}")
 
     def _failed(self, source: LogSource, err: BaseException) -> None:
         if source.failing:
             return
         source.failing = True
-        message = f"logs of {source.name} could not be collected: {type(err).__name__}: {err}"[:2000]
+        message = f"logs of {source.name} could not be collected: {type(err).__name__}: {err}"
+        self._warn("log_collection_failed", source.name, message)
+
+    def _warn(self, event: str, source: str, message: str) -> None:
+        message = message[:2000]
         log.warning(message)
         now = time.time()
-        self.warn(
-            TimelineEvent(
-                "log_collection_failed", now, now, "driver", {"source": source.name, "message": message}
-            )
-        )
+        self.warn(TimelineEvent(event, now, now, "driver", {"source": source, "message": message}))
 
 
 async def _await(ref: Any) -> Any:
