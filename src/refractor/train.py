@@ -361,9 +361,8 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         # busy actors to finish what they were doing
         grace_s = 5.0 if status == "interrupted" else 30.0
         with stop_signals.deferred():
-            logs.call_timeout_s = grace_s
             try:  # the actors' last lines, before they are stopped
-                logs.close()
+                logs.close(timeout_s=grace_s)
             except Exception as err:  # noqa: BLE001 - the rest of the shutdown must run
                 log.warning("the last log lines were not collected: %s: %s", type(err).__name__, err)
             for group in (servers, trainers, node_metrics):

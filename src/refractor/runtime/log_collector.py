@@ -83,16 +83,12 @@ class LogCollector:
         )
         await asyncio.to_thread(self._record_all, results)
 
-    def collect_now(self) -> None:
+    def collect_now(self, timeout_s: float) -> None:
         """One collection, blocking (the end of the run, before the actors are stopped): every
-        source is asked at once and waited for ``call_timeout_s`` in all."""
+        source is asked at once and waited for ``timeout_s`` in all."""
         refs = [_call(source.drain) for source in self.sources]
         pending = [r for r in refs if not isinstance(r, BaseException)]
-        ready = (
-            set(ray.wait(pending, num_returns=len(pending), timeout=self.call_timeout_s)[0])
-            if pending
-            else set()
-        )
+        ready = set(ray.wait(pending, num_returns=len(pending), timeout=timeout_s)[0]) if pending else set()
         results = []
         for ref in refs:
             if isinstance(ref, BaseException):
@@ -100,14 +96,14 @@ class LogCollector:
             elif ref in ready:
                 results.append(_call(ray.get, ref))
             else:
-                results.append(TimeoutError(f"no answer within {self.call_timeout_s:g} s"))
+                results.append(TimeoutError(f"no answer within {timeout_s:g} s"))
         self._record_all(results)
 
-    def close(self) -> None:
-        """A last collection of every source, then the copies are closed and this process's
-        capture removed."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """A last collection of every source (waiting ``timeout_s`` at most), then the copies are
+        closed and this process's capture removed."""
         try:
-            self.collect_now()
+            self.collect_now(timeout_s)
         finally:
             self.local.close()
             with self._recording:
