@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from refractor.inference.process import ServerProcess, ServerStartError
 from refractor.inference.vllm.launcher import VllmServerSettings
 from refractor.runtime.cluster import LOOPBACK, Reservation
-from refractor.telemetry.log_capture import LogBatch, ProcessLogs
+from refractor.telemetry.log_capture import LogBatch, LogBuffer
 from refractor.telemetry.log_files import FileFollower
 
 
@@ -132,7 +132,7 @@ def reachable_url(url: str, node_address: str) -> str:
 @ray.remote(max_restarts=0, concurrency_groups={"logs": 1})
 class InferenceServerActor:
     """Owns server ``index``'s process; the lines that process writes to its log file (on this
-    actor's node) and this actor's own Python logging are kept for the driver's log collector."""
+    actor's node) are kept for the driver's log collector."""
 
     def __init__(
         self, settings: ServerGroupSettings, index: int, engine: str, log_dir: str, control_token: str
@@ -143,8 +143,9 @@ class InferenceServerActor:
         self.engine = engine
         self.log_dir = Path(log_dir)
         self.server = None
-        self.logs = ProcessLogs("server", index, ray.util.get_node_ip_address(), capture_streams=False)
-        self.log_file = FileFollower(self.logs.buffer, "server", index, self.logs.handler.node)
+        self.node = ray.util.get_node_ip_address()
+        self.log_lines = LogBuffer()
+        self.log_file = FileFollower(self.log_lines, "server", index, self.node)
 
     def start(self, log_name: str | None = None) -> str:
         """Start the server (logging to ``<log_dir>/<log_name or name>.log``); its URL."""
@@ -170,9 +171,9 @@ class InferenceServerActor:
     @ray.method(concurrency_group="logs")
     def drain_logs(self) -> LogBatch:
         self.log_file.poll()
-        batch = self.logs.drain()
+        batch = self.log_lines.drain()
         path = self.log_file.path
-        return LogBatch(batch.lines, batch.dropped, batch.node, None if path is None else str(path))
+        return LogBatch(batch.lines, batch.dropped, self.node, None if path is None else str(path))
 
     def placement(self) -> dict:
         """Where this server runs: its node's address and the GPUs Ray gave it."""

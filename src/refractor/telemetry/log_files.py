@@ -127,9 +127,6 @@ class LogFileCopies:
             self._files[name] = open(self.folder / name, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
         return self._files[name]
 
-    def paths(self) -> list[Path]:
-        return sorted(self.folder / name for name in self._files)
-
     def close(self) -> None:
         for f in self._files.values():
             f.close()
