@@ -30,6 +30,7 @@ from refractor.records import TimelineEvent
 
 if TYPE_CHECKING:
     from refractor.runtime.health import ServerWatchdog
+    from refractor.runtime.log_collector import LogCollector
     from refractor.runtime.run_lock import RunLock
     from refractor.telemetry.store import RunStore
 
@@ -224,6 +225,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     startup.mark("orchestrator_start", started)
     startup.mark("environments_prepare_start", started)
     startup.mark("environments_prepare_done", envs_ready)
+    logs = start_log_collector(store, paths)
     sinks = []
     ray_host = RayHost()
     connection = None
@@ -239,10 +241,11 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         if cfg.use_wandb:
             from refractor.telemetry.wandb_sink import WandbSink
 
-            sinks.append(WandbSink.from_config(cfg))
+            sinks.append(WandbSink.from_config(cfg, log_dir=paths.logs if cfg.wandb_upload_logs else None))
         startup.mark("ray_init_start")
         connection = ray_host.connect(RaySettings.from_config(cfg, run_dir=str(paths.root)))
         startup.mark("ray_init_done")
+        log.info("run %s: %s", cfg.run_name, connection.describe())
         if not quiet:
             print(f"refractor: {connection.describe()}", flush=True)
         # the secret of this run's server control routes: handed to the servers and to trainer
@@ -279,6 +282,10 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             cfg, tokenizer.pad_token_id, control_token=control_token, single_node=connection.nodes == 1
         )
         trainers = RayTrainerGroup(trainer_settings, trainer_pg)
+        for rank, actor in enumerate(trainers.actors):
+            logs.add_actor_source("trainer", rank, actor.drain_logs.remote)
+        for index in range(len(servers.actors)):  # the actor of the moment: a restart may replace it
+            logs.add_actor_source("server", index, lambda i=index: servers.actors[i].drain_logs.remote())
         startup.mark("inference_processes_start")
         startup.mark("trainer_process_start")
         infos, trainer_ranks = _start_side_by_side(servers, trainers, startup.mark)
@@ -311,6 +318,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             }
         )
         telemetry = [
+            logs,
             node_metrics,
             ServerMetricsScraper(clients, store.log_system_metrics, cfg.metrics_logger_interval_seconds),
             TrainerMemoryLoop(
@@ -370,6 +378,10 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         # busy actors to finish what they were doing
         grace_s = 5.0 if status == "interrupted" else 30.0
         with stop_signals.deferred():
+            try:  # the actors' last lines, before they are stopped
+                logs.close(timeout_s=grace_s)
+            except Exception as err:  # noqa: BLE001 - the rest of the shutdown must run
+                log.warning("the last log lines were not collected: %s: %s", type(err).__name__, err)
             for group in (servers, trainers, node_metrics):
                 if group is not None:
                     group.shutdown(timeout_s=grace_s)
@@ -393,6 +405,26 @@ class StartupEvents:
     def mark(self, name: str, at: float | None = None) -> None:
         now = time.time() if at is None else at
         self.store.log_event(TimelineEvent(name, now, now, "orchestrator", {}), step=0)
+
+
+def start_log_collector(store: RunStore, paths: RunPaths) -> LogCollector:
+    """Record this process's logging (component ``driver``, ``orchestrator`` for the orchestrator's
+    loggers) from now on; trainer ranks and servers are added as they are created
+    (docs/run-store.md#logs)."""
+    from ray.util import get_node_ip_address
+
+    from refractor.runtime.log_collector import LogCollector
+    from refractor.telemetry.log_capture import ProcessLogs
+    from refractor.telemetry.log_files import LogFileCopies
+
+    driver = ProcessLogs(
+        "driver",
+        None,
+        get_node_ip_address(),
+        capture_streams=False,
+        logger_components={"refractor.orchestrator": "orchestrator"},
+    )
+    return LogCollector(driver, store.log_lines, LogFileCopies(paths.logs), store.log_event)
 
 
 def start_code_snapshot(

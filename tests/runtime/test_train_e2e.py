@@ -128,6 +128,16 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
             assert [e["name"] for e in mine] == ["generation", "env_response", "reward"]
             assert mine[0]["attrs"]["server"] == "server-0" and mine[0]["attrs"]["lane"] == r["lane"]
         assert reader.meta()["inflight"]["count"] == 0
+        # every component's log lines, with the node they come from (docs/run-store.md#logs)
+        lines = reader.logs(limit=100_000)
+        origins = {(r["component"], r["rank"], r["source"]) for r in lines}
+        assert {("driver", None, "log"), ("trainer", 0, "log"), ("server", 0, "file")} <= origins
+        assert {r["node"] for r in lines} == {machine["address"]}
+        (server_line,) = reader.logs(component="server", text="refractor native server", limit=10)
+    logs = Path(run_dir) / "logs"
+    assert server_line["message"] in (logs / "server-0.log").read_text()  # the server's file, indexed
+    assert "trainer rank 0/1 on cpu" in (logs / "trainer-0.log").read_text()
+    assert "run t: started a local Ray cluster" in (logs / "driver.log").read_text()
     saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
     assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()
 
@@ -403,6 +413,9 @@ def test_a_server_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
         }
         ran = {r["prompt_ordinal"] for r in reader.rollouts() if r["reason"] != "server_restart"}
         assert restarted <= ran  # what the dead server was generating ran again
+        # the log of the first process and that of the restarted one (logs/server-0.restart1.log)
+        starts = reader.logs(component="server", rank=0, text="refractor native server")
+        assert len(starts) == 2 and starts[0]["message"] != starts[1]["message"]  # two pids
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The trainer group on a local Ray cluster: settings read once, one packed batch for every rank,
-the ranks' timelines merged, checkpoints under the run directory. Tiny model, two CPU ranks (gloo)."""
+the ranks' timelines merged, checkpoints under the run directory, each rank's output and logging
+collected. Tiny model, two CPU ranks (gloo)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from refractor.algorithms.packing import PackingSettings
 from refractor.config import RefractorConfig
 from refractor.records import TrainSample
 from refractor.runtime.cluster import reserve
-from refractor.runtime.trainer_group import RayTrainerGroup, TrainerGroupSettings
+from refractor.runtime.trainer_group import RayTrainerGroup, TrainerActor, TrainerGroupSettings
 from refractor.trainer.settings import TrainerSettings
 
 
@@ -96,6 +97,78 @@ def test_two_ranks_train_on_one_packed_batch_and_merge_their_timelines(local_ray
         assert json.loads(group.read_checkpoint_file(1, "orchestrator.json")) == {"next_sample_idx": 5}
         assert (tmp_path / "group" / "checkpoints" / "step_1" / "meta.json").is_file()
         assert group.read_checkpoint_file(1, "missing.json") is None
+    finally:
+        group.shutdown()
+        remove_placement_group(reservation.group)
+
+
+def test_a_rank_s_prints_and_logging_reach_the_store_while_it_is_busy_and_a_flood_is_counted(
+    local_ray, tmp_path
+):
+    from refractor.runtime.log_collector import LogCollector
+    from refractor.telemetry.log_capture import ProcessLogs
+    from refractor.telemetry.log_files import LogFileCopies
+    from refractor.telemetry.query import RunReader
+    from refractor.telemetry.store import RunStore
+
+    def _print_log_flood_then_wait(actor, release: str) -> None:
+        # runs inside the rank (``__ray_call__``; defined here: pickled by value): what user code may do
+        import logging
+        import os
+        import time
+
+        print("hello from a rank")
+        logging.getLogger("refractor.trainer.user").info("a logging call")
+        for i in range(100_000):
+            print(f"flood {i}")
+        while not os.path.exists(release):  # the rank stays busy until the test has read its lines
+            time.sleep(0.05)
+
+    reservation = reserve("trainer ranks", 1, 1, 0, "PACK", 60, "cpus", "workers")
+    group = RayTrainerGroup(TrainerGroupSettings.from_config(group_config("m", tmp_path), 0), reservation)
+    store = RunStore(tmp_path)
+    driver = ProcessLogs("driver", None, "here", capture_streams=False)
+    collector = LogCollector(driver, store.log_lines, LogFileCopies(tmp_path / "logs"), store.log_event)
+    (rank0,) = group.actors
+    collector.add_actor_source("trainer", 0, rank0.drain_logs.remote)
+    gone = TrainerActor.remote(group.settings, 1, 2)
+    ray.kill(gone, no_restart=True)
+    collector.add_actor_source("trainer", 1, gone.drain_logs.remote)
+    release = tmp_path / "release"
+    try:
+        busy = rank0.__ray_call__.remote(_print_log_flood_then_wait, str(release))
+
+        async def until_busy() -> None:
+            for _ in range(600):  # the lines arrive while the rank is still in its call
+                await collector.collect()
+                store.flush()
+                with RunReader(tmp_path) as reader:
+                    if reader.logs(text="hello from a rank", component="trainer"):
+                        return
+                await asyncio.sleep(0.1)
+            raise AssertionError("the rank's lines never arrived")
+
+        asyncio.run(until_busy())
+        assert ray.wait([busy], timeout=0)[0] == []  # still busy: drain_logs ran beside it
+        release.touch()
+        ray.get(busy, timeout=60)
+        collector.close()
+        store.close()
+        with RunReader(tmp_path) as reader:
+            lines = reader.logs(component="trainer", rank=0, limit=100_000)
+            (failed,) = [e for e in reader.timeline() if e["name"] == "log_collection_failed"]
+        by_message = {r["message"]: r for r in lines}
+        assert by_message["hello from a rank"]["source"] == "stdout"
+        assert by_message["refractor.trainer.user: a logging call"]["source"] == "log"
+        assert by_message["hello from a rank"]["node"] == ray.util.get_node_ip_address()
+        (dropped,) = [r for r in lines if "were dropped" in r["message"]]
+        kept = sum(r["message"].startswith("flood ") for r in lines)
+        assert (
+            dropped["level"] == "WARNING" and f" {100_000 - kept} lines of trainer-0 " in dropped["message"]
+        )
+        assert 4_000 < kept < 50_000  # the burst and what the rate let through, not the flood
+        assert failed["attrs"]["source"] == "trainer-1"  # once, though collected many times
+        assert "[stdout] hello from a rank" in (tmp_path / "logs" / "trainer-0.log").read_text()
     finally:
         group.shutdown()
         remove_placement_group(reservation.group)

@@ -55,7 +55,7 @@ def test_wandb_missing_gives_a_clear_error(monkeypatch):
         wandb_sink.WandbSink("p", "r", ["t"])
 
 
-def test_wandb_offline_logs_metrics_and_rollout_table(tmp_path, monkeypatch):
+def test_wandb_offline_logs_metrics_rollout_table_and_log_files(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from refractor.telemetry.wandb_sink import WandbSink
 
@@ -63,7 +63,10 @@ def test_wandb_offline_logs_metrics_and_rollout_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
     monkeypatch.setenv("WANDB_TAGS", "a, b")
-    sink = WandbSink("proj", "my-run", ["ignored"], {"learning_rate": 1e-6}, run_dir=tmp_path)
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "trainer-0.log").write_text("a trainer line\n")
+    sink = WandbSink("proj", "my-run", ["ignored"], {"learning_rate": 1e-6}, run_dir=tmp_path, log_dir=logs)
     run = sink.run
     assert (run.project, run.name, list(run.tags)) == ("proj", "my-run", ["a", "b"])
     r = Rollout(7, 3, 0, "toy", prompt_text="q", reward=1.0, advantage=0.5)
@@ -80,6 +83,9 @@ def test_wandb_offline_logs_metrics_and_rollout_table(tmp_path, monkeypatch):
     assert (
         b"rollout/reward_mean" in history and b"kl_divergence_inference" in history and b"0.0123" in history
     )
+    # the component log files, as run files under logs/ (docs/run-store.md#logs)
+    [uploaded] = tmp_path.glob("wandb/offline-run-*/files/logs/trainer-0.log")
+    assert uploaded.read_text() == "a trainer line\n"
     [table] = tmp_path.glob("wandb/offline-run-*/files/media/table/rollouts_0_*.table.json")
     data = json.loads(table.read_text())
     assert data["columns"][:3] == ["step", "group_id", "rollout_id"] and data["data"][0][:3] == [0, 3, 7]

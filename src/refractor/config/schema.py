@@ -516,7 +516,10 @@ class LoggingKeys(_Strict):
     wandb_run_name: str = Field("refractor_run", description="W&B run name (env WANDB_RUN_NAME overrides).")
     wandb_tags: list[str] = Field(default_factory=lambda: ["refractor"], description="W&B tags.")
     wandb_upload_code: bool = Field(True, description="Telescope only: code snapshot upload to W&B.")
-    wandb_upload_logs: bool = Field(True, description="Telescope only: log upload.")
+    wandb_upload_logs: bool = Field(
+        True,
+        description="With use_wandb: upload runs/<run>/logs/*.log as W&B run files at the end.",
+    )
     wandb_upload_logs_detailed: bool = Field(False, description="Telescope only: detailed log upload.")
     wandb_upload_logs_stdout: bool = Field(False, description="Telescope only: stdout upload.")
     wandb_code_max_file_size_mb: float = Field(
@@ -587,9 +590,8 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
 IGNORED_KEYS: dict[str, str] = {
     **{k: "the Megatron backend is not implemented yet" for k in MegatronKeys.model_fields},
     "wandb_upload_code": "the code snapshot is always stored in the local run store, never uploaded",
-    "wandb_upload_logs": "logs stay in runs/<run>/logs",
-    "wandb_upload_logs_detailed": "logs stay in runs/<run>/logs",
-    "wandb_upload_logs_stdout": "logs stay in runs/<run>/logs",
+    "wandb_upload_logs_detailed": "the log files hold every line; wandb_upload_logs uploads them",
+    "wandb_upload_logs_stdout": "the log files hold every line; wandb_upload_logs uploads them",
     "event_tail_window_seconds": "events go to the local run store, not W&B archives",
     "event_block_duration_seconds": "events go to the local run store, not W&B archives",
     "event_upload_interval_seconds": "events go to the local run store, not W&B archives",

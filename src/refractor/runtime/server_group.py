@@ -21,6 +21,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from refractor.inference.process import ServerProcess, ServerStartError
 from refractor.inference.vllm.launcher import VllmServerSettings
 from refractor.runtime.cluster import LOOPBACK, Reservation
+from refractor.telemetry.log_capture import LogBatch, LogBuffer
+from refractor.telemetry.log_files import FileFollower
 
 
 def choose_engine(requested: str, has_gpu: bool) -> str:
@@ -126,27 +128,31 @@ def reachable_url(url: str, node_address: str) -> str:
     return url.replace("://0.0.0.0:", f"://{node_address}:")
 
 
-@ray.remote(max_restarts=0)
+# ``drain_logs`` runs in its own thread, beside a start (the server's start-up lines are collected)
+@ray.remote(max_restarts=0, concurrency_groups={"logs": 1})
 class InferenceServerActor:
+    """Owns server ``index``'s process; the lines that process writes to its log file (on this
+    actor's node) are kept for the driver's log collector."""
+
     def __init__(
-        self, settings: ServerGroupSettings, name: str, engine: str, log_dir: str, control_token: str
+        self, settings: ServerGroupSettings, index: int, engine: str, log_dir: str, control_token: str
     ) -> None:
         self.settings = settings
         self._control_token = control_token
-        self.name = name
+        self.name = f"server-{index}"
         self.engine = engine
         self.log_dir = Path(log_dir)
         self.server = None
+        self.node = ray.util.get_node_ip_address()
+        self.log_lines = LogBuffer()
+        self.log_file = FileFollower(self.log_lines, "server", index, self.node)
 
     def start(self, log_name: str | None = None) -> str:
         """Start the server (logging to ``<log_dir>/<log_name or name>.log``); its URL."""
+        log_path = self.log_dir / f"{log_name or self.name}.log"
+        self.log_file.follow(log_path)
         try:
-            self.server = launch_server(
-                self.settings,
-                self.engine,
-                self.log_dir / f"{log_name or self.name}.log",
-                self._control_token,
-            )
+            self.server = launch_server(self.settings, self.engine, log_path, self._control_token)
         except Exception as err:  # noqa: BLE001 - re-raised with the server's name
             raise ServerStartError(
                 f"inference server {self.name} ({self.engine}) failed to start: {err}"
@@ -161,6 +167,13 @@ class InferenceServerActor:
 
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
+
+    @ray.method(concurrency_group="logs")
+    def drain_logs(self) -> LogBatch:
+        self.log_file.poll()
+        batch = self.log_lines.drain()
+        path = self.log_file.path
+        return LogBatch(batch.lines, batch.dropped, self.node, None if path is None else str(path))
 
     def placement(self) -> dict:
         """Where this server runs: its node's address and the GPUs Ray gave it."""
@@ -206,7 +219,7 @@ class RayServerGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.reservation.group, placement_group_bundle_index=index
             ),
-        ).remote(self.settings, self.names[index], self.engine, self.log_dir, self._control_token)
+        ).remote(self.settings, index, self.engine, self.log_dir, self._control_token)
 
     def start(self) -> list[ServerInfo]:
         refs = [a.start.remote() for a in self.actors]

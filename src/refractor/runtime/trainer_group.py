@@ -28,6 +28,7 @@ from refractor.algorithms.packing import PackingSettings, pack_step
 from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.runtime.cluster import LOOPBACK, Reservation
 from refractor.runtime.health import await_ranks
+from refractor.telemetry.log_capture import LogBatch, ProcessLogs
 from refractor.telemetry.torch_memory import TorchMemoryRecorder, torch_memory_gb
 from refractor.trainer.settings import TrainerSettings
 from refractor.trainer.timing import StepTimer
@@ -68,11 +69,14 @@ class TrainerGroupSettings:
         )
 
 
-@ray.remote(max_restarts=0)
+# ``drain_logs`` and ``drain_torch_memory`` run in their own thread, beside a train step in progress
+@ray.remote(max_restarts=0, concurrency_groups={"telemetry": 1})
 class TrainerActor:
-    """One trainer rank. Construction is cheap; ``setup`` joins the process group and loads the model."""
+    """One trainer rank. Construction is cheap; ``setup`` joins the process group and loads the model.
+    Its Python logging and its stdout/stderr are kept for the driver's log collector."""
 
     def __init__(self, group: TrainerGroupSettings, rank: int, world_size: int) -> None:
+        self.logs = ProcessLogs("trainer", rank, ray.util.get_node_ip_address(), capture_streams=True)
         self.settings = group.trainer
         self.weight_sync = group.weight_sync
         self.rendezvous_host = group.rendezvous_host or ray.util.get_node_ip_address()
@@ -86,6 +90,10 @@ class TrainerActor:
         # the version the trainer's weights are: the servers' label for them (a step trains version
         # `step` into `step + 1`; a resume pushes the checkpoint's version)
         self.version = 0
+
+    @ray.method(concurrency_group="telemetry")
+    def drain_logs(self) -> LogBatch:
+        return self.logs.drain()
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 picks the address and a free port for the default process group."""
@@ -182,6 +190,7 @@ class TrainerActor:
         path = checkpoint_path(self.trainer.checkpoint_dir, step) / name
         return path.read_text() if path.exists() else None
 
+    @ray.method(concurrency_group="telemetry")
     def drain_torch_memory(self) -> dict[str, Any]:
         """The torch-memory samples since the last drain (none on CPU), with the rank's node,
         the samples dropped from a full buffer and why sampling stopped, if it did."""

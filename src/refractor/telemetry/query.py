@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from refractor.telemetry.code_snapshot import CodeFile, CodeInfo, CodeRoot, GitState
+from refractor.telemetry.log_capture import LEVELS
 from refractor.telemetry.metrics import RolloutSummary
 from refractor.telemetry.store import table_columns, tokens_from_blob
 
@@ -227,6 +228,61 @@ class RunReader:
         )
         return self._rows(sql, tuple(args))
 
+    def logs(
+        self,
+        component: str | None = None,
+        level: str | None = None,
+        text: str | None = None,
+        rank: int | None = None,
+        *,
+        after_id: int | None = None,
+        before_id: int | None = None,
+        limit: int = 500,
+    ) -> list[dict[str, Any]]:
+        """A page of log lines (``id, time, level, component, rank, node, source, message``), oldest
+        first: the newest ``limit`` lines that match, or with ``after_id`` the first ``limit`` lines
+        after that id (follow a live log by passing the last id seen), or with ``before_id`` the
+        newest ``limit`` lines before it (scroll back). ``level``: that level and above; ``text``:
+        lines containing it (case-insensitive for ASCII). A run store without logs reads empty."""
+        if not table_columns(self._conn, "logs"):
+            return []
+        clauses = []
+        args: list[Any] = []
+        if component is not None:
+            clauses.append("component = ?")
+            args.append(component)
+        if rank is not None:
+            clauses.append("rank = ?")
+            args.append(rank)
+        if level is not None:
+            clauses.append(f"level IN ({','.join('?' * len(levels_from(level)))})")
+            args += levels_from(level)
+        if text:
+            clauses.append("message LIKE ? ESCAPE '\\'")
+            args.append("%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%")
+        if after_id is not None:
+            clauses.append("id > ?")
+            args.append(after_id)
+        if before_id is not None:
+            clauses.append("id < ?")
+            args.append(before_id)
+        where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
+        order = "ASC" if after_id is not None else "DESC"
+        rows = self._rows(f"SELECT * FROM logs{where} ORDER BY id {order} LIMIT ?", (*args, int(limit)))
+        return rows if order == "ASC" else rows[::-1]
+
+    def log_summary(self) -> list[dict[str, Any]]:
+        """Per component and rank: ``lines``, ``warnings`` (WARNING and above), ``first_time``,
+        ``last_time``, ``last_id``; ordered by component, then rank (what a log view offers)."""
+        if not table_columns(self._conn, "logs"):
+            return []
+        return self._rows(
+            "SELECT component, rank, COUNT(*) AS lines, "
+            "SUM(level IN ('WARNING', 'ERROR', 'CRITICAL')) AS warnings, "
+            "MIN(time) AS first_time, MAX(time) AS last_time, MAX(id) AS last_id "
+            "FROM logs GROUP BY component, rank ORDER BY component, rank"
+        )
+
     # --- the code snapshot (docs/run-store.md#code-snapshot); a run store without one reads empty ---
     def code_info(self) -> CodeInfo | None:
         counts = self.meta().get("code_snapshot")
@@ -265,6 +321,14 @@ class RunReader:
             "SELECT content FROM code_files WHERE root = ? AND path = ?", (root, path)
         ).fetchone()
         return None if row is None else zlib.decompress(row[0]).decode("utf-8", "replace")
+
+
+def levels_from(level: str) -> list[str]:
+    """``level`` and every level above it."""
+    name = level.upper()
+    if name not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}; one of {', '.join(LEVELS)}")
+    return list(LEVELS[LEVELS.index(name) :])
 
 
 @dataclass(frozen=True)

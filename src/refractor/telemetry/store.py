@@ -26,9 +26,11 @@ from refractor.records import EvalRollout, Rollout, RolloutStatus, TimelineEvent
 
 if TYPE_CHECKING:
     from refractor.telemetry.code_snapshot import CodeSnapshot
+    from refractor.telemetry.log_capture import LogLine
 
-# 2: system_metrics.node (the address of the machine a row comes from); 3: code_roots, code_files
-SCHEMA_VERSION = 3
+# 2: system_metrics.node (the address of the machine a row comes from); 3: code_roots, code_files;
+# 4: logs
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -75,10 +77,14 @@ CREATE TABLE IF NOT EXISTS code_roots (
 CREATE TABLE IF NOT EXISTS code_files (
     root TEXT NOT NULL, path TEXT NOT NULL, size INTEGER NOT NULL, sha256 TEXT NOT NULL,
     content BLOB NOT NULL, PRIMARY KEY (root, path));
+CREATE TABLE IF NOT EXISTS logs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, level TEXT NOT NULL, component TEXT NOT NULL,
+    rank INTEGER, node TEXT NOT NULL, source TEXT NOT NULL, message TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS logs_component ON logs (component, id);
 """
 
 # Columns added after version 1, added to an older run.db when a run writes to it again (a resume):
-# (table, column, definition).
+# (table, column, definition). Tables added later are created by SCHEMA itself.
 MIGRATIONS = [("system_metrics", "node", "TEXT NOT NULL DEFAULT ''")]
 
 
@@ -319,6 +325,13 @@ class RunStore:
         self._put(
             "INSERT INTO system_metrics (time, source, name, value, node) VALUES (?,?,?,?,?)",
             [(ts, source, k, float(v), node) for k, v in metrics.items()],
+        )
+
+    def log_lines(self, lines: Iterable[LogLine]) -> None:
+        """Log lines of any component (docs/run-store.md#logs)."""
+        self._put(
+            "INSERT INTO logs (time, level, component, rank, node, source, message) VALUES (?,?,?,?,?,?,?)",
+            [(x.time, x.level, x.component, x.rank, x.node, x.source, x.message) for x in lines],
         )
 
     def log_code_snapshot(self, snapshot: CodeSnapshot) -> None:

@@ -1,15 +1,19 @@
 """Optional Weights & Biases sink (``pip install 'refractor[wandb]'``, ``use_wandb: true``).
 
 Logs every step metric (plus ``rollout/reward_mean``, Telescope's chart name) and a table of
-sample rollouts per step (docs/metrics.md#wb). ``WANDB_PROJECT`` / ``WANDB_RUN_NAME`` /
+sample rollouts per step (docs/metrics.md#wb); at the end, the run's component log files as run
+files under ``logs/`` (``wandb_upload_logs``). ``WANDB_PROJECT`` / ``WANDB_RUN_NAME`` /
 ``WANDB_TAGS`` (comma list) override the config keys. The local run store is written either way.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TABLE_COLUMNS = [
     "step",
@@ -46,13 +50,16 @@ class WandbSink:
         config: dict[str, Any] | None = None,
         run_dir: str | Path | None = None,
         table_rows: int = 16,
+        log_dir: str | Path | None = None,
     ) -> None:
+        """``log_dir``: the folder whose ``*.log`` files are uploaded when the run ends (None: none)."""
         self.wandb = import_wandb()
         project = os.environ.get("WANDB_PROJECT", project)
         run_name = os.environ.get("WANDB_RUN_NAME", run_name)
         if os.environ.get("WANDB_TAGS"):
             tags = [t.strip() for t in os.environ["WANDB_TAGS"].split(",") if t.strip()]
         self.table_rows = table_rows
+        self.log_dir = None if log_dir is None else Path(log_dir)
         self._eval_axis = False
         kwargs: dict[str, Any] = {
             "project": project,
@@ -66,9 +73,16 @@ class WandbSink:
         self.run = self.wandb.init(**kwargs)
 
     @classmethod
-    def from_config(cls, cfg: Any, run_dir: str | Path | None = None) -> WandbSink:
+    def from_config(
+        cls, cfg: Any, run_dir: str | Path | None = None, log_dir: str | Path | None = None
+    ) -> WandbSink:
         return cls(
-            cfg.wandb_project, cfg.wandb_run_name, list(cfg.wandb_tags), cfg.model_dump(mode="json"), run_dir
+            cfg.wandb_project,
+            cfg.wandb_run_name,
+            list(cfg.wandb_tags),
+            cfg.model_dump(mode="json"),
+            run_dir,
+            log_dir=log_dir,
         )
 
     def log_step(self, step: int, metrics: dict[str, float], rollouts: list[Any] | None = None) -> None:
@@ -106,7 +120,22 @@ class WandbSink:
     def warn(self, message: str) -> None:
         """Run-level warnings reach W&B through the console output it records."""
 
+    def upload_logs(self) -> list[Path]:
+        """Save every ``*.log`` of ``log_dir`` as a run file ``logs/<name>`` (what it holds now). A
+        failed upload is a warning: the files stay in the run directory either way."""
+        if self.log_dir is None or not self.log_dir.is_dir():
+            return []
+        paths = sorted(self.log_dir.glob("*.log"))
+        try:
+            for path in paths:
+                self.run.save(str(path), base_path=str(self.log_dir.parent), policy="now")
+        except Exception as err:  # noqa: BLE001 - the run's end must not fail on an upload
+            log.warning("the log files were not uploaded to W&B: %s: %s", type(err).__name__, err)
+            return []
+        return paths
+
     def close(self) -> None:
         if self.run is not None:
+            self.upload_logs()
             self.run.finish()
             self.run = None
