@@ -88,7 +88,7 @@ def main() -> None:
         trainers[detail] = Trainer(
             trainer_settings(model_dir, track_gpu_events=detail, trainer_compile=False),
             random_init=True,
-            device=device,
+            device=None if device.type == "cuda" else device,  # None: this rank's own cuda:<i>
         )
         trainers[detail].timeline_attrs = {"node": node, "gpu": "0"}
     times: dict[bool, list[float]] = {True: [], False: []}
