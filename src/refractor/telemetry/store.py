@@ -8,6 +8,7 @@ consistent snapshot at any time without blocking the writer or being blocked by 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import queue
@@ -277,6 +278,8 @@ class RunStore:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False
+        self.writer_cpu_seconds = 0.0  # CPU time of the writer thread's transactions
+        self.transactions = 0
         self._thread = threading.Thread(target=self._writer, name="refractor-run-store", daemon=True)
         self._thread.start()
         # first open creates the run; a resumed run keeps its creation time but is running again
@@ -373,6 +376,16 @@ class RunStore:
             self.set_meta({"status": status, "finished_at": time.time()})
         self._queue.put(None)
         self._thread.join()
+        if self._error is None:  # what recording cost this process (bench/bench_run_store.py)
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('store_stats', ?)",
+                    (
+                        _json(
+                            {"writer_cpu_seconds": self.writer_cpu_seconds, "transactions": self.transactions}
+                        ),
+                    ),
+                )
         self._closed = True
         self._conn.close()
         self._raise_if_failed()
@@ -420,6 +433,7 @@ class RunStore:
                 else:
                     batch.append(item)
             if batch and self._error is None:
+                cpu = time.thread_time()
                 try:
                     self._conn.execute("BEGIN")
                     for statements in batch:
@@ -430,5 +444,7 @@ class RunStore:
                     self._error = err
                     if self._conn.in_transaction:
                         self._conn.execute("ROLLBACK")
+                self.writer_cpu_seconds += time.thread_time() - cpu
+                self.transactions += 1
             for ev in events:
                 ev.set()
