@@ -233,15 +233,18 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     trainers = None
     node_metrics = None
     code_snapshot = None
+    code_taken: list = []  # the snapshot once taken (W&B uploads it at the end)
+    wandb_sink = None
     status = "failed"
     try:
-        code_snapshot = start_code_snapshot(cfg, config_path, store)
+        code_snapshot = start_code_snapshot(cfg, config_path, store, keep=code_taken.append)
         write_config_file(cfg, paths)
         sinks.append(ConsoleSink(cfg.number_of_steps, quiet=quiet))
         if cfg.use_wandb:
             from refractor.telemetry.wandb_sink import WandbSink
 
-            sinks.append(WandbSink.from_config(cfg, log_dir=paths.logs if cfg.wandb_upload_logs else None))
+            wandb_sink = WandbSink.from_config(cfg, log_dir=paths.logs if cfg.wandb_upload_logs else None)
+            sinks.append(wandb_sink)
         startup.mark("ray_init_start")
         connection = ray_host.connect(RaySettings.from_config(cfg, run_dir=str(paths.root)))
         startup.mark("ray_init_done")
@@ -385,10 +388,12 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             for group in (servers, trainers, node_metrics):
                 if group is not None:
                     group.shutdown(timeout_s=grace_s)
-            for sink in sinks:
-                sink.close()
             if code_snapshot is not None:
                 code_snapshot.join(CODE_SNAPSHOT_WAIT_S)
+            if wandb_sink is not None and cfg.wandb_upload_code and code_taken:
+                wandb_sink.upload_code(code_taken[0])
+            for sink in sinks:
+                sink.close()
             try:
                 store.close(status)
             finally:
@@ -428,7 +433,7 @@ def start_log_collector(store: RunStore, paths: RunPaths) -> LogCollector:
 
 
 def start_code_snapshot(
-    cfg: RefractorConfig, config_path: str | Path | None, store: RunStore
+    cfg: RefractorConfig, config_path: str | Path | None, store: RunStore, keep=None
 ) -> threading.Thread:
     """Record the run's code in the run store from a thread, beside the start
     (docs/run-store.md#code-snapshot). The project is the config file's folder, or the working
@@ -446,7 +451,7 @@ def start_code_snapshot(
             project = config_folder
     thread = threading.Thread(
         target=record_code_snapshot,
-        args=(store, project, lambda: user_code_folders(cfg), CodeLimits.from_config(cfg), skip),
+        args=(store, project, lambda: user_code_folders(cfg), CodeLimits.from_config(cfg), skip, keep),
         name="refractor-code-snapshot",
         daemon=True,
     )

@@ -390,6 +390,7 @@ def test_telescope_yaml_loads_unchanged_with_notices(tmp_path, capsys):
         use_wandb: true
         wandb_project: telescope
         wandb_upload_code: true
+        wandb_upload_logs_stdout: true
         megatron_tensor_parallel_size: 1
         environments:
           - name: countdown
@@ -403,8 +404,8 @@ def test_telescope_yaml_loads_unchanged_with_notices(tmp_path, capsys):
     cfg = load_config(p)
     assert cfg.tis_cap == 10.0 and cfg.environments[0].kwargs == {"add_thinking_prefix": True}
     err = capsys.readouterr().err
-    assert "`wandb_upload_code` is accepted for Telescope compatibility but has no effect" in err
-    assert "`megatron_tensor_parallel_size`" in err
+    assert "`wandb_upload_logs_stdout` is accepted for Telescope compatibility but has no effect" in err
+    assert "`megatron_tensor_parallel_size`" in err and "wandb_upload_code" not in err
     assert "wandb_project" not in err
 
 

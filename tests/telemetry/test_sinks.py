@@ -4,11 +4,13 @@ import io
 import json
 import sys
 import time
+import zipfile
 
 import pytest
 from rich.console import Console
 
 from refractor.records import Rollout
+from refractor.telemetry.code_snapshot import CodeLimits, take_code_snapshot
 from refractor.telemetry.console import ConsoleSink
 
 
@@ -72,6 +74,11 @@ def test_wandb_offline_logs_metrics_rollout_table_and_log_files(tmp_path, monkey
     r = Rollout(7, 3, 0, "toy", prompt_text="q", reward=1.0, advantage=0.5)
     sink.log_step(0, METRICS, [r])
     assert run.config["learning_rate"] == 1e-6
+    code = tmp_path / "project"
+    (code / "envs").mkdir(parents=True)
+    (code / "envs" / "my_env.py").write_text("REWARD = 1\n")
+    snapshot = take_code_snapshot(code, {}, CodeLimits(2**20))
+    sink.upload_code(snapshot)
     sink.close()
     # offline runs keep history in the binary run log and tables as JSON next to it
     [log] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
@@ -86,6 +93,12 @@ def test_wandb_offline_logs_metrics_rollout_table_and_log_files(tmp_path, monkey
     # the component log files, as run files under logs/ (docs/run-store.md#logs)
     [uploaded] = tmp_path.glob("wandb/offline-run-*/files/logs/trainer-0.log")
     assert uploaded.read_text() == "a trainer line\n"
+    # the code snapshot, as code/source.zip + code/metadata.json
+    [archive] = tmp_path.glob("wandb/offline-run-*/files/code/source.zip")
+    with zipfile.ZipFile(archive) as zf:
+        assert zf.read("project/envs/my_env.py") == b"REWARD = 1\n"
+    [metadata] = tmp_path.glob("wandb/offline-run-*/files/code/metadata.json")
+    assert json.loads(metadata.read_text())["file_count"] == 1
     [table] = tmp_path.glob("wandb/offline-run-*/files/media/table/rollouts_0_*.table.json")
     data = json.loads(table.read_text())
     assert data["columns"][:3] == ["step", "group_id", "rollout_id"] and data["data"][0][:3] == [0, 3, 7]

@@ -515,7 +515,9 @@ class LoggingKeys(_Strict):
     wandb_project: str = Field("refractor", description="W&B project (env WANDB_PROJECT overrides).")
     wandb_run_name: str = Field("refractor_run", description="W&B run name (env WANDB_RUN_NAME overrides).")
     wandb_tags: list[str] = Field(default_factory=lambda: ["refractor"], description="W&B tags.")
-    wandb_upload_code: bool = Field(True, description="Telescope only: code snapshot upload to W&B.")
+    wandb_upload_code: bool = Field(
+        True, description="With use_wandb: upload the code snapshot as code/source.zip + metadata.json."
+    )
     wandb_upload_logs: bool = Field(
         True,
         description="With use_wandb: upload runs/<run>/logs/*.log as W&B run files at the end.",
@@ -589,7 +591,6 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
 # Keys accepted so Telescope YAMLs load unchanged, but which refractor does not act on.
 IGNORED_KEYS: dict[str, str] = {
     **{k: "the Megatron backend is not implemented yet" for k in MegatronKeys.model_fields},
-    "wandb_upload_code": "the code snapshot is always stored in the local run store, never uploaded",
     "wandb_upload_logs_detailed": "the log files hold every line; wandb_upload_logs uploads them",
     "wandb_upload_logs_stdout": "the log files hold every line; wandb_upload_logs uploads them",
     "event_tail_window_seconds": "events go to the local run store, not W&B archives",

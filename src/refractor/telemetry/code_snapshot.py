@@ -11,13 +11,16 @@ the file cap, when binary, when unreadable, or past the caps on the whole snapsh
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
+import json
 import logging
 import os
 import stat
 import subprocess
 import time
+import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -140,12 +143,16 @@ def record_code_snapshot(
     folders: Callable[[], Mapping[str, Path]],
     limits: CodeLimits,
     skip: Sequence[Path],
+    keep: Callable[[CodeSnapshot], None] | None = None,
 ) -> None:
-    """Take the snapshot and write it to ``store``; every failure, finding the ``folders`` included,
-    becomes a ``code_snapshot_warning`` event (never an exception: the run goes on without its code)."""
+    """Take the snapshot, write it to ``store`` and hand it to ``keep``; every failure, finding the
+    ``folders`` included, becomes a ``code_snapshot_warning`` event (never an exception: the run goes
+    on without its code)."""
     try:
         snapshot = take_code_snapshot(project, folders(), limits, skip)
         store.log_code_snapshot(snapshot)
+        if keep is not None:
+            keep(snapshot)
         warnings = snapshot.warnings
     except Exception as err:  # noqa: BLE001 - a snapshot must never stop the run
         warnings = [f"code snapshot failed: {type(err).__name__}: {err}"]
@@ -159,6 +166,19 @@ def record_code_snapshot(
             store.log_event(TimelineEvent("code_snapshot_warning", now, now, "driver", {"message": message}))
         except Exception as err:  # noqa: BLE001 - a closed or failed store: the log line stays
             log.warning("code snapshot warning not stored: %s", err)
+
+
+def write_code_archive(snapshot: CodeSnapshot, folder: Path) -> list[Path]:
+    """``folder/source.zip`` (every file as ``<root>/<path>``) and ``folder/metadata.json`` (the
+    roots, their git state and the counts): the snapshot as files, for W&B."""
+    folder.mkdir(parents=True, exist_ok=True)
+    archive = folder / "source.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        for f, content in snapshot.files:
+            zf.writestr(f"{f.root}/{f.path}", content)
+    metadata = folder / "metadata.json"
+    metadata.write_text(json.dumps(dataclasses.asdict(snapshot.info), indent=1, default=str))
+    return [archive, metadata]
 
 
 def excluded_prefix(path: str, patterns: Sequence[str]) -> str | None:

@@ -2,7 +2,8 @@
 
 Logs every step metric (plus ``rollout/reward_mean``, Telescope's chart name) and a table of
 sample rollouts per step (docs/metrics.md#wb); at the end, the run's component log files as run
-files under ``logs/`` (``wandb_upload_logs``). ``WANDB_PROJECT`` / ``WANDB_RUN_NAME`` /
+files under ``logs/`` (``wandb_upload_logs``) and its code snapshot under ``code/``
+(``wandb_upload_code``). ``WANDB_PROJECT`` / ``WANDB_RUN_NAME`` /
 ``WANDB_TAGS`` (comma list) override the config keys. The local run store is written either way.
 """
 
@@ -119,6 +120,21 @@ class WandbSink:
 
     def warn(self, message: str) -> None:
         """Run-level warnings reach W&B through the console output it records."""
+
+    def upload_code(self, snapshot: Any) -> list[Path]:
+        """Save the run's code snapshot as run files ``code/source.zip`` and ``code/metadata.json``
+        (``wandb_upload_code``); a failed upload is a warning (the run store holds the code)."""
+        from refractor.telemetry.code_snapshot import write_code_archive
+
+        base = Path(self.run.dir)
+        try:
+            paths = write_code_archive(snapshot, base / "code")
+            for path in paths:
+                self.run.save(str(path), base_path=str(base), policy="now")
+        except Exception as err:  # noqa: BLE001 - the run's end must not fail on an upload
+            log.warning("the code snapshot was not uploaded to W&B: %s: %s", type(err).__name__, err)
+            return []
+        return paths
 
     def upload_logs(self) -> list[Path]:
         """Save every ``*.log`` of ``log_dir`` as a run file ``logs/<name>`` (what it holds now). A
