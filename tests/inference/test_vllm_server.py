@@ -64,11 +64,11 @@ def test_config_becomes_explicit_vllm_flags():
         "--generation-config": "vllm",
         "--kv-cache-memory-bytes": str(2**29),
         "--served-model-name": "policy",
-        "--otlp-traces-endpoint": "http://127.0.0.1:4999/v1/traces",
         "--worker-extension-cls": "refractor.inference.vllm.worker_ext.RefractorWorkerExtension",
         "--weight-transfer-config": '{"backend": "refractor"}',
     }
     assert {k: flag(argv, k) for k in expected} == expected
+    assert "--otlp-traces-endpoint" not in argv  # enable_vllm_tracing is accepted and ignored (no receiver)
     # vLLM nests middlewares in reverse: the access guard, given last, sees every call first
     middlewares = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--middleware"]
     assert middlewares == [
@@ -76,7 +76,7 @@ def test_config_becomes_explicit_vllm_flags():
         "refractor.inference.access.EnvAccessGuard",
     ]
     assert "--enable-scale-out" in argv and "--enforce-eager" in argv
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
     # the secret travels in the environment, never on the command line; no API docs by default
     assert env["REFRACTOR_CONTROL_TOKEN"] == token and token not in " ".join(argv)
     assert "--disable-fastapi-docs" in argv
@@ -87,6 +87,15 @@ def test_config_becomes_explicit_vllm_flags():
     assert flag(gpu_argv, "--gpu-memory-utilization") == "0.8" and "--kv-cache-memory-bytes" not in gpu_argv
     assert "--enforce-eager" not in gpu_argv and "--otlp-traces-endpoint" not in gpu_argv
     assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in gpu_env
+    traced, traced_env = vllm_command(
+        "/m",
+        "127.0.0.1",
+        1,
+        VllmServerSettings(otlp_traces_endpoint="http://10.0.0.5:4318/v1/traces"),
+        on_cpu=False,
+    )
+    assert flag(traced, "--otlp-traces-endpoint") == "http://10.0.0.5:4318/v1/traces"
+    assert traced_env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
     # no control token: vLLM's development routes stay off, and an exported token is not inherited
     assert gpu_env["VLLM_SERVER_DEV_MODE"] == "0" and gpu_env["REFRACTOR_CONTROL_TOKEN"] == ""
 

@@ -597,6 +597,9 @@ IGNORED_KEYS: dict[str, str] = {
     "event_block_duration_seconds": "events go to the local run store, not W&B archives",
     "event_upload_interval_seconds": "events go to the local run store, not W&B archives",
     "rollout_block_size": "rollouts go to the local run store, not W&B archives",
+    "enable_vllm_tracing": "no OTLP receiver for vLLM's request spans yet: its latency histograms are "
+    "scraped from /metrics, and the native engine returns each request's latency",
+    "otlp_receiver_port": "no OTLP receiver for vLLM's request spans yet",
     "megatron_global_batch_size": "unused in Telescope too",
 }
 

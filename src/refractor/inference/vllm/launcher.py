@@ -71,12 +71,10 @@ class VllmServerSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_config(
-        cls, cfg, *, otlp_host: str = "127.0.0.1", served_model_name: str | None = None
-    ) -> VllmServerSettings:
-        endpoint = (
-            f"http://{otlp_host}:{cfg.otlp_receiver_port}/v1/traces" if cfg.enable_vllm_tracing else None
-        )
+    def from_config(cls, cfg, *, served_model_name: str | None = None) -> VllmServerSettings:
+        """No trace export from a config (``enable_vllm_tracing`` is accepted and ignored): refractor
+        has no OTLP receiver for vLLM's request spans yet, and vLLM's own Prometheus histograms
+        (queue, prefill, decode, TTFT, e2e) are scraped instead."""
         return cls(
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             kv_cache_memory_gb=cfg.kv_cache_memory_gb,
@@ -85,7 +83,6 @@ class VllmServerSettings:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             scheduling_policy=cfg.vllm_scheduling_policy,
-            otlp_traces_endpoint=endpoint,
             seed=cfg.seed,
             served_model_name=served_model_name,
             startup_timeout_s=float(cfg.ray_placement_timeout_s),
