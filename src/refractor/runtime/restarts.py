@@ -124,7 +124,7 @@ class ServerRestarter:
         self.clients[name].rebase(info.url)
         async with self.host.weights_lock:
             sync = await self.trainers.refresh_server(name, info.url)
-        for event in sync:
+        for event in sync:  # the weight_sync span first, then its phases
             self.host.record(event)
         self.host.bring_back_server(name)
         self.host.record(
@@ -139,7 +139,7 @@ class ServerRestarter:
                     "restart": count,
                     "limit": self.limit,
                     "url": info.url,
-                    "version": sync.attrs["version"],
+                    "version": sync[0].attrs["version"],
                 },
             )
         )
