@@ -3,6 +3,7 @@ placement-group reservations on a local Ray cluster (errors name the keys to cha
 
 from __future__ import annotations
 
+import socket
 import sys
 from dataclasses import replace
 
@@ -100,3 +101,24 @@ def test_a_reservation_that_fits_is_ready_and_one_that_waits_times_out(local_ray
             reserve("trainer", 1, 1, 0, "PACK", 1, "cpus_key", "count_key")
     finally:
         remove_placement_group(held.group)
+
+
+def test_a_dead_cluster_address_is_found_stale_and_a_live_one_is_not(tmp_path, monkeypatch):
+    """``ray_address: auto`` with the address file of a cluster killed without its shutdown would
+    retry the dead address for minutes; refractor sees nobody listens there and starts its own."""
+    from refractor.runtime.cluster import stale_auto_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert stale_auto_address() is None  # no address file: nothing to join
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        live = f"127.0.0.1:{listener.getsockname()[1]}"
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text(live + "\n")
+        assert stale_auto_address() is None
+    # the listener is closed now: the same file names a dead cluster
+    assert stale_auto_address() == live
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the environment wins over the file
+    assert stale_auto_address() == "127.0.0.1:1"

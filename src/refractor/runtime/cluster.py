@@ -22,8 +22,10 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import threading
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -187,12 +189,39 @@ def init_ray(s: RaySettings) -> RayConnection:
     return _connection(started_local, s.namespace)
 
 
+def stale_auto_address(timeout_s: float = 2.0) -> str | None:
+    """The address ``ray_address: auto`` would join (``RAY_ADDRESS``, else the address file a
+    local cluster leaves in Ray's temp folder) when nothing listens there, as a cluster killed
+    without its shutdown leaves it; None when there is none or it answers."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    if not address:
+        path = Path(os.environ.get("RAY_TMPDIR", tempfile.gettempdir())) / "ray" / "ray_current_cluster"
+        try:
+            address = path.read_text().strip()
+        except OSError:
+            return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or address in ("auto", "local"):
+        return None
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError:
+        return address
+
+
 def _connect(s: RaySettings, common: dict[str, Any]) -> bool:
     """ray.init as configured; True when a local cluster was started for this run."""
     local = dict(address="local", _system_config={"enable_metrics_collection": False})
     if s.address == "":
         ray.init(**common, **local)
         return True
+    if s.address == "auto" and s.auto_start_local:
+        stale = stale_auto_address()
+        if stale is not None:  # ray.init would retry the dead address for minutes
+            log.info("no Ray cluster answers at %s (left by a cluster that is gone); starting one", stale)
+            ray.init(**common, **local)
+            return True
     try:
         ray.init(address=s.address, **common)
     except (ConnectionError, RuntimeError) as err:
