@@ -76,6 +76,10 @@ def quick_start(steps: int, folder: Path) -> None:
     tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
     counts = {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables}  # noqa: S608
     stats = conn.execute("SELECT value FROM meta WHERE key = 'store_stats'").fetchone()
+    try:  # bytes per table and index (SQLite's dbstat, when compiled in)
+        by_table = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall())
+    except sqlite3.Error:
+        by_table = {}
     conn.close()
     import json
 
@@ -83,6 +87,15 @@ def quick_start(steps: int, folder: Path) -> None:
     print(f"quick start: {steps} steps in {wall:.1f} s; run.db {size / 2**20:.2f} MiB = "
           f"{size / 2**20 * 1000 / steps:.0f} MiB per 1,000 steps")  # fmt: skip
     print("  rows: " + ", ".join(f"{t} {n}" for t, n in sorted(counts.items()) if n))
+    if by_table:
+        fixed = sum(v for k, v in by_table.items() if k.startswith(("code_", "sqlite_autoindex_code")))
+        per_step = (sum(by_table.values()) - fixed) / steps
+        print(
+            f"  the code snapshot (once per run) {fixed / 2**20:.2f} MiB; the rest "
+            f"{per_step / 2**10:.0f} KiB per step = {per_step * 1000 / 2**20:.0f} MiB per 1,000 steps"
+        )
+        biggest = sorted(by_table.items(), key=lambda kv: -kv[1])[:8]
+        print("  largest: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in biggest))
     cpu = stats.get("writer_cpu_seconds")
     if cpu is not None:
         print(
