@@ -27,14 +27,16 @@ from refractor.records import EvalRollout, Rollout, RolloutStatus, TimelineEvent
 if TYPE_CHECKING:
     from refractor.telemetry.code_snapshot import CodeSnapshot
 
-# 2: system_metrics.node (the address of the machine a row comes from); 3: code_roots, code_files
-SCHEMA_VERSION = 3
+# 2: system_metrics.node (the address of the machine a row comes from); 3: code_roots, code_files;
+# 4: indexes for the dashboard's reads (step metrics by name, rollouts by dispatch time)
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS step_metrics (
     step INTEGER NOT NULL, name TEXT NOT NULL, value REAL, time REAL NOT NULL,
     PRIMARY KEY (step, name));
+CREATE INDEX IF NOT EXISTS step_metrics_name ON step_metrics (name, step);
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id INTEGER PRIMARY KEY, group_id INTEGER NOT NULL, sample_idx INTEGER NOT NULL,
     env TEXT NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL, error TEXT NOT NULL,
@@ -48,6 +50,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     dispatch_time REAL, generation_end_time REAL, finish_time REAL, reward_time REAL,
     prompt_index INTEGER NOT NULL, prompt_ordinal INTEGER NOT NULL, completion_ids BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS rollouts_step_status ON rollouts (step, status);
+CREATE INDEX IF NOT EXISTS rollouts_dispatch ON rollouts (dispatch_time);
 CREATE TABLE IF NOT EXISTS sample_metrics (
     rollout_id INTEGER NOT NULL, step INTEGER NOT NULL, status TEXT NOT NULL, name TEXT NOT NULL, value REAL,
     PRIMARY KEY (rollout_id, name));

@@ -1,0 +1,191 @@
+"""Series over steps and over wall time, bounded in size for a dashboard: step metrics by name
+(and their catalogue), timeline events in a time window, the inference lanes' rollouts in a time
+window, and system metrics sampled to a number of points."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from refractor.telemetry.query import RunReader
+
+
+@dataclass(frozen=True)
+class MetricName:
+    """A step metric's name split as ``section/group/metric`` (2 parts: ``section//metric``;
+    one part: a plain metric, section '')."""
+
+    name: str
+    section: str
+    group: str
+    metric: str
+
+    @classmethod
+    def parse(cls, name: str) -> MetricName:
+        parts = name.split("/")
+        if len(parts) == 1:
+            return cls(name, "", "", name)
+        if len(parts) == 2:
+            return cls(name, parts[0], "", parts[1])
+        return cls(name, parts[0], parts[1], "/".join(parts[2:]))
+
+
+def metric_names(reader: RunReader) -> list[str]:
+    """Every step metric name, sorted. With the ``step_metrics_name`` index (schema 4) this seeks
+    from one name to the next instead of reading every row."""
+    if reader.has_index("step_metrics_name"):
+        sql = """
+            WITH RECURSIVE names(name) AS (
+                SELECT MIN(name) FROM step_metrics
+                UNION ALL
+                SELECT (SELECT MIN(name) FROM step_metrics WHERE name > names.name)
+                FROM names WHERE names.name IS NOT NULL)
+            SELECT name FROM names WHERE name IS NOT NULL"""
+    else:
+        sql = "SELECT DISTINCT name FROM step_metrics ORDER BY name"
+    return [r["name"] for r in reader.rows(sql)]
+
+
+def metric_series(
+    reader: RunReader, names: list[str], since: int | None = None
+) -> dict[str, dict[str, list[float | None]]]:
+    """{name: {"steps": [...], "values": [...]}} for each name (steps after ``since`` only)."""
+    out: dict[str, dict[str, list[Any]]] = {n: {"steps": [], "values": []} for n in names}
+    if not names:
+        return out
+    sql = f"SELECT name, step, value FROM step_metrics WHERE name IN ({','.join('?' * len(names))})"
+    args: list[Any] = list(names)
+    if since is not None:
+        sql += " AND step > ?"
+        args.append(since)
+    for r in reader.rows(sql + " ORDER BY name, step", args):
+        series = out[r["name"]]
+        series["steps"].append(r["step"])
+        series["values"].append(r["value"])
+    return out
+
+
+def time_bounds(reader: RunReader) -> dict[str, float | None]:
+    """First and last wall time of the run's events, rollouts and system metrics."""
+    row = reader.rows(
+        "SELECT MIN(t0) AS start, MAX(t1) AS end FROM ("
+        'SELECT MIN(start) AS t0, MAX("end") AS t1 FROM events '
+        "UNION ALL SELECT MIN(time), MAX(time) FROM system_metrics "
+        "UNION ALL SELECT MIN(dispatch_time), MAX(finish_time) FROM rollouts WHERE dispatch_time > 0)"
+    )[0]
+    return {"start": row["start"], "end": row["end"]}
+
+
+def longest_event(reader: RunReader) -> float:
+    """The longest event's duration in seconds (reads every event: callers cache it)."""
+    return reader.rows('SELECT MAX("end" - start) AS d FROM events')[0]["d"] or 0.0
+
+
+def longest_rollout(reader: RunReader) -> float:
+    """The longest rollout's dispatch-to-finish seconds (reads every rollout: callers cache it)."""
+    return (
+        reader.rows("SELECT MAX(finish_time - dispatch_time) AS d FROM rollouts WHERE dispatch_time > 0")[0][
+            "d"
+        ]
+        or 0.0
+    )
+
+
+def events_window(
+    reader: RunReader,
+    start: float,
+    end: float,
+    longest: float,
+    limit: int = 20_000,
+    component: str | None = None,
+) -> dict[str, Any]:
+    """Events overlapping [start, end], by start time, at most ``limit`` (``truncated`` says so).
+    The ``events_start`` index bounds the scan: an event overlapping the window started at most
+    ``longest`` (:func:`longest_event`) before it."""
+    sql = (
+        'SELECT id, name, component, step, start, "end", attrs FROM events '
+        'WHERE start BETWEEN ? AND ? AND "end" >= ?'
+    )
+    args: list[Any] = [start - longest, end, start]
+    if component is not None:
+        sql += " AND component = ?"
+        args.append(component)
+    rows = reader.rows(sql + " ORDER BY start, id LIMIT ?", [*args, limit + 1])
+    for r in rows:
+        r["attrs"] = json.loads(r["attrs"])
+    return {"events": rows[:limit], "truncated": len(rows) > limit}
+
+
+def lanes_window(
+    reader: RunReader, start: float, end: float, longest: float, limit: int = 5_000
+) -> dict[str, Any]:
+    """Rollouts on the inference lanes during [start, end] (``longest``: :func:`longest_rollout`),
+    each with its turns' generation and environment spans, for a Gantt row per (server, lane)."""
+    rows = reader.rows(
+        "SELECT rollout_id, group_id, sample_idx, env, status, reason, step, server, lane, reward, "
+        "dispatch_time, generation_end_time, finish_time FROM rollouts "
+        "WHERE dispatch_time BETWEEN ? AND ? AND finish_time >= ? ORDER BY dispatch_time LIMIT ?",
+        (start - longest, end, start, limit + 1),
+    )
+    truncated = len(rows) > limit
+    rows = rows[:limit]
+    by_id = {r["rollout_id"]: r for r in rows}
+    for r in rows:
+        r["turns"] = []
+    ids = list(by_id)
+    for chunk in range(0, len(ids), 900):
+        part = ids[chunk : chunk + 900]
+        for t in reader.rows(
+            "SELECT rollout_id, turn_idx, start_time, end_time, env_time FROM turns "
+            f"WHERE rollout_id IN ({','.join('?' * len(part))}) ORDER BY rollout_id, turn_idx",
+            part,
+        ):
+            by_id[t.pop("rollout_id")]["turns"].append(t)
+    return {"rollouts": rows, "truncated": truncated}
+
+
+def system_metric_names(reader: RunReader) -> list[dict[str, str]]:
+    """Each (source, name, node) that has rows."""
+    node = "node" if "node" in {c["name"] for c in reader.rows("PRAGMA table_info(system_metrics)")} else "''"
+    return reader.rows(
+        f"SELECT DISTINCT source, name, {node} AS node FROM system_metrics ORDER BY source, name, node"
+    )
+
+
+def system_series(
+    reader: RunReader, name: str, start: float, end: float, points: int = 600
+) -> dict[str, dict[str, list[float]]]:
+    """{"<source>@<node>": {"time": [...], "value": [...]}} for one metric name in [start, end].
+
+    A window holding more than ``points`` seconds is sampled: for each of ``points`` equal slices,
+    the first sample of every series in it (one short index seek a slice, so a day of 1 s metrics
+    of many GPUs reads in milliseconds); a shorter window reads every row."""
+    has_node = "node" in {c["name"] for c in reader.rows("PRAGMA table_info(system_metrics)")}
+    node = "node" if has_node else "'' AS node"
+    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"time": [], "value": []})
+
+    def add(rows: list[dict[str, Any]]) -> None:
+        seen = set()
+        for r in rows:
+            key = f"{r['source']}@{r['node']}" if r["node"] else r["source"]
+            if key in seen:
+                continue
+            seen.add(key)
+            out[key]["time"].append(r["time"])
+            out[key]["value"].append(r["value"])
+
+    base = f"SELECT time, source, {node}, value FROM system_metrics WHERE time >= ? AND time < ? AND name = ?"
+    if end - start <= points:
+        for r in reader.rows(base + " ORDER BY time", (start, end + 1e-9, name)):
+            add([r])
+        return dict(out)
+    width = (end - start) / points
+    series = max(
+        1, len({(r["source"], r["node"]) for r in reader.rows(base + " LIMIT 4096", (start, end, name))})
+    )
+    for i in range(points):
+        lo = start + i * width
+        add(reader.rows(base + " ORDER BY time LIMIT ?", (lo, lo + width, name, series)))
+    return dict(out)

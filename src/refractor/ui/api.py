@@ -1,0 +1,313 @@
+"""The dashboard's JSON API over one or more runs dirs: ``/api/...``, GET only for run data.
+
+Every route opens the run store read-only for the length of the request (a fresh snapshot, so a
+live run's new rows show at the next poll) and answers bad input with a 4xx and a one-line
+``{"error": ...}`` (see :mod:`refractor.ui.app`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query
+
+from refractor.telemetry import derived, rollout_query, series
+from refractor.telemetry.query import RunReader, diff_code
+from refractor.telemetry.run_configs import ConfigQuery, config_diff
+from refractor.ui.registry import RunRegistry
+from refractor.ui.state import UiState
+
+MAX_NAMES = 400
+
+
+def split(text: str | None) -> list[str]:
+    return [p for p in (text or "").split(",") if p]
+
+
+def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
+    api = APIRouter(prefix="/api")
+
+    @contextmanager
+    def reader(run_id: str) -> Iterator[RunReader]:
+        entry = registry.get(run_id)
+        with RunReader(entry.path) as r:
+            yield r
+
+    def require_table(r: RunReader, table: str, what: str) -> None:
+        if not r.has_table(table):
+            raise HTTPException(409, f"this run has no {what} recorded (its run store predates them)")
+
+    # --- runs ---
+    @api.get("/runs")
+    def runs() -> dict[str, Any]:
+        notes = state.read("notes") or {}
+        hidden = state.read("hidden") or {}
+        out = []
+        for entry in registry.entries():
+            summary = registry.summary(entry)
+            key = str(entry.path.resolve())
+            summary["note"] = notes.get(key, "")
+            summary["hidden"] = bool(hidden.get(key))
+            out.append(summary)
+        out.sort(key=lambda s: s["created_at"], reverse=True)
+        return {"runs": out, "runs_dirs": [str(d) for d in registry.runs_dirs]}
+
+    @api.get("/runs/{run_id}")
+    def run(run_id: str) -> dict[str, Any]:
+        entry = registry.get(run_id)
+        summary = registry.summary(entry)
+        if summary["error"]:
+            raise HTTPException(
+                409 if summary["status"] == "incomplete" else 422, f"run {run_id!r}: {summary['error']}"
+            )
+        with reader(run_id) as r:
+            meta = r.meta()
+            has = {
+                "rollouts": _any(r, "rollouts", "status != 'eval'"),
+                "evals": _any(r, "rollouts", "status = 'eval'")
+                or _any(r, "step_metrics", "name LIKE 'eval/%'"),
+                "events": _any(r, "events"),
+                "system_metrics": _any(r, "system_metrics"),
+                "code": r.code_info() is not None,
+                "logs": r.has_table("logs") and _any(r, "logs"),
+                "topology": meta.get("topology") is not None,
+            }
+            envs = (
+                [row["env"] for row in r.rows("SELECT DISTINCT env FROM rollouts WHERE status != 'eval'")]
+                if has["rollouts"]
+                else []
+            )
+            return summary | {
+                "config": meta.get("config", {}),
+                "servers": meta.get("servers"),
+                "has": has,
+                "envs": sorted(envs),
+            }
+
+    @api.get("/runs/{run_id}/cursor")
+    def cursor(run_id: str) -> dict[str, Any]:
+        """What a live page polls: the newest row of each kind (changes when the run writes)."""
+        entry = registry.get(run_id)
+        with reader(run_id) as r:
+            top = r.rows(
+                "SELECT (SELECT MAX(step) FROM step_metrics) AS step, "
+                "(SELECT MAX(rollout_id) FROM rollouts) AS rollout, (SELECT MAX(id) FROM events) AS event, "
+                "(SELECT MAX(time) FROM system_metrics) AS system_time"
+            )[0]
+            logs = r.rows("SELECT MAX(rowid) AS n FROM logs")[0]["n"] if r.has_table("logs") else None
+        return top | {"log": logs, "status": registry.summary(entry)["status"]}
+
+    @api.get("/config-diff")
+    def config_difference(a: str, b: str) -> dict[str, Any]:
+        with reader(a) as ra, reader(b) as rb:
+            return {"a": a, "b": b, "diff": config_diff(ra.config(), rb.config())}
+
+    @api.get("/search")
+    def search(q: str = Query(..., max_length=2000)) -> dict[str, Any]:
+        query = ConfigQuery.parse(q)
+        found = []
+        for entry in registry.entries():
+            try:
+                with RunReader(entry.path) as r:
+                    if query.matches(r.config()):
+                        found.append(entry.id)
+            except Exception:  # an unreadable run matches nothing; the runs list shows its error
+                continue
+        return {"query": q, "runs": found}
+
+    # --- step metrics ---
+    @api.get("/runs/{run_id}/metric-names")
+    def metric_names(run_id: str) -> dict[str, Any]:
+        with reader(run_id) as r:
+            names = series.metric_names(r)
+        return {"names": [dataclasses.asdict(series.MetricName.parse(n)) for n in names]}
+
+    @api.get("/runs/{run_id}/metrics")
+    def metrics(run_id: str, names: str = Query(..., max_length=20_000), since: int | None = None):
+        wanted = split(names)
+        if len(wanted) > MAX_NAMES:
+            raise HTTPException(400, f"at most {MAX_NAMES} metric names per request")
+        with reader(run_id) as r:
+            return {"series": series.metric_series(r, wanted, since)}
+
+    @api.get("/runs/{run_id}/derived")
+    def derived_metrics(run_id: str, envs: str | None = None) -> dict[str, Any]:
+        entry = registry.get(run_id)
+        chosen = sorted(split(envs)) or None
+        with reader(run_id) as r:
+            by_step = registry.cached(
+                entry, f"derived:{chosen}", lambda: derived.derived_step_metrics(r, chosen)
+            )
+        names = sorted({k for m in by_step.values() for k in m})
+        steps = list(by_step)
+        return {"series": {n: {"steps": steps, "values": [by_step[s].get(n) for s in steps]} for n in names}}
+
+    @api.get("/runs/{run_id}/histogram")
+    def histogram(run_id: str, field: str, step: int | None = None, envs: str | None = None, bins: int = 30):
+        _check_field(field)
+        with reader(run_id) as r:
+            return derived.histogram(r, field, step, min(max(bins, 1), 200), split(envs) or None)
+
+    @api.get("/runs/{run_id}/distribution")
+    def distribution(run_id: str, field: str, envs: str | None = None):
+        _check_field(field)
+        with reader(run_id) as r:
+            return derived.distribution_over_steps(r, field, envs=split(envs) or None)
+
+    # --- rollouts ---
+    @api.get("/runs/{run_id}/steps")
+    def steps(run_id: str, status: str = "kept") -> dict[str, Any]:
+        _check_statuses([status])
+        with reader(run_id) as r:
+            return {"steps": rollout_query.steps_with_rollouts(r, status)}
+
+    @api.get("/runs/{run_id}/steps/{step}/rollouts")
+    def step_rollouts(
+        run_id: str,
+        step: int,
+        status: str = "kept",
+        env: str | None = None,
+        stop: str | None = None,
+        reward_min: float | None = None,
+        reward_max: float | None = None,
+        q: str = Query("", max_length=500),
+        sort: str = "group",
+        desc: bool = False,
+        offset: int = Query(0, ge=0),
+        limit: int = Query(200, ge=1, le=1000),
+    ) -> dict[str, Any]:
+        statuses = split(status) or ["kept"]
+        _check_statuses(statuses)
+        if sort not in rollout_query.SORTS:
+            raise HTTPException(400, f"sort must be one of {', '.join(rollout_query.SORTS)}")
+        where = rollout_query.RolloutFilter(
+            tuple(statuses), tuple(split(env)), tuple(split(stop)), reward_min, reward_max, q
+        )
+        with reader(run_id) as r:
+            page = rollout_query.step_rollouts(r, step, where, sort, desc, offset, limit)
+            if "discarded" in statuses:
+                page["zero_advantage"] = derived.zero_advantage_breakdown(r, step)
+            return page
+
+    @api.get("/runs/{run_id}/rollouts/{rollout_id}")
+    def rollout(run_id: str, rollout_id: int) -> dict[str, Any]:
+        with reader(run_id) as r:
+            found = rollout_query.rollout_detail(r, rollout_id)
+        if found is None:
+            raise HTTPException(404, f"run {run_id!r} has no rollout {rollout_id}")
+        return found
+
+    @api.get("/runs/{run_id}/evals")
+    def evals(run_id: str) -> dict[str, Any]:
+        with reader(run_id) as r:
+            names = [n for n in series.metric_names(r) if n.startswith("eval/")]
+            return {"evals": rollout_query.eval_names(r), "metrics": names}
+
+    # --- wall time: timeline, infra ---
+    @api.get("/runs/{run_id}/time-bounds")
+    def time_bounds(run_id: str) -> dict[str, Any]:
+        entry = registry.get(run_id)
+        with reader(run_id) as r:
+            return registry.cached(
+                entry, "time_bounds", lambda: series.time_bounds(r) | {"step_times": r.step_times()}
+            )
+
+    @api.get("/runs/{run_id}/timeline")
+    def timeline(run_id: str, start: float, end: float, limit: int = Query(20_000, ge=1, le=100_000)):
+        _check_window(start, end)
+        entry = registry.get(run_id)
+        with reader(run_id) as r:
+            longest_event = registry.cached(entry, "longest_event", lambda: series.longest_event(r))
+            longest_rollout = registry.cached(entry, "longest_rollout", lambda: series.longest_rollout(r))
+            out = series.events_window(r, start, end, longest_event, limit)
+            out |= {"lanes": series.lanes_window(r, start, end, longest_rollout)}
+            return out
+
+    @api.get("/runs/{run_id}/system-names")
+    def system_names(run_id: str) -> dict[str, Any]:
+        with reader(run_id) as r:
+            return {"metrics": series.system_metric_names(r)}
+
+    @api.get("/runs/{run_id}/system")
+    def system(run_id: str, name: str, start: float, end: float, points: int = Query(600, ge=10, le=5000)):
+        _check_window(start, end)
+        with reader(run_id) as r:
+            return {"name": name, "series": series.system_series(r, name, start, end, points)}
+
+    # --- topology, code, logs ---
+    @api.get("/runs/{run_id}/topology")
+    def topology(run_id: str) -> dict[str, Any]:
+        with reader(run_id) as r:
+            return {"topology": r.topology()}
+
+    @api.get("/runs/{run_id}/code")
+    def code(run_id: str) -> dict[str, Any]:
+        with reader(run_id) as r:
+            info = r.code_info()
+            files = [dataclasses.asdict(f) for f in r.code_files()]
+        return {"info": None if info is None else dataclasses.asdict(info), "files": files}
+
+    @api.get("/runs/{run_id}/code/file")
+    def code_file(run_id: str, root: str, path: str) -> dict[str, Any]:
+        with reader(run_id) as r:
+            text = r.code_file(root, path)
+        if text is None:
+            raise HTTPException(404, f"run {run_id!r} has no file {root}/{path} in its code snapshot")
+        return {"root": root, "path": path, "text": text}
+
+    @api.get("/code-diff")
+    def code_difference(a: str, b: str) -> dict[str, Any]:
+        with reader(a) as ra, reader(b) as rb:
+            diff = diff_code(ra, rb)
+        return dataclasses.asdict(diff) | {"same": diff.same}
+
+    @api.get("/runs/{run_id}/logs")
+    def logs(
+        run_id: str,
+        component: str | None = None,
+        level: str | None = None,
+        q: str = Query("", max_length=500),
+        after: int = 0,
+        limit: int = Query(1000, ge=1, le=10_000),
+    ) -> dict[str, Any]:
+        with reader(run_id) as r:
+            require_table(r, "logs", "logs")
+            columns = {c["name"] for c in r.rows("PRAGMA table_info(logs)")}
+            clauses = ["rowid > ?"]
+            args: list[Any] = [after]
+            for column, value in (("component", component), ("level", level)):
+                if value and column in columns:
+                    clauses.append(f"{column} = ?")
+                    args.append(value)
+            if q and "message" in columns:
+                clauses.append("message LIKE ?")
+                args.append(f"%{q}%")
+            rows = r.rows(
+                f"SELECT rowid AS id, * FROM logs WHERE {' AND '.join(clauses)} ORDER BY rowid LIMIT ?",
+                [*args, limit],
+            )
+            return {"columns": sorted(columns), "logs": rows}
+
+    return api
+
+
+def _any(r: RunReader, table: str, where: str = "1") -> bool:
+    return r.has_table(table) and bool(r.rows(f"SELECT 1 AS x FROM {table} WHERE {where} LIMIT 1"))
+
+
+def _check_field(field: str) -> None:
+    if field not in derived.DISTRIBUTION_FIELDS:
+        raise HTTPException(400, f"field must be one of {', '.join(derived.DISTRIBUTION_FIELDS)}")
+
+
+def _check_statuses(statuses: list[str]) -> None:
+    bad = [s for s in statuses if s not in rollout_query.STATUSES]
+    if bad:
+        raise HTTPException(400, f"unknown status {bad[0]!r}: one of {', '.join(rollout_query.STATUSES)}")
+
+
+def _check_window(start: float, end: float) -> None:
+    if not (end > start) or end - start > 366 * 86400:
+        raise HTTPException(400, "the time window needs start < end, at most a year apart")

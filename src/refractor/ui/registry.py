@@ -1,0 +1,122 @@
+"""The runs the dashboard serves: every ``<runs dir>/<run>/run.db``, found again on each listing
+(runs appear while the dashboard is open), each with a short id used in URLs. Summaries are cached
+per run until its files change, so listing 500 runs reads only the runs that moved."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from refractor.runtime.run_lock import is_held
+from refractor.telemetry.query import RunReader
+
+
+class UnknownRunError(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class RunEntry:
+    id: str  # the run folder's name; `name~2`, `name~3` for the same name in a later runs dir
+    path: Path  # the run directory
+
+
+class RunRegistry:
+    def __init__(self, runs_dirs: list[Path]) -> None:
+        self.runs_dirs = [Path(d) for d in runs_dirs]
+        self._summaries: dict[Path, tuple[tuple, dict[str, Any]]] = {}
+        self._cache: dict[tuple[Path, str], tuple[tuple, Any]] = {}
+
+    def entries(self) -> list[RunEntry]:
+        out = []
+        seen: dict[str, int] = {}
+        for runs_dir in self.runs_dirs:
+            for db in sorted(runs_dir.glob("*/run.db")):
+                name = db.parent.name
+                seen[name] = seen.get(name, 0) + 1
+                out.append(RunEntry(name if seen[name] == 1 else f"{name}~{seen[name]}", db.parent))
+        return out
+
+    def get(self, run_id: str) -> RunEntry:
+        for entry in self.entries():
+            if entry.id == run_id:
+                return entry
+        raise UnknownRunError(f"no run {run_id!r} under {', '.join(str(d) for d in self.runs_dirs)}")
+
+    def cached(self, entry: RunEntry, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, reused until the run's files change (for answers that read a whole run)."""
+        state = _file_state(entry.path)
+        hit = self._cache.get((entry.path, key))
+        if hit is not None and hit[0] == state:
+            return hit[1]
+        if len(self._cache) > 256:
+            self._cache.clear()
+        value = compute()
+        self._cache[(entry.path, key)] = (state, value)
+        return value
+
+    def summary(self, entry: RunEntry) -> dict[str, Any]:
+        """Status, progress and the config's headline keys; an unreadable store gives its error."""
+        key = _file_state(entry.path)
+        cached = self._summaries.get(entry.path)
+        if cached is not None and cached[0] == key:
+            summary = dict(cached[1])
+        else:
+            summary = _read_summary(entry)
+            self._summaries[entry.path] = (key, summary)
+            summary = dict(summary)
+        summary["id"] = entry.id
+        if summary["status"] == "running" and not is_held(entry.path):
+            summary["status"] = "crashed"  # its writer died; the next start records it so
+        return summary
+
+
+def _file_state(run_dir: Path) -> tuple:
+    out = []
+    for name in ("run.db", "run.db-wal"):
+        try:
+            st = os.stat(run_dir / name)
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _read_summary(entry: RunEntry) -> dict[str, Any]:
+    base: dict[str, Any] = {"name": entry.path.name, "path": str(entry.path), "error": ""}
+    try:
+        with RunReader(entry.path) as reader:
+            meta = reader.meta()
+            config = meta.get("config") or {}
+            last = reader.rows("SELECT MAX(step) AS s FROM step_metrics WHERE name = 'reward_sum_mean'")[0][
+                "s"
+            ]
+            reward = None if last is None else reader.step_metric(last, "reward_sum_mean")
+            steps = reader.last_step()
+    except sqlite3.OperationalError as err:
+        if "no such" not in str(err):
+            raise
+        message = f"the run store is incomplete ({err}): an older or unfinished run"
+        return base | {"status": "incomplete", "error": message, "created_at": 0}
+    except (sqlite3.DatabaseError, ValueError) as err:
+        return base | {
+            "status": "unreadable",
+            "error": f"the run store cannot be read: {err}",
+            "created_at": 0,
+        }
+    return base | {
+        "name": str(meta.get("run_name", entry.path.name)),
+        "status": str(meta.get("status", "unknown")),
+        "created_at": float(meta.get("created_at", 0.0)),
+        "finished_at": meta.get("finished_at"),
+        "steps": 0 if steps is None else steps + 1,
+        "last_reward": reward,
+        "model": config.get("model", ""),
+        "algorithm": config.get("algorithm", config.get("loss_type", "")),
+        "engine": meta.get("engine", config.get("inference_engine", "")),
+        "schema_version": meta.get("schema_version"),
+    }

@@ -1,0 +1,270 @@
+"""The dashboard's JSON API on synthetic run stores, a damaged one, a half-written one and one of
+an older schema: answers, derived metrics against the Python reference, bad input as 4xx."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from fastapi.testclient import TestClient
+
+from refractor.telemetry.metrics import rollout_step_metrics
+from refractor.telemetry.query import RunReader
+from refractor.ui import create_app
+
+
+@pytest.fixture(scope="module")
+def client(runs_dir, tmp_path_factory):
+    app = create_app([runs_dir], tmp_path_factory.mktemp("state"))
+    with TestClient(app) as c:
+        yield c
+
+
+def ok(client, url, **params):
+    resp = client.get(url, params=params)
+    assert resp.status_code == 200, (url, resp.status_code, resp.text)
+    return resp.json()
+
+
+def test_runs_lists_every_run_with_its_status_and_progress(client):
+    runs = {r["id"]: r for r in ok(client, "/api/runs")["runs"]}
+    assert set(runs) == {"syn", "other", "broken", "half", "old"}
+    assert runs["syn"]["status"] == "finished" and runs["syn"]["steps"] == 20
+    assert runs["syn"]["model"] == "synthetic/tiny-model" and runs["syn"]["algorithm"] == "grpo"
+    assert runs["syn"]["last_reward"] is not None
+    assert runs["other"]["status"] == "crashed"  # stored `running`, but nobody holds its lock
+    assert runs["broken"]["status"] == "unreadable" and "cannot be read" in runs["broken"]["error"]
+    assert runs["old"]["steps"] == 2 and runs["old"]["last_reward"] == 0.5
+
+
+def test_run_detail_says_which_data_the_run_has(client):
+    syn = ok(client, "/api/runs/syn")
+    assert syn["has"] == {
+        "rollouts": True,
+        "evals": True,
+        "events": True,
+        "system_metrics": True,
+        "code": False,
+        "logs": False,
+        "topology": True,
+    }
+    assert syn["envs"] == ["code_tools", "countdown", "math"]
+    old = ok(client, "/api/runs/old")
+    assert old["has"]["rollouts"] is False and old["has"]["code"] is False
+
+
+def test_config_diff_and_search(client):
+    diff = {d["key"]: d for d in ok(client, "/api/config-diff", a="syn", b="old")["diff"]}
+    assert diff["learning_rate"]["a"] == 1e-6 and diff["learning_rate"]["b"] == 0.001
+    assert diff["group_size"]["only"] == "a"
+    assert "model" in diff
+    assert set(ok(client, "/api/search", q="learning_rate=1e-6,loss_type=grpo")["runs"]) == {"syn", "other"}
+    assert ok(client, "/api/search", q="learning_rate=0.001")["runs"] == ["old"]
+    assert set(ok(client, "/api/search", q="environments.0.name=countdown")["runs"]) == {"other", "syn"}
+    assert client.get("/api/search", params={"q": "nonsense"}).status_code == 400
+
+
+def test_metric_catalogue_and_series(client):
+    names = ok(client, "/api/runs/syn/metric-names")["names"]
+    by_name = {n["name"]: n for n in names}
+    assert by_name["trainer/extra/metric_000"] == {
+        "name": "trainer/extra/metric_000",
+        "section": "trainer",
+        "group": "extra",
+        "metric": "metric_000",
+    }
+    assert by_name["reward_sum_mean"]["section"] == ""
+    data = ok(client, "/api/runs/syn/metrics", names="reward_sum_mean,loss")["series"]
+    assert data["loss"]["steps"] == list(range(20))
+    newer = ok(client, "/api/runs/syn/metrics", names="loss", since=17)["series"]["loss"]
+    assert newer["steps"] == [18, 19] and newer["values"] == data["loss"]["values"][18:]
+
+
+def test_derived_metrics_match_the_python_reference_per_environment(client, runs_dir):
+    derived = ok(client, "/api/runs/syn/derived", envs="math,countdown")["series"]
+    with RunReader(runs_dir / "syn") as reader:
+        for step in (0, 7, 19):
+            rows = [r for r in reader.rollout_summaries(step) if r.status != "eval"]
+            envs = {r["rollout_id"]: r["env"] for r in reader.rollouts(step=step)}
+            ids = [r["rollout_id"] for r in reader.rollouts(step=step) if r["status"] != "eval"]
+            picked = [s for s, i in zip(rows, ids, strict=True) if envs[i] in ("math", "countdown")]
+            expected = rollout_step_metrics(picked)
+            for name in (
+                "reward_sum_mean",
+                "reward_sum_std",
+                "length_completion_max",
+                "advantage_std",
+                "stop_reason_length_pct",
+                "reward_gini_mean",
+                "group_length_gini_mean",
+                "discarded_count",
+                "canceled_count",
+            ):
+                got = derived[name]["values"][derived[name]["steps"].index(step)]
+                want = expected.get(name)
+                assert (got is None and want is None) or math.isclose(
+                    got, want, rel_tol=1e-9, abs_tol=1e-9
+                ), (
+                    step,
+                    name,
+                    got,
+                    want,
+                )
+
+
+def test_histograms_and_distribution_over_steps(client):
+    hist = ok(client, "/api/runs/syn/histogram", field="completion_tokens", step=3)
+    kept = ok(client, "/api/runs/syn/steps/3/rollouts", limit=1000)["total"]
+    assert sum(hist["counts"]) == kept and len(hist["edges"]) == 31
+    dist = ok(client, "/api/runs/syn/distribution", field="reward")
+    assert len(dist["steps"]) == 20 and sum(map(sum, dist["counts"])) > 0
+    assert client.get("/api/runs/syn/histogram", params={"field": "prompt_text"}).status_code == 400
+
+
+def test_rollouts_of_a_step_filter_sort_and_page(client):
+    page = ok(client, "/api/runs/syn/steps/5/rollouts")
+    assert page["total"] == len(page["rollouts"]) > 0
+    assert all(r["status"] == "kept" and r["step"] == 5 for r in page["rollouts"])
+    assert set(page["envs"]) <= {"math", "countdown", "code_tools"}
+    good = ok(client, "/api/runs/syn/steps/5/rollouts", reward_min=0.5)["rollouts"]
+    assert good and all(r["reward"] >= 0.5 for r in good)
+    by_len = ok(client, "/api/runs/syn/steps/5/rollouts", sort="length", desc=True)["rollouts"]
+    lengths = [r["completion_tokens"] for r in by_len]
+    assert lengths == sorted(lengths, reverse=True)
+    second = ok(client, "/api/runs/syn/steps/5/rollouts", offset=2, limit=2)["rollouts"]
+    assert [r["rollout_id"] for r in second] == [r["rollout_id"] for r in page["rollouts"][2:4]]
+    code = ok(client, "/api/runs/syn/steps/5/rollouts", env="code_tools")["rollouts"]
+    assert code and {r["env"] for r in code} == {"code_tools"}
+    text = ok(client, "/api/runs/syn/steps/5/rollouts", q="Answer: ")["rollouts"]
+    assert text and all("Answer: " in r["completion_text"] for r in text)
+    assert ok(client, "/api/runs/syn/steps/5/rollouts", q="%_no such text_%")["total"] == 0
+
+
+def test_discarded_and_cancelled_rollouts_come_with_reasons(client, runs_dir):
+    with RunReader(runs_dir / "syn") as reader:
+        step = next(r["step"] for r in reader.rollouts(status="discarded"))
+    page = ok(client, f"/api/runs/syn/steps/{step}/rollouts", status="discarded,cancelled")
+    assert page["rollouts"] and all(r["reason"] for r in page["rollouts"])
+    assert "zero_advantage" in page
+
+
+def test_one_rollout_comes_with_turns_and_tool_calls(client):
+    (first,) = ok(client, "/api/runs/syn/steps/2/rollouts", env="code_tools", limit=1)["rollouts"]
+    rollout = ok(client, f"/api/runs/syn/rollouts/{first['rollout_id']}")
+    assert rollout["num_turns"] == len(rollout["turns"]) == 3
+    call = rollout["turns"][0]["tool_calls"][0]
+    assert call["tool_name"] == "python" and "code" in call["arguments"] and call["extra"]["exit_code"] == 0
+    assert rollout["turns"][0]["env_messages"][0]["role"] == "tool"
+
+
+def test_evals_list_their_steps_and_metrics(client):
+    evals = ok(client, "/api/runs/syn/evals")
+    assert evals["evals"] == {"gsm8k_eval": [10, 20]}
+    assert "eval/gsm8k_eval/pass@4/correct" in evals["metrics"]
+    page = ok(client, "/api/runs/syn/steps/10/rollouts", status="eval")
+    assert page["total"] == 8
+
+
+def test_timeline_window_holds_events_and_lane_rollouts(client):
+    bounds = ok(client, "/api/runs/syn/time-bounds")
+    start = bounds["start"]
+    window = ok(client, "/api/runs/syn/timeline", start=start + 20, end=start + 30)
+    assert window["events"] and not window["truncated"]
+    assert all(e["end"] >= start + 20 and e["start"] <= start + 30 for e in window["events"])
+    assert {e["component"] for e in window["events"]} >= {"trainer", "orchestrator"}
+    lanes = window["lanes"]["rollouts"]
+    assert lanes and all(r["turns"] for r in lanes)
+    small = ok(client, "/api/runs/syn/timeline", start=start, end=bounds["end"], limit=10)
+    assert small["truncated"] and len(small["events"]) == 10
+
+
+def test_system_metrics_are_sampled_to_the_points_asked(client):
+    bounds = ok(client, "/api/runs/syn/time-bounds")
+    names = ok(client, "/api/runs/syn/system-names")["metrics"]
+    assert {"source": "gpu0", "name": "gpu_utilization_percent", "node": "10.0.0.1"} in names
+    data = ok(
+        client,
+        "/api/runs/syn/system",
+        name="gpu_utilization_percent",
+        start=bounds["start"],
+        end=bounds["end"],
+        points=20,
+    )["series"]
+    assert set(data) == {"gpu0@10.0.0.1", "gpu1@10.0.0.1"}
+    assert 15 <= len(data["gpu0@10.0.0.1"]["time"]) <= 20
+    old = ok(client, "/api/runs/old/system", name="cpu_utilization_percent", start=1.6e9, end=1.6e9 + 10)
+    assert old["series"] == {"system": {"time": [1600000001.0], "value": [12.5]}}
+
+
+def test_topology_and_a_run_without_code_or_logs(client):
+    assert ok(client, "/api/runs/syn/topology")["topology"]["trainer"]["world_size"] == 2
+    assert ok(client, "/api/runs/syn/code") == {"info": None, "files": []}
+    resp = client.get("/api/runs/syn/logs")
+    assert resp.status_code == 409 and "no logs recorded" in resp.json()["error"]
+
+
+def test_live_cursor_reports_the_newest_rows(client):
+    cur = ok(client, "/api/runs/syn/cursor")
+    assert cur["step"] == 20 and cur["rollout"] > 0 and cur["event"] > 0 and cur["status"] == "finished"
+
+
+@pytest.mark.parametrize(
+    ("url", "status", "words"),
+    [
+        ("/api/runs/nope", 404, "no run 'nope'"),
+        ("/api/runs/broken", 422, "cannot be read"),
+        ("/api/runs/broken/metric-names", 422, "cannot be read"),
+        ("/api/runs/half", 409, "older or unfinished run"),
+        ("/api/runs/half/steps/0/rollouts", 409, "older or unfinished"),
+        ("/api/runs/old/steps/0/rollouts", 409, "older or unfinished"),
+        ("/api/runs/syn/steps/abc/rollouts", 400, "step"),
+        ("/api/runs/syn/steps/1/rollouts?limit=-5", 400, "limit"),
+        ("/api/runs/syn/steps/1/rollouts?sort=reward;DROP", 400, "sort"),
+        ("/api/runs/syn/steps/1/rollouts?status=everything", 400, "status"),
+        ("/api/runs/syn/steps/1/rollouts?reward_min=lots", 400, "reward_min"),
+        ("/api/runs/syn/rollouts/999999999", 404, "no rollout"),
+        ("/api/runs/syn/timeline?start=5&end=1", 400, "window"),
+        ("/api/runs/syn/timeline?start=nan&end=1", 400, ""),
+        ("/api/runs/syn/metrics", 400, "names"),
+        ("/api/config-diff?a=syn&b=..%2F..%2Fetc", 404, "no run"),
+        ("/api/runs/syn/code/file?root=project&path=../../etc/passwd", 404, "no file"),
+        ("/api/runs/%2e%2e/cursor", 404, ""),
+    ],
+)
+def test_bad_input_is_a_4xx_with_one_line_reason(client, url, status, words):
+    resp = client.get(url)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert words in error and "\n" not in error
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/static/../../../etc/passwd",
+        "/static/%2e%2e/%2e%2e/etc/passwd",
+        "/static/..%2fapp.py",
+        "/static/../app.py",
+        "/../../etc/passwd",
+        "/static//etc/passwd",
+    ],
+)
+def test_only_the_static_folder_is_served(client, path):
+    resp = client.get(path)
+    assert resp.status_code == 404
+    assert b"root:" not in resp.content and b"create_app" not in resp.content
+
+
+def test_notes_and_hidden_runs_are_kept_in_the_state_folder_not_the_run_store(client, runs_dir):
+    before = (runs_dir / "syn" / "run.db").stat().st_mtime_ns
+    assert (
+        client.put("/api/state/notes", json={"run": "syn", "text": "lr sweep, best so far"}).status_code
+        == 200
+    )
+    assert client.put("/api/state/hidden", json={"run": "old", "hidden": True}).status_code == 200
+    runs = {r["id"]: r for r in ok(client, "/api/runs")["runs"]}
+    assert runs["syn"]["note"] == "lr sweep, best so far" and runs["old"]["hidden"]
+    assert client.put("/api/state/hidden", json={"run": "old", "hidden": False}).status_code == 200
+    assert client.put("/api/state/notes", json={"run": "nope", "text": "x"}).status_code == 404
+    assert client.put("/api/state/layout", json={"sections": "garbage"}).status_code == 400
+    assert (runs_dir / "syn" / "run.db").stat().st_mtime_ns == before
