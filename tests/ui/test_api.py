@@ -186,14 +186,21 @@ def test_system_metrics_are_sampled_to_the_points_asked(client):
         client,
         "/api/runs/syn/system",
         name="gpu_utilization_percent",
-        start=bounds["start"],
-        end=bounds["end"],
+        start=bounds["system_start"],
+        end=bounds["system_end"],
         points=20,
     )["series"]
     assert set(data) == {"gpu0@10.0.0.1", "gpu1@10.0.0.1"}
     assert 15 <= len(data["gpu0@10.0.0.1"]["time"]) <= 20
     old = ok(client, "/api/runs/old/system", name="cpu_utilization_percent", start=1.6e9, end=1.6e9 + 10)
     assert old["series"] == {"system": {"time": [1600000001.0], "value": [12.5]}}
+
+
+def test_a_run_of_an_older_schema_has_an_empty_timeline_not_an_error(client):
+    bounds = ok(client, "/api/runs/old/time-bounds")
+    assert bounds["start"] is None and bounds["system_start"] == 1600000001.0
+    window = ok(client, "/api/runs/old/timeline", start=1.6e9, end=1.6e9 + 10)
+    assert window["events"] == [] and window["lanes"]["rollouts"] == []
 
 
 def test_topology_and_a_run_without_code_or_logs(client):

@@ -68,14 +68,21 @@ def metric_series(
 
 
 def time_bounds(reader: RunReader) -> dict[str, float | None]:
-    """First and last wall time of the run's events, rollouts and system metrics."""
-    row = reader.rows(
-        "SELECT MIN(t0) AS start, MAX(t1) AS end FROM ("
-        'SELECT MIN(start) AS t0, MAX("end") AS t1 FROM events '
-        "UNION ALL SELECT MIN(time), MAX(time) FROM system_metrics "
-        "UNION ALL SELECT MIN(dispatch_time), MAX(finish_time) FROM rollouts WHERE dispatch_time > 0)"
-    )[0]
-    return {"start": row["start"], "end": row["end"]}
+    """First and last wall time of the run's timeline (events and rollouts) and of its system
+    metrics (None where the run has none)."""
+    parts = []
+    if reader.has_table("events"):
+        parts.append('SELECT MIN(start) AS t0, MAX("end") AS t1 FROM events')
+    if reader.has_table("rollouts"):
+        parts.append("SELECT MIN(dispatch_time), MAX(finish_time) FROM rollouts WHERE dispatch_time > 0")
+    timeline = {"start": None, "end": None}
+    if parts:
+        row = reader.rows(f"SELECT MIN(t0) AS start, MAX(t1) AS end FROM ({' UNION ALL '.join(parts)})")[0]
+        timeline = {"start": row["start"], "end": row["end"]}
+    system = {"start": None, "end": None}
+    if reader.has_table("system_metrics"):
+        system = reader.rows("SELECT MIN(time) AS start, MAX(time) AS end FROM system_metrics")[0]
+    return timeline | {"system_start": system["start"], "system_end": system["end"]}
 
 
 def longest_event(reader: RunReader) -> float:

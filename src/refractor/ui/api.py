@@ -219,10 +219,19 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
         _check_window(start, end)
         entry = registry.get(run_id)
         with reader(run_id) as r:
-            longest_event = registry.cached(entry, "longest_event", lambda: series.longest_event(r))
-            longest_rollout = registry.cached(entry, "longest_rollout", lambda: series.longest_rollout(r))
-            out = series.events_window(r, start, end, longest_event, limit)
-            out |= {"lanes": series.lanes_window(r, start, end, longest_rollout)}
+            longest_event = registry.cached(
+                entry, "longest_event", lambda: series.longest_event(r) if r.has_table("events") else 0.0
+            )
+            longest_rollout = registry.cached(
+                entry,
+                "longest_rollout",
+                lambda: series.longest_rollout(r) if r.has_table("rollouts") else 0.0,
+            )
+            out = {"events": [], "truncated": False, "lanes": {"rollouts": [], "truncated": False}}
+            if r.has_table("events"):
+                out |= series.events_window(r, start, end, longest_event, limit)
+            if r.has_table("rollouts"):
+                out["lanes"] = series.lanes_window(r, start, end, longest_rollout)
             return out
 
     @api.get("/runs/{run_id}/system-names")
