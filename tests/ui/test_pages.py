@@ -15,8 +15,8 @@ from refractor.records import Rollout, RolloutStatus
 from refractor.records.rollout import Turn
 from refractor.runtime.run_lock import RunLock
 from refractor.telemetry.store import RunStore
-
-from .browser import chromium_path, serve
+from refractor.ui.local import chromium_path
+from refractor.ui.local import serve_in_thread as serve
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is part of the dev extra")
 if chromium_path() is None:

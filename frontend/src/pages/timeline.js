@@ -51,7 +51,8 @@ export function TimelinePage({ params, runs }) {
 }
 
 function Gantt({ run, runs, start, end, bounds, cursor }) {
-  const win = useApi(`runs/${enc(run)}/timeline`, { start, end }, cursor ? String(cursor.event) : "");
+  // spans under ~a pixel wide are left out by the server (and said so), keeping wide views light
+  const win = useApi(`runs/${enc(run)}/timeline`, { start, end, limit: 8000, min_duration: (end - start) / 1500 }, cursor ? String(cursor.event) : "");
   const canvas = useRef(null);
   const hits = useRef([]);
   const [picked, setPicked] = useState(null);

@@ -33,12 +33,17 @@ _STATS = {
 }
 
 
-def _where(envs: list[str] | None, status: str = "'kept'") -> tuple[str, list[Any]]:
+def _where(envs: list[str] | None, status: str = "'kept'", since: int | None = None) -> tuple[str, list[Any]]:
+    """Rows of a status (and environments, and steps after ``since``), in the column order of the
+    ``rollouts_stats`` index (schema 4), which holds every column these queries read."""
     clause = f"status = {status}"
     args: list[Any] = []
     if envs:
         clause += f" AND env IN ({','.join('?' * len(envs))})"
         args += envs
+    if since is not None:
+        clause += " AND step > ?"
+        args.append(since)
     return clause, args
 
 
@@ -49,10 +54,13 @@ def _std(n: int, total: float, squares: float) -> float:
     return math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)))
 
 
-def derived_step_metrics(reader: RunReader, envs: list[str] | None = None) -> dict[int, dict[str, float]]:
-    """{step: {name: value}} over the kept rollouts of ``envs`` (all when None), plus the counts
-    of discarded and cancelled rollouts by reason (``discarded_<reason>_count``)."""
-    where, args = _where(envs)
+def derived_step_metrics(
+    reader: RunReader, envs: list[str] | None = None, since: int | None = None
+) -> dict[int, dict[str, float]]:
+    """{step: {name: value}} over the kept rollouts of ``envs`` (all when None) of the steps after
+    ``since`` (all when None), plus the counts of discarded and cancelled rollouts by reason
+    (``discarded_<reason>_count``)."""
+    where, args = _where(envs, since=since)
     columns = ", ".join(
         f"AVG({e}) AS {k}_mean, MIN({e}) AS {k}_min, MAX({e}) AS {k}_max, "
         f"SUM({e}) AS {k}_sum, SUM({e} * {e}) AS {k}_sq"
@@ -78,7 +86,7 @@ def derived_step_metrics(reader: RunReader, envs: list[str] | None = None) -> di
     for name, column in (("reward_gini_mean", "reward"), ("group_length_gini_mean", "completion_tokens")):
         for r in _group_gini(reader, column, where, args):
             out[r["step"]][name] = r["gini"]
-    drop_where, drop_args = _where(envs, "?")
+    drop_where, drop_args = _where(envs, "?", since)
     for status, prefix in (("discarded", "discarded"), ("cancelled", "canceled")):
         sql = f"SELECT step, reason, COUNT(*) AS n FROM rollouts WHERE {drop_where} GROUP BY step, reason"
         for r in reader.rows(sql, [status, *drop_args]):

@@ -100,22 +100,38 @@ def longest_rollout(reader: RunReader) -> float:
     )
 
 
+# instants a zoomed-out timeline still shows (the others are too many to tell apart)
+MILESTONES = (
+    "training_loop_start",
+    "save_batch",
+    "weight_update",
+    "checkpoint_save_start",
+    "checkpoint_save_done",
+)
+
+
 def events_window(
     reader: RunReader,
     start: float,
     end: float,
     longest: float,
     limit: int = 20_000,
+    min_duration: float = 0.0,
     component: str | None = None,
 ) -> dict[str, Any]:
     """Events overlapping [start, end], by start time, at most ``limit`` (``truncated`` says so).
     The ``events_start`` index bounds the scan: an event overlapping the window started at most
-    ``longest`` (:func:`longest_event`) before it."""
+    ``longest`` (:func:`longest_event`) before it. With ``min_duration`` (about a pixel of a
+    zoomed-out view) shorter spans and instants other than milestones (and evals) are left out."""
     sql = (
         'SELECT id, name, component, step, start, "end", attrs FROM events '
         'WHERE start BETWEEN ? AND ? AND "end" >= ?'
     )
     args: list[Any] = [start - longest, end, start]
+    if min_duration > 0:
+        marks = ",".join("?" * len(MILESTONES))
+        sql += f" AND (\"end\" - start >= ? OR name IN ({marks}) OR substr(name, 1, 5) = 'eval_')"
+        args += [min_duration, *MILESTONES]
     if component is not None:
         sql += " AND component = ?"
         args.append(component)
@@ -126,15 +142,17 @@ def events_window(
 
 
 def lanes_window(
-    reader: RunReader, start: float, end: float, longest: float, limit: int = 5_000
+    reader: RunReader, start: float, end: float, longest: float, limit: int = 5_000, min_duration: float = 0.0
 ) -> dict[str, Any]:
-    """Rollouts on the inference lanes during [start, end] (``longest``: :func:`longest_rollout`),
-    each with its turns' generation and environment spans, for a Gantt row per (server, lane)."""
+    """Rollouts on the inference lanes during [start, end] (``longest``: :func:`longest_rollout`;
+    those shorter than ``min_duration`` left out), each with its turns' generation and environment
+    spans, for a Gantt row per (server, lane)."""
     rows = reader.rows(
         "SELECT rollout_id, group_id, sample_idx, env, status, reason, step, server, lane, reward, "
         "dispatch_time, generation_end_time, finish_time FROM rollouts "
-        "WHERE dispatch_time BETWEEN ? AND ? AND finish_time >= ? ORDER BY dispatch_time LIMIT ?",
-        (start - longest, end, start, limit + 1),
+        "WHERE dispatch_time BETWEEN ? AND ? AND finish_time >= ? AND finish_time - dispatch_time >= ? "
+        "ORDER BY dispatch_time LIMIT ?",
+        (start - longest, end, start, min_duration, limit + 1),
     )
     truncated = len(rows) > limit
     rows = rows[:limit]
@@ -153,11 +171,19 @@ def lanes_window(
     return {"rollouts": rows, "truncated": truncated}
 
 
-def system_metric_names(reader: RunReader) -> list[dict[str, str]]:
-    """Each (source, name, node) that has rows."""
+def system_metric_names(reader: RunReader, edge_seconds: float = 300.0) -> list[dict[str, str]]:
+    """Each (source, name, node) with rows in the first or last ``edge_seconds`` of the metrics
+    (two short index ranges instead of every row: a series that only existed mid-run is missed)."""
+    if not reader.has_table("system_metrics"):
+        return []
     node = "node" if "node" in {c["name"] for c in reader.rows("PRAGMA table_info(system_metrics)")} else "''"
+    edges = reader.rows("SELECT MIN(time) AS lo, MAX(time) AS hi FROM system_metrics")[0]
+    if edges["lo"] is None:
+        return []
     return reader.rows(
-        f"SELECT DISTINCT source, name, {node} AS node FROM system_metrics ORDER BY source, name, node"
+        f"SELECT DISTINCT source, name, {node} AS node FROM system_metrics "
+        "WHERE time BETWEEN ? AND ? OR time BETWEEN ? AND ? ORDER BY source, name, node",
+        (edges["lo"], edges["lo"] + edge_seconds, edges["hi"] - edge_seconds, edges["hi"]),
     )
 
 
@@ -166,33 +192,43 @@ def system_series(
 ) -> dict[str, dict[str, list[float]]]:
     """{"<source>@<node>": {"time": [...], "value": [...]}} for one metric name in [start, end].
 
-    A window holding more than ``points`` seconds is sampled: for each of ``points`` equal slices,
-    the first sample of every series in it (one short index seek a slice, so a day of 1 s metrics
-    of many GPUs reads in milliseconds); a shorter window reads every row."""
+    A window of more than ``points`` seconds is sampled: for each of ``points`` equal slices, the
+    first sample of every series in it, found by one short seek on the ``time`` index a slice (all
+    in one statement), so a day of 1 s metrics of many GPUs reads in milliseconds; a shorter
+    window reads every row."""
     has_node = "node" in {c["name"] for c in reader.rows("PRAGMA table_info(system_metrics)")}
-    node = "node" if has_node else "'' AS node"
+    node = "node" if has_node else "''"
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"time": [], "value": []})
-
-    def add(rows: list[dict[str, Any]]) -> None:
-        seen = set()
-        for r in rows:
-            key = f"{r['source']}@{r['node']}" if r["node"] else r["source"]
-            if key in seen:
-                continue
-            seen.add(key)
-            out[key]["time"].append(r["time"])
-            out[key]["value"].append(r["value"])
-
-    base = f"SELECT time, source, {node}, value FROM system_metrics WHERE time >= ? AND time < ? AND name = ?"
     if end - start <= points:
-        for r in reader.rows(base + " ORDER BY time", (start, end + 1e-9, name)):
-            add([r])
-        return dict(out)
-    width = (end - start) / points
-    series = max(
-        1, len({(r["source"], r["node"]) for r in reader.rows(base + " LIMIT 4096", (start, end, name))})
-    )
-    for i in range(points):
-        lo = start + i * width
-        add(reader.rows(base + " ORDER BY time LIMIT ?", (lo, lo + width, name, series)))
+        rows = reader.rows(
+            f"SELECT time, source, {node} AS node, value FROM system_metrics "
+            "WHERE time >= ? AND time <= ? AND name = ? ORDER BY time",
+            (start, end, name),
+        )
+    else:
+        width = (end - start) / points
+        probe = reader.rows(
+            f"SELECT DISTINCT source, {node} AS node FROM (SELECT source, {node} FROM system_metrics "
+            "WHERE time >= ? AND name = ? ORDER BY time LIMIT 4096)",
+            (start, name),
+        )
+        rows = reader.rows(
+            f"""WITH RECURSIVE slices(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM slices WHERE i + 1 < ?)
+            SELECT m.time, m.source, {node.replace("node", "m.node")} AS node, m.value, slices.i AS slice
+            FROM slices JOIN system_metrics AS m ON m.rowid IN (
+                SELECT rowid FROM system_metrics
+                WHERE time >= ? + slices.i * ? AND time < ? + (slices.i + 1) * ? AND name = ?
+                ORDER BY time LIMIT ?)
+            ORDER BY slices.i, m.time""",
+            (points, start, width, start, width, name, max(1, len(probe))),
+        )
+    seen: set[tuple[str, int]] = set()
+    for r in rows:
+        key = f"{r['source']}@{r['node']}" if r["node"] else r["source"]
+        once = (key, r.get("slice", -1))
+        if "slice" in r and once in seen:
+            continue
+        seen.add(once)
+        out[key]["time"].append(r["time"])
+        out[key]["value"].append(r["value"])
     return dict(out)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from refractor.telemetry.code_snapshot import CodeSnapshot
 
 # 2: system_metrics.node (the address of the machine a row comes from); 3: code_roots, code_files;
-# 4: indexes for the dashboard's reads (step metrics by name, rollouts by dispatch time)
+# 4: indexes for the dashboard's reads (step metrics by name; rollouts by dispatch time, and the
+# rollout columns per-step statistics read, so they never read the rollouts' texts)
 SCHEMA_VERSION = 4
 
 SCHEMA = """
@@ -51,6 +52,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     prompt_index INTEGER NOT NULL, prompt_ordinal INTEGER NOT NULL, completion_ids BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS rollouts_step_status ON rollouts (step, status);
 CREATE INDEX IF NOT EXISTS rollouts_dispatch ON rollouts (dispatch_time);
+CREATE INDEX IF NOT EXISTS rollouts_stats ON rollouts (status, env, step, group_id, reward, advantage,
+    prompt_tokens, completion_tokens, stop_reason, off_policy_steps, reason);
 CREATE TABLE IF NOT EXISTS sample_metrics (
     rollout_id INTEGER NOT NULL, step INTEGER NOT NULL, status TEXT NOT NULL, name TEXT NOT NULL, value REAL,
     PRIMARY KEY (rollout_id, name));

@@ -59,6 +59,28 @@ class RunRegistry:
         self._cache[(entry.path, key)] = (state, value)
         return value
 
+    def cached_steps(
+        self, entry: RunEntry, key: str, compute: Callable[[int | None], dict[int, Any]]
+    ) -> dict[int, Any]:
+        """A per-step answer kept across changes of a live run: only the newest step seen (it may
+        have been partly written) and later ones are read again (``compute(since)`` gives the
+        steps after ``since``); when those are gone (a resume redoes them) everything is read."""
+        state = _file_state(entry.path)
+        hit = self._cache.get((entry.path, key))
+        if hit is not None and hit[0] == state:
+            return hit[1]
+        old: dict[int, Any] = hit[1] if hit is not None else {}
+        merged = None
+        if len(old) > 1:
+            since = sorted(old)[-2]
+            fresh = compute(since)
+            if fresh:  # none at all: the newest steps went away (a resume), so read everything
+                merged = {s: v for s, v in old.items() if s <= since} | fresh
+        if merged is None:
+            merged = compute(None)
+        self._cache[(entry.path, key)] = (state, merged)
+        return merged
+
     def summary(self, entry: RunEntry) -> dict[str, Any]:
         """Status, progress and the config's headline keys; an unreadable store gives its error."""
         key = _file_state(entry.path)

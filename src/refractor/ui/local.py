@@ -1,5 +1,5 @@
-"""A real dashboard server on a free port (uvicorn in a thread) and a headless Chromium driven by
-Playwright, for the browser tests and the benchmark."""
+"""The dashboard served in a background thread of this process (for tests and the benchmark),
+and the system Chromium that drives it there."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
-from refractor.ui import create_app
+from refractor.ui.app import create_app
 
 CHROMIUM_PATHS = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
 
@@ -32,14 +32,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(runs_dirs: list[Path], state_dir: Path) -> Iterator[str]:
-    """The dashboard served on 127.0.0.1 until the block ends; yields its base URL."""
+def serve_in_thread(runs_dirs: list[Path], state_dir: Path) -> Iterator[str]:
+    """The dashboard on 127.0.0.1 (a free port) until the block ends; yields its base URL."""
     port = free_port()
     config = uvicorn.Config(
         create_app(runs_dirs, state_dir), host="127.0.0.1", port=port, log_level="warning"
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, name="refractor-ui", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
