@@ -62,7 +62,7 @@ function Gantt({ run, runs, start, end, bounds, cursor }) {
   useEffect(() => {
     const c = canvas.current;
     if (!c || !win.data) return;
-    hits.current = draw(c, rows, view[0], view[1], win.data);
+    hits.current = draw(c, rows, view[0], view[1]);
     c.setAttribute("data-drawn", "1");
   }, [rows, view, win.data]);
   const commit = (s, e) => setParams({ start: s.toFixed(3), end: e.toFixed(3), at: undefined });
@@ -82,7 +82,7 @@ function Gantt({ run, runs, start, end, bounds, cursor }) {
       <button onClick=${() => commit(view[0] + (view[1] - view[0]) / 2, view[1] + (view[1] - view[0]) / 2)}>later ▶</button>
       <button onClick=${() => commit(bounds.start, bounds.end)}>whole run</button>
       <span class="muted" data-testid="window">${fmtTime(view[0])} → ${fmtTime(view[1])} (${fmtDuration(view[1] - view[0])})</span>
-      ${win.data && win.data.truncated && html`<span class="badge failed">too many events: the first ${win.data.events.length} are shown; zoom in</span>`}
+      ${win.data && (win.data.truncated || win.data.lanes.truncated) && html`<span class="badge failed">too many events: the first ${win.data.events.id.length} are shown; zoom in</span>`}
     </div>
     <${ErrorBox} error=${win.error} />
     ${!win.data ? html`<${Loading} what="events" />` : html`
@@ -115,20 +115,47 @@ function Gantt({ run, runs, start, end, bounds, cursor }) {
   `;
 }
 
+// The server answers in columns; rebuild light objects (attrs parsed here, only for trainer rows'
+// ranks and for the details panel).
+function eventsOf(data) {
+  const c = data.events;
+  return c.id.map((id, i) => ({
+    id, name: c.name[i], component: c.component[i], step: c.step[i], start: c.start[i], end: c.end[i], attrsText: c.attrs[i],
+  }));
+}
+
+function rolloutsOf(data) {
+  const c = data.lanes.rollouts;
+  const t = data.lanes.turns;
+  const byId = new Map();
+  const out = c.rollout_id.map((id, i) => {
+    const r = { turns: [] };
+    for (const k of Object.keys(c)) r[k] = c[k][i];
+    byId.set(id, r);
+    return r;
+  });
+  t.rollout_id.forEach((id, i) => {
+    const r = byId.get(id);
+    if (r) r.turns.push({ start_time: t.start_time[i], end_time: t.end_time[i], env_time: t.env_time[i] });
+  });
+  return out;
+}
+
 function buildRows(data) {
   if (!data) return [];
   const rows = [{ key: "orchestrator", label: "orchestrator", items: [] }, { key: "sync", label: "weight sync", items: [] }];
   const ranks = new Map();
   const lanes = new Map();
-  for (const e of data.events) {
+  for (const e of eventsOf(data)) {
     if (e.component === "trainer" && e.name === "weight_sync") rows[1].items.push({ kind: "event", e });
     else if (e.component === "trainer") {
-      const r = e.attrs.rank ?? 0;
+      const m = /"rank":\s*(\d+)/.exec(e.attrsText);
+      const r = m ? Number(m[1]) : 0;
       if (!ranks.has(r)) ranks.set(r, { key: `rank${r}`, label: `trainer rank ${r}`, items: [] });
       ranks.get(r).items.push({ kind: "event", e });
     } else rows[0].items.push({ kind: "event", e });
   }
-  for (const r of data.lanes.rollouts) {
+  for (const r of rolloutsOf(data)) {
     const k = `${r.server} lane ${r.lane}`;
     if (!lanes.has(k)) lanes.set(k, { key: k, label: k, items: [] });
     lanes.get(k).items.push({ kind: "rollout", r });
@@ -137,7 +164,7 @@ function buildRows(data) {
   return [...rows, ...[...ranks.values()].sort(byName), ...[...lanes.values()].sort(byName)];
 }
 
-function draw(c, rows, t0, t1, data) {
+function draw(c, rows, t0, t1) {
   const w = (c.width = c.clientWidth);
   const hgt = (c.height = AXIS + rows.length * ROW + 4);
   const ctx = c.getContext("2d");
@@ -147,8 +174,9 @@ function draw(c, rows, t0, t1, data) {
   ctx.font = "11px sans-serif";
   // weight syncs as bands across every row
   ctx.fillStyle = "rgba(250, 176, 5, 0.15)";
-  for (const e of data.events) {
-    if (e.name === "weight_sync") ctx.fillRect(x(e.start), AXIS, Math.max(1, x(e.end) - x(e.start)), hgt - AXIS);
+  for (const it of rows[1].items) {
+    const e = it.e;
+    ctx.fillRect(x(e.start), AXIS, Math.max(1, x(e.end) - x(e.start)), hgt - AXIS);
   }
   // time axis
   ctx.fillStyle = "#555";
@@ -234,6 +262,6 @@ function Details({ item, run }) {
   const e = item.e;
   return html`<div class="panel" data-testid="timeline-details">
     <b>${e.name}</b> · ${e.component} · step ${e.step ?? "—"} · ${fmtTime(e.start)} · ${fmtDuration(e.end - e.start)}
-    <pre>${JSON.stringify(e.attrs, null, 1)}</pre>
+    <pre>${JSON.stringify(JSON.parse(e.attrsText || "{}"), null, 1)}</pre>
   </div>`;
 }

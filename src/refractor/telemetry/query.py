@@ -84,6 +84,13 @@ class RunReader:
         the connection is read-only, so nothing a caller passes can change the store)."""
         return self._rows(sql, tuple(args))
 
+    def columns(self, sql: str, args: tuple | list = ()) -> dict[str, list[Any]]:
+        """One read-only SQL query's result as {column: [values]} (compact for large answers)."""
+        cur = self._conn.execute(sql, tuple(args))
+        names = [d[0] for d in cur.description]
+        rows = cur.fetchall()
+        return {n: [r[i] for r in rows] for i, n in enumerate(names)}
+
     def has_table(self, table: str) -> bool:
         return bool(table_columns(self._conn, table))
 

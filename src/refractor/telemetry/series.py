@@ -4,7 +4,6 @@ window, and system metrics sampled to a number of points."""
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -135,40 +134,44 @@ def events_window(
     if component is not None:
         sql += " AND component = ?"
         args.append(component)
-    rows = reader.rows(sql + " ORDER BY start, id LIMIT ?", [*args, limit + 1])
-    for r in rows:
-        r["attrs"] = json.loads(r["attrs"])
-    return {"events": rows[:limit], "truncated": len(rows) > limit}
+    events = reader.columns(sql + " ORDER BY start, id LIMIT ?", [*args, limit + 1])
+    truncated = len(events["id"]) > limit
+    return {"events": {k: v[:limit] for k, v in events.items()}, "truncated": truncated}
 
 
 def lanes_window(
     reader: RunReader, start: float, end: float, longest: float, limit: int = 5_000, min_duration: float = 0.0
 ) -> dict[str, Any]:
     """Rollouts on the inference lanes during [start, end] (``longest``: :func:`longest_rollout`;
-    those shorter than ``min_duration`` left out), each with its turns' generation and environment
-    spans, for a Gantt row per (server, lane)."""
-    rows = reader.rows(
+    those shorter than ``min_duration`` left out) and their turns' generation and environment
+    spans, for a Gantt row per (server, lane). Both as columns ({name: [values]})."""
+    rollouts = reader.columns(
         "SELECT rollout_id, group_id, sample_idx, env, status, reason, step, server, lane, reward, "
         "dispatch_time, generation_end_time, finish_time FROM rollouts "
         "WHERE dispatch_time BETWEEN ? AND ? AND finish_time >= ? AND finish_time - dispatch_time >= ? "
         "ORDER BY dispatch_time LIMIT ?",
         (start - longest, end, start, min_duration, limit + 1),
     )
-    truncated = len(rows) > limit
-    rows = rows[:limit]
-    by_id = {r["rollout_id"]: r for r in rows}
-    for r in rows:
-        r["turns"] = []
-    ids = list(by_id)
+    truncated = len(rollouts["rollout_id"]) > limit
+    rollouts = {k: v[:limit] for k, v in rollouts.items()}
+    ids = rollouts["rollout_id"]
+    turns: dict[str, list[Any]] = {
+        "rollout_id": [],
+        "turn_idx": [],
+        "start_time": [],
+        "end_time": [],
+        "env_time": [],
+    }
     for chunk in range(0, len(ids), 900):
         part = ids[chunk : chunk + 900]
-        for t in reader.rows(
+        got = reader.columns(
             "SELECT rollout_id, turn_idx, start_time, end_time, env_time FROM turns "
             f"WHERE rollout_id IN ({','.join('?' * len(part))}) ORDER BY rollout_id, turn_idx",
             part,
-        ):
-            by_id[t.pop("rollout_id")]["turns"].append(t)
-    return {"rollouts": rows, "truncated": truncated}
+        )
+        for k in turns:
+            turns[k] += got[k]
+    return {"rollouts": rollouts, "turns": turns, "truncated": truncated}
 
 
 def system_metric_names(reader: RunReader, edge_seconds: float = 300.0) -> list[dict[str, str]]:

@@ -287,8 +287,12 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
                 "longest_rollout",
                 lambda: series.longest_rollout(r) if r.has_table("rollouts") else 0.0,
             )
-            out = {"events": [], "truncated": False, "lanes": {"rollouts": [], "truncated": False}}
-            if r.has_table("events"):
+            out = {
+                "events": {"id": []},
+                "truncated": False,
+                "lanes": {"rollouts": {"rollout_id": []}, "truncated": False},
+            }
+            if r.has_table("events"):  # columns: {"id": [...], "name": [...], ..., "attrs": [JSON text]}
                 out |= series.events_window(r, start, end, longest_event, limit, min_duration)
             if r.has_table("rollouts"):
                 out["lanes"] = series.lanes_window(r, start, end, longest_rollout, min_duration=min_duration)
