@@ -101,7 +101,7 @@ def test_derived_metrics_match_the_python_reference_per_environment(client, runs
                 "discarded_count",
                 "canceled_count",
             ):
-                got = derived[name]["values"][derived[name]["steps"].index(step)]
+                got = dict(zip(derived[name]["steps"], derived[name]["values"], strict=True)).get(step)
                 want = expected.get(name)
                 assert (got is None and want is None) or math.isclose(
                     got, want, rel_tol=1e-9, abs_tol=1e-9

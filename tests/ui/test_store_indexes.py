@@ -11,7 +11,7 @@ from refractor.telemetry.query import RunReader
 from refractor.telemetry.store import SCHEMA_VERSION, RunStore
 from refractor.telemetry.synthetic import SyntheticSpec, write_synthetic_run
 
-DASHBOARD_INDEXES = ("step_metrics_name", "rollouts_dispatch", "rollouts_stats")
+DASHBOARD_INDEXES = ("step_metrics_by_name", "rollouts_dispatch", "rollouts_step_stats")
 
 
 def answers(run_dir):

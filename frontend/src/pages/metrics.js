@@ -57,11 +57,11 @@ export function MetricsPage({ params, runs }) {
     ${catalogue.length === 0 && html`<${Message} kind="empty">No step metrics recorded yet: they appear after the first training step.<//>`}
     ${view === "custom"
       ? html`<${CustomView} runs=${runs} catalogue=${catalogue} params=${params} opts=${opts} />`
-      : html`<${AllMetrics} runs=${runs} catalogue=${catalogue} params=${params} opts=${opts} />`}
+      : html`<${AllMetrics} runs=${runs} catalogue=${catalogue} params=${params} opts=${opts} lastStep=${meta.data ? meta.data.steps - 1 : null} />`}
   `;
 }
 
-function AllMetrics({ runs, catalogue, params, opts }) {
+function AllMetrics({ runs, catalogue, params, opts, lastStep }) {
   const filter = (params.q || "").toLowerCase();
   const names = catalogue.map((n) => n.name);
   const groups = useMemo(() => {
@@ -98,15 +98,15 @@ function AllMetrics({ runs, catalogue, params, opts }) {
         ${isOpen && html`<div class="grid">${list.map((n) => html`<${MetricChart} name=${n} runs=${runs} data=${data} opts=${opts} />`)}</div>`}
       </details>`,
     )}
-    <${Distributions} run=${runs[0]} params=${params} />
+    ${lastStep !== null && html`<${Distributions} run=${runs[0]} params=${params} lastStep=${lastStep} />`}
   `;
 }
 
 const FIELDS = ["reward", "advantage", "completion_tokens", "off_policy_steps"];
 
-function Distributions({ run, params }) {
+function Distributions({ run, params, lastStep }) {
   const field = params.dist || "reward";
-  const step = params.hstep || "";
+  const step = params.hstep || String(Math.max(0, lastStep)); // the newest step unless one is asked for
   const env = params.env || "";
   const hist = useApi(`runs/${enc(run)}/histogram`, { field, step, envs: env });
   const heat = useApi(`runs/${enc(run)}/distribution`, { field, envs: env });
@@ -115,11 +115,11 @@ function Distributions({ run, params }) {
     <div class="toolbar">
       <label>of <select value=${field} onChange=${(e) => setParams({ dist: e.target.value })} data-testid="dist-field">
         ${FIELDS.map((f) => html`<option value=${f}>${f}</option>`)}</select></label>
-      <label>histogram at step <input type="number" min="0" value=${step} placeholder="all" onChange=${(e) => setParams({ hstep: e.target.value || undefined })} /></label>
+      <label>histogram at step <input type="number" min="0" value=${step} onChange=${(e) => setParams({ hstep: e.target.value || undefined })} /></label>
     </div>
     <${ErrorBox} error=${hist.error || heat.error} />
     <div class="grid">
-      ${hist.data && html`<${Histogram} title=${`${field}${step ? " at step " + step : " (all steps)"}`} edges=${hist.data.edges} counts=${hist.data.counts} />`}
+      ${hist.data && html`<${Histogram} title=${`${field} at step ${step}`} edges=${hist.data.edges} counts=${hist.data.counts} />`}
       ${heat.data && html`<${Heatmap} title=${`${field} over steps`} steps=${heat.data.steps} edges=${heat.data.edges} counts=${heat.data.counts} />`}
     </div>
   </details>`;

@@ -35,7 +35,7 @@ _STATS = {
 
 def _where(envs: list[str] | None, status: str = "'kept'", since: int | None = None) -> tuple[str, list[Any]]:
     """Rows of a status (and environments, and steps after ``since``), in the column order of the
-    ``rollouts_stats`` index (schema 4), which holds every column these queries read."""
+    ``rollouts_step_stats`` index (schema 4), which holds every column these queries read."""
     clause = f"status = {status}"
     args: list[Any] = []
     if envs:

@@ -4,6 +4,7 @@ window, and system metrics sampled to a number of points."""
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,9 @@ class MetricName:
 
 
 def metric_names(reader: RunReader) -> list[str]:
-    """Every step metric name, sorted. With the ``step_metrics_name`` index (schema 4) this seeks
+    """Every step metric name, sorted. With the ``step_metrics_by_name`` index (schema 4) this seeks
     from one name to the next instead of reading every row."""
-    if reader.has_index("step_metrics_name"):
+    if reader.has_index("step_metrics_by_name"):
         sql = """
             WITH RECURSIVE names(name) AS (
                 SELECT MIN(name) FROM step_metrics
@@ -59,10 +60,14 @@ def metric_series(
     if since is not None:
         sql += " AND step > ?"
         args.append(since)
-    for r in reader.rows(sql + " ORDER BY name, step", args):
-        series = out[r["name"]]
-        series["steps"].append(r["step"])
-        series["values"].append(r["value"])
+    got = reader.columns(sql + " ORDER BY name, step", args)
+    begin = 0
+    column = got["name"]
+    while begin < len(column):  # rows come sorted by name: cut the columns at each new name
+        name = column[begin]
+        end = bisect.bisect_right(column, name, lo=begin)
+        out[name] = {"steps": got["step"][begin:end], "values": got["value"][begin:end]}
+        begin = end
     return out
 
 

@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS step_metrics (
     step INTEGER NOT NULL, name TEXT NOT NULL, value REAL, time REAL NOT NULL,
     PRIMARY KEY (step, name));
-CREATE INDEX IF NOT EXISTS step_metrics_name ON step_metrics (name, step);
+CREATE INDEX IF NOT EXISTS step_metrics_by_name ON step_metrics (name, step, value);
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id INTEGER PRIMARY KEY, group_id INTEGER NOT NULL, sample_idx INTEGER NOT NULL,
     env TEXT NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL, error TEXT NOT NULL,
@@ -52,7 +52,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     prompt_index INTEGER NOT NULL, prompt_ordinal INTEGER NOT NULL, completion_ids BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS rollouts_step_status ON rollouts (step, status);
 CREATE INDEX IF NOT EXISTS rollouts_dispatch ON rollouts (dispatch_time);
-CREATE INDEX IF NOT EXISTS rollouts_stats ON rollouts (status, env, step, group_id, reward, advantage,
+CREATE INDEX IF NOT EXISTS rollouts_step_stats ON rollouts (status, step, env, group_id, reward, advantage,
     prompt_tokens, completion_tokens, stop_reason, off_policy_steps, reason);
 CREATE TABLE IF NOT EXISTS sample_metrics (
     rollout_id INTEGER NOT NULL, step INTEGER NOT NULL, status TEXT NOT NULL, name TEXT NOT NULL, value REAL,

@@ -181,9 +181,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             by_step = registry.cached_steps(
                 entry, f"derived:{chosen}", lambda since: derived.derived_step_metrics(r, chosen, since)
             )
-        names = sorted({k for m in by_step.values() for k in m})
-        steps = list(by_step)
-        return {"series": {n: {"steps": steps, "values": [by_step[s].get(n) for s in steps]} for n in names}}
+        return registry.cached(entry, f"derived-series:{chosen}", lambda: {"series": _as_series(by_step)})
 
     @api.get("/runs/{run_id}/histogram")
     @json_reply
@@ -372,6 +370,17 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             return {"columns": sorted(columns), "logs": rows}
 
     return api
+
+
+def _as_series(by_step: dict[int, dict[str, float]]) -> dict[str, dict[str, list[Any]]]:
+    """{step: {name: value}} -> {name: {"steps": [...], "values": [...]}} (steps where it is defined)."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for step, metrics in by_step.items():
+        for name, value in metrics.items():
+            series = out.setdefault(name, {"steps": [], "values": []})
+            series["steps"].append(step)
+            series["values"].append(value)
+    return dict(sorted(out.items()))
 
 
 def _any(r: RunReader, table: str, where: str = "1") -> bool:

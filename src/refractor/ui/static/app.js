@@ -475,26 +475,26 @@ Please report this to https://github.com/markedjs/marked.`,e){let a="<p>An error
       <label>find <input type="text" value=${r.q||""} placeholder="metric name" onInput=${d=>Se({q:d.target.value||void 0})} data-testid="metric-filter" /></label>
     </div>
     ${t.length===0&&D`<${Fe} kind="empty">No step metrics recorded yet: they appear after the first training step.<//>`}
-    ${f==="custom"?D`<${y4} runs=${e} catalogue=${t} params=${r} opts=${c} />`:D`<${v5} runs=${e} catalogue=${t} params=${r} opts=${c} />`}
-  `}function v5({runs:r,catalogue:e,params:t,opts:n}){let a=(t.q||"").toLowerCase(),i=e.map(x=>x.name),l=C0(()=>{let x=new Map;x.set("overview",$l.filter(w=>i.includes(w)));for(let w of e){if(w.name.startsWith("eval/"))continue;let T=g5(w);x.has(T)||x.set(T,[]),x.get(T).push(w.name)}return x},[e]),s=new Set(t.open?ya(t.open):["overview"]),o=[];for(let[x,w]of l){let T=a?w.filter(z=>z.toLowerCase().includes(a)):w;T.length&&o.push([x,T,a?!0:s.has(x)])}let c=[...new Set(o.filter(([,,x])=>x).flatMap(([,x])=>x))],{data:f,error:d}=Ea(r,c,t.env||""),p=(x,w)=>{let T=new Set(s);w?T.add(x):T.delete(x),Se({open:[...T].join(",")||"none"})};return D`
-    <${Re} error=${d} />
-    ${o.map(([x,w,T])=>D`<details class="metric-group" open=${T} data-group=${x}
-        onToggle=${z=>z.target.open!==T&&p(x,z.target.open)}>
-        <summary>${x} <span class="muted">(${w.length})</span></summary>
-        ${T&&D`<div class="grid">${w.map(z=>D`<${Ca} name=${z} runs=${r} data=${f} opts=${n} />`)}</div>`}
+    ${f==="custom"?D`<${y4} runs=${e} catalogue=${t} params=${r} opts=${c} />`:D`<${v5} runs=${e} catalogue=${t} params=${r} opts=${c} lastStep=${s.data?s.data.steps-1:null} />`}
+  `}function v5({runs:r,catalogue:e,params:t,opts:n,lastStep:a}){let i=(t.q||"").toLowerCase(),l=e.map(w=>w.name),s=C0(()=>{let w=new Map;w.set("overview",$l.filter(T=>l.includes(T)));for(let T of e){if(T.name.startsWith("eval/"))continue;let z=g5(T);w.has(z)||w.set(z,[]),w.get(z).push(T.name)}return w},[e]),o=new Set(t.open?ya(t.open):["overview"]),c=[];for(let[w,T]of s){let z=i?T.filter(R=>R.toLowerCase().includes(i)):T;z.length&&c.push([w,z,i?!0:o.has(w)])}let f=[...new Set(c.filter(([,,w])=>w).flatMap(([,w])=>w))],{data:d,error:p}=Ea(r,f,t.env||""),x=(w,T)=>{let z=new Set(o);T?z.add(w):z.delete(w),Se({open:[...z].join(",")||"none"})};return D`
+    <${Re} error=${p} />
+    ${c.map(([w,T,z])=>D`<details class="metric-group" open=${z} data-group=${w}
+        onToggle=${R=>R.target.open!==z&&x(w,R.target.open)}>
+        <summary>${w} <span class="muted">(${T.length})</span></summary>
+        ${z&&D`<div class="grid">${T.map(R=>D`<${Ca} name=${R} runs=${r} data=${d} opts=${n} />`)}</div>`}
       </details>`)}
-    <${y5} run=${r[0]} params=${t} />
-  `}var b5=["reward","advantage","completion_tokens","off_policy_steps"];function y5({run:r,params:e}){let t=e.dist||"reward",n=e.hstep||"",a=e.env||"",i=je(`runs/${Be(r)}/histogram`,{field:t,step:n,envs:a}),l=je(`runs/${Be(r)}/distribution`,{field:t,envs:a});return D`<details class="metric-group" open data-group="distributions">
+    ${a!==null&&D`<${y5} run=${r[0]} params=${t} lastStep=${a} />`}
+  `}var b5=["reward","advantage","completion_tokens","off_policy_steps"];function y5({run:r,params:e,lastStep:t}){let n=e.dist||"reward",a=e.hstep||String(Math.max(0,t)),i=e.env||"",l=je(`runs/${Be(r)}/histogram`,{field:n,step:a,envs:i}),s=je(`runs/${Be(r)}/distribution`,{field:n,envs:i});return D`<details class="metric-group" open data-group="distributions">
     <summary>distributions of ${r}</summary>
     <div class="toolbar">
-      <label>of <select value=${t} onChange=${s=>Se({dist:s.target.value})} data-testid="dist-field">
-        ${b5.map(s=>D`<option value=${s}>${s}</option>`)}</select></label>
-      <label>histogram at step <input type="number" min="0" value=${n} placeholder="all" onChange=${s=>Se({hstep:s.target.value||void 0})} /></label>
+      <label>of <select value=${n} onChange=${o=>Se({dist:o.target.value})} data-testid="dist-field">
+        ${b5.map(o=>D`<option value=${o}>${o}</option>`)}</select></label>
+      <label>histogram at step <input type="number" min="0" value=${a} onChange=${o=>Se({hstep:o.target.value||void 0})} /></label>
     </div>
-    <${Re} error=${i.error||l.error} />
+    <${Re} error=${l.error||s.error} />
     <div class="grid">
-      ${i.data&&D`<${Qc} title=${`${t}${n?" at step "+n:" (all steps)"}`} edges=${i.data.edges} counts=${i.data.counts} />`}
-      ${l.data&&D`<${eh} title=${`${t} over steps`} steps=${l.data.steps} edges=${l.data.edges} counts=${l.data.counts} />`}
+      ${l.data&&D`<${Qc} title=${`${n} at step ${a}`} edges=${l.data.edges} counts=${l.data.counts} />`}
+      ${s.data&&D`<${eh} title=${`${n} over steps`} steps=${s.data.steps} edges=${s.data.edges} counts=${s.data.counts} />`}
     </div>
   </details>`}function w4({params:r,runs:e}){let[t,n]=tt(0);ot(()=>{let w=setInterval(()=>n(T=>T+1),3e3);return()=>clearInterval(w)},[]);let{data:a,error:i}=je("runs",{},String(t)),[l,s]=tt(null),[o,c]=tt(null),f=r.q||"";if(ot(()=>{if(!f){s(null),c(null);return}E0("search",{q:f}).then(w=>{s(new Set(w.runs)),c(null)},w=>{s(null),c(w)})},[f]),i)return D`<${Re} error=${i} />`;if(!a)return D`<${ut} what="runs" />`;let d=r.hidden==="1",p=a.runs.filter(w=>d||!w.hidden||e.includes(w.id));l&&(p=p.filter(w=>l.has(w.id)));let x=w=>{let T=e.includes(w)?e.filter(z=>z!==w):[...e,w];Se({runs:T.join(",")||void 0,diff:void 0})};return D`
     <h2>Runs</h2>
