@@ -113,6 +113,14 @@ def test_derived_metrics_match_the_python_reference_per_environment(client, runs
                 )
 
 
+def test_trainer_time_shares_add_up_to_the_step(client):
+    shares = ok(client, "/api/runs/syn/time-shares")["series"]
+    assert {"forward", "backward", "optimizer", "weight_sync", "waiting_for_data", "idle"} <= set(shares)
+    at = {name: dict(zip(s["steps"], s["values"], strict=True))[3] for name, s in shares.items()}
+    assert math.isclose(sum(at.values()), 100.0) or at["idle"] == 0.0
+    assert math.isclose(at["forward"], 80.0 * 4 / 14)  # 4 of the 14 equal trainer spans of 80% of the step
+
+
 def test_histograms_and_distribution_over_steps(client):
     hist = ok(client, "/api/runs/syn/histogram", field="completion_tokens", step=3)
     kept = ok(client, "/api/runs/syn/steps/3/rollouts", limit=1000)["total"]
@@ -288,3 +296,22 @@ def test_notes_and_hidden_runs_are_kept_in_the_state_folder_not_the_run_store(cl
     assert client.put("/api/state/notes", json={"run": "nope", "text": "x"}).status_code == 404
     assert client.put("/api/state/layout", json={"sections": "garbage"}).status_code == 400
     assert (runs_dir / "syn" / "run.db").stat().st_mtime_ns == before
+
+
+def test_a_runs_dir_with_500_runs_lists_them_all(tmp_path):
+    import sqlite3
+
+    for i in range(500):
+        (tmp_path / f"run{i:03d}").mkdir()
+        conn = sqlite3.connect(tmp_path / f"run{i:03d}" / "run.db")
+        conn.executescript(
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+            "CREATE TABLE step_metrics (step INTEGER, name TEXT, value REAL, time REAL);"
+            f"INSERT INTO meta VALUES ('status', '\"finished\"'), ('created_at', '{1e9 + i}');"
+            f"INSERT INTO step_metrics VALUES (0, 'reward_sum_mean', {i / 500}, 0);"
+        )
+        conn.close()
+    with TestClient(create_app([tmp_path], tmp_path / "state")) as c:
+        runs = ok(c, "/api/runs")["runs"]
+        assert len(runs) == 500 and runs[0]["id"] == "run499" and runs[0]["last_reward"] == 499 / 500
+        assert ok(c, "/api/runs")["runs"] == runs  # the second listing reads no store again (cached)

@@ -166,6 +166,7 @@ def test_timeline_draws_and_zooms(page, tmp_path_factory):
 def test_infra_topology_evals_code_and_logs_pages(page, tmp_path_factory):
     go(page, "infra?runs=syn")
     page.locator("[data-testid='sys-gpu_utilization_percent'] .chart[data-drawn='1']").wait_for()
+    page.locator("[data-testid='time-shares'] .chart[data-drawn='1']").wait_for()
     shot(page, "infra", tmp_path_factory)
     go(page, "topology?runs=syn")
     assert "synthetic-node" in page.get_by_test_id("machines").inner_text()

@@ -32,11 +32,12 @@ export function InfraPage({ params, runs }) {
   if (!run) return html`<${NoRun} />`;
   if (names.error || bounds.error) return html`<${ErrorBox} error=${names.error || bounds.error} />`;
   if (!names.data || !bounds.data) return html`<${Loading} what="system metrics" />`;
-  if (!names.data.metrics.length) return html`<h2>Infra</h2><${Message} kind="empty">This run has no system metrics recorded.<//>`;
   const filter = params.q || "";
   return html`<h2>Infra</h2>
     <div class="toolbar"><${RunPicker} runs=${runs} run=${run} />
       <label>find <input type="text" value=${filter} onInput=${(e) => setParams({ q: e.target.value || undefined })} placeholder="metric name" /></label></div>
+    <${TimeShares} run=${run} cursor=${cursor} />
+    ${!names.data.metrics.length && html`<${Message} kind="empty">This run has no system metrics recorded.<//>`}
     ${["GPU", "CPU and memory", "inference servers"].filter((s) => groups.has(s)).map(
       (s) => html`<h3>${s}</h3><div class="grid">
         ${[...groups.get(s)].filter((n) => n.includes(filter)).sort().map((n) => html`<${SystemChart} run=${run} name=${n} bounds=${bounds.data} />`)}
@@ -57,4 +58,22 @@ function SystemChart({ run, name, bounds }) {
   );
   if (error) return html`<${ErrorBox} error=${error} />`;
   return html`<${Chart} title=${name} lines=${lines} opts=${{ time: true }} testid=${"sys-" + name} />`;
+}
+
+const PHASE_ORDER = ["forward", "backward", "loss_computation", "optimizer", "grad_norm", "zero_grad", "data_to_device", "ref_logprobs", "weight_sync", "waiting_for_data", "idle"];
+
+// Where each training step's time went: the trainer's spans, the weight sync, waiting for data, idle.
+function TimeShares({ run, cursor }) {
+  const { data, error } = useApi(`runs/${enc(run)}/time-shares`, {}, cursor ? String(cursor.step) : "");
+  const lines = useMemo(
+    () =>
+      data
+        ? PHASE_ORDER.filter((p) => data.series[p]).map((p, i) => ({ label: p, color: runColor(i), x: data.series[p].steps, y: data.series[p].values }))
+        : [],
+    [data],
+  );
+  if (error) return html`<${ErrorBox} error=${error} />`;
+  if (!data || !lines.length) return null;
+  return html`<h3>Trainer time breakdown (% of each step)</h3>
+    <div class="grid"><${Chart} title="share of the step (%)" lines=${lines} opts=${{ height: 240 }} testid="time-shares" /></div>`;
 }

@@ -196,3 +196,53 @@ def _range(reader: RunReader, expr: str, where: str, args: list[Any]) -> tuple[f
     if row["lo"] is None:
         return None, 0.0
     return float(row["lo"]), float(row["hi"])
+
+
+# the trainer's top-level spans (docs/metrics.md#trainer-spans) and the driver's own phases
+TRAINER_PHASES = (
+    "data_to_device",
+    "ref_logprobs",
+    "zero_grad",
+    "forward",
+    "loss_computation",
+    "backward",
+    "grad_norm",
+    "optimizer",
+)
+DRIVER_PHASES = ("weight_sync", "waiting_for_data")
+
+
+def time_shares(reader: RunReader) -> dict[str, dict[str, list[Any]]]:
+    """Per step, the share (%) of ``timing_step_total`` spent in each trainer span, in the weight
+    sync and waiting for data, and ``idle``: what is left (the trainer waits while rollouts finish,
+    packing, the driver's own work). {name: {"steps": [...], "values": [...]}}."""
+    names = {f"timing_{p}_total": p for p in TRAINER_PHASES} | {
+        "timing_weight_sync_total": "weight_sync",
+        "timing_waiting_for_data": "waiting_for_data",
+    }
+    wanted = [*names, "timing_step_total"]
+    marks = ",".join("?" * len(wanted))
+    rows = reader.rows(
+        f"SELECT step, name, value FROM step_metrics WHERE name IN ({marks}) ORDER BY step", wanted
+    )
+    by_step: dict[int, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if r["value"] is not None:
+            by_step[r["step"]][r["name"]] = r["value"]
+    out: dict[str, dict[str, list[Any]]] = {}
+    for step, values in by_step.items():
+        total = values.get("timing_step_total")
+        if not total or total <= 0:
+            continue
+        used = 0.0
+        for name, phase in names.items():
+            if name in values:
+                share = 100.0 * values[name] / total
+                used += share
+                series = out.setdefault(phase, {"steps": [], "values": []})
+                series["steps"].append(step)
+                series["values"].append(share)
+        idle = out.setdefault("idle", {"steps": [], "values": []})
+        idle["steps"].append(step)
+        idle["values"].append(max(0.0, 100.0 - used))
+    return out

@@ -44,7 +44,9 @@ class SyntheticSpec:
     servers: int = 2
     lanes_per_server: int = 8
     multi_turn_fraction: float = 0.3  # share of groups whose rollouts call tools over three turns
-    discard_fraction: float = 0.1  # share of groups discarded (zero advantage or max async)
+    # share of groups discarded for max async or cancelled off-policy (half each); groups whose
+    # rewards are all equal are discarded for zero advantage besides
+    discard_fraction: float = 0.1
     eval_every: int = 10
     status: str = "finished"
     seed: int = 0
@@ -215,11 +217,11 @@ def _group(
     mean = sum(rewards) / len(rewards)
     for r in out:
         r.advantage = r.reward - mean
-    if fate < spec.discard_fraction / 2 or (fate < spec.discard_fraction and len(set(rewards)) == 1):
+    if len(set(rewards)) == 1 or fate < spec.discard_fraction / 2:
         reason = "zero_advantage" if len(set(rewards)) == 1 else "max_async"
         for r in out:
             r.mark(RolloutStatus.DISCARDED, reason)
-    elif fate < spec.discard_fraction * 1.3:
+    elif fate < spec.discard_fraction:
         for r in out:
             r.mark(RolloutStatus.CANCELLED, "off_policy")
     else:
@@ -295,6 +297,7 @@ def _step_metrics(
     ]
     out = rollout_step_metrics(summaries)
     progress = step / max(1, spec.steps)
+    train = spec.step_seconds * 0.8  # the trainer spans of _events fill 80% of the step
     out |= {
         "loss": 0.5 * math.exp(-3 * progress) + rng.gauss(0, 0.02),
         "grad_norm": 1.0 + rng.random(),
@@ -303,6 +306,12 @@ def _step_metrics(
         "learning_rate": 1e-6,
         "timing_step_total": spec.step_seconds,
         "timing_waiting_for_data": rng.uniform(0, 1),
+        "timing_weight_sync_total": spec.step_seconds * 0.15,
+        "timing_data_to_device_total": train / (3 * spec.microbatches + 2),
+        "timing_forward_total": train * spec.microbatches / (3 * spec.microbatches + 2),
+        "timing_loss_computation_total": train * spec.microbatches / (3 * spec.microbatches + 2),
+        "timing_backward_total": train * spec.microbatches / (3 * spec.microbatches + 2),
+        "timing_optimizer_total": train / (3 * spec.microbatches + 2),
         "policy_version": float(step + 1),
     }
     filler = 0

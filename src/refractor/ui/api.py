@@ -7,52 +7,28 @@ live run's new rows show at the next poll) and answers bad input with a 4xx and 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi import APIRouter, HTTPException, Query
 
 from refractor.telemetry import derived, rollout_query, series
 from refractor.telemetry.query import RunReader, diff_code
 from refractor.telemetry.run_configs import ConfigQuery, config_diff
 from refractor.ui.registry import RunRegistry
+from refractor.ui.replies import (
+    MAX_NAMES,
+    as_series,
+    check_field,
+    check_statuses,
+    check_window,
+    encode,
+    has_rows,
+    json_reply,
+    split,
+)
 from refractor.ui.state import UiState
-
-MAX_NAMES = 400
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def json_reply(fn: Callable[..., Any]) -> Callable[..., Response]:
-    """Encode a route's answer with the C JSON encoder directly (FastAPI's generic encoder is
-    ~10x slower on the large answers of this API); infinities become null, as JSON has none."""
-
-    @functools.wraps(fn)
-    def route(*args: Any, **kwargs: Any) -> Response:
-        value = fn(*args, **kwargs)
-        try:
-            body = json.dumps(value, separators=(",", ":"), allow_nan=False)
-        except ValueError:
-            body = json.dumps(_finite(value), separators=(",", ":"))
-        return Response(body, media_type="application/json")
-
-    return route
-
-
-def split(text: str | None) -> list[str]:
-    return [p for p in (text or "").split(",") if p]
 
 
 def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
@@ -96,13 +72,13 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
         with reader(run_id) as r:
             meta = r.meta()
             has = {
-                "rollouts": _any(r, "rollouts", "status != 'eval'"),
-                "evals": _any(r, "rollouts", "status = 'eval'")
-                or _any(r, "step_metrics", "name LIKE 'eval/%'"),
-                "events": _any(r, "events"),
-                "system_metrics": _any(r, "system_metrics"),
+                "rollouts": has_rows(r, "rollouts", "status != 'eval'"),
+                "evals": has_rows(r, "rollouts", "status = 'eval'")
+                or has_rows(r, "step_metrics", "name LIKE 'eval/%'"),
+                "events": has_rows(r, "events"),
+                "system_metrics": has_rows(r, "system_metrics"),
                 "code": r.code_info() is not None,
-                "logs": r.has_table("logs") and _any(r, "logs"),
+                "logs": r.has_table("logs") and has_rows(r, "logs"),
                 "topology": meta.get("topology") is not None,
             }
             envs = registry.cached(
@@ -181,19 +157,28 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             by_step = registry.cached_steps(
                 entry, f"derived:{chosen}", lambda since: derived.derived_step_metrics(r, chosen, since)
             )
-        return registry.cached(entry, f"derived-series:{chosen}", lambda: {"series": _as_series(by_step)})
+        # kept encoded: a large answer read again at every live refresh
+        return registry.cached(
+            entry, f"derived-series:{chosen}", lambda: encode({"series": as_series(by_step)})
+        )
+
+    @api.get("/runs/{run_id}/time-shares")
+    @json_reply
+    def time_shares(run_id: str) -> dict[str, Any]:
+        with reader(run_id) as r:
+            return {"series": derived.time_shares(r)}
 
     @api.get("/runs/{run_id}/histogram")
     @json_reply
     def histogram(run_id: str, field: str, step: int | None = None, envs: str | None = None, bins: int = 30):
-        _check_field(field)
+        check_field(field)
         with reader(run_id) as r:
             return derived.histogram(r, field, step, min(max(bins, 1), 200), split(envs) or None)
 
     @api.get("/runs/{run_id}/distribution")
     @json_reply
     def distribution(run_id: str, field: str, envs: str | None = None):
-        _check_field(field)
+        check_field(field)
         entry = registry.get(run_id)
         with reader(run_id) as r:
             return registry.cached(
@@ -206,7 +191,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
     @api.get("/runs/{run_id}/steps")
     @json_reply
     def steps(run_id: str, status: str = "kept") -> dict[str, Any]:
-        _check_statuses([status])
+        check_statuses([status])
         with reader(run_id) as r:
             return {"steps": rollout_query.steps_with_rollouts(r, status)}
 
@@ -227,7 +212,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
         limit: int = Query(200, ge=1, le=1000),
     ) -> dict[str, Any]:
         statuses = split(status) or ["kept"]
-        _check_statuses(statuses)
+        check_statuses(statuses)
         if sort not in rollout_query.SORTS:
             raise HTTPException(400, f"sort must be one of {', '.join(rollout_query.SORTS)}")
         where = rollout_query.RolloutFilter(
@@ -274,7 +259,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
         limit: int = Query(20_000, ge=1, le=100_000),
         min_duration: float = Query(0.0, ge=0.0),
     ):
-        _check_window(start, end)
+        check_window(start, end)
         entry = registry.get(run_id)
         with reader(run_id) as r:
             longest_event = registry.cached(
@@ -306,7 +291,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
     @api.get("/runs/{run_id}/system")
     @json_reply
     def system(run_id: str, name: str, start: float, end: float, points: int = Query(600, ge=10, le=5000)):
-        _check_window(start, end)
+        check_window(start, end)
         with reader(run_id) as r:
             return {"name": name, "series": series.system_series(r, name, start, end, points)}
 
@@ -370,34 +355,3 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             return {"columns": sorted(columns), "logs": rows}
 
     return api
-
-
-def _as_series(by_step: dict[int, dict[str, float]]) -> dict[str, dict[str, list[Any]]]:
-    """{step: {name: value}} -> {name: {"steps": [...], "values": [...]}} (steps where it is defined)."""
-    out: dict[str, dict[str, list[Any]]] = {}
-    for step, metrics in by_step.items():
-        for name, value in metrics.items():
-            series = out.setdefault(name, {"steps": [], "values": []})
-            series["steps"].append(step)
-            series["values"].append(value)
-    return dict(sorted(out.items()))
-
-
-def _any(r: RunReader, table: str, where: str = "1") -> bool:
-    return r.has_table(table) and bool(r.rows(f"SELECT 1 AS x FROM {table} WHERE {where} LIMIT 1"))
-
-
-def _check_field(field: str) -> None:
-    if field not in derived.DISTRIBUTION_FIELDS:
-        raise HTTPException(400, f"field must be one of {', '.join(derived.DISTRIBUTION_FIELDS)}")
-
-
-def _check_statuses(statuses: list[str]) -> None:
-    bad = [s for s in statuses if s not in rollout_query.STATUSES]
-    if bad:
-        raise HTTPException(400, f"unknown status {bad[0]!r}: one of {', '.join(rollout_query.STATUSES)}")
-
-
-def _check_window(start: float, end: float) -> None:
-    if not (end > start) or end - start > 366 * 86400:
-        raise HTTPException(400, "the time window needs start < end, at most a year apart")
