@@ -23,14 +23,19 @@ export function MetricsPage({ params, runs }) {
     setCatalogue(null);
     setError(null);
     if (!runs.length) return;
+    let live = true; // answers for runs no longer shown are dropped
     Promise.all(runs.map((r) => api(`runs/${enc(r)}/metric-names`))).then(
       (all) => {
+        if (!live) return;
         const seen = new Map();
         for (const d of all) for (const n of d.names) seen.set(n.name, n);
         setCatalogue([...seen.values()].sort((a, b) => a.name.localeCompare(b.name)));
       },
-      setError,
+      (e) => live && setError(e),
     );
+    return () => {
+      live = false;
+    };
   }, [runs.join(",")]);
   const run = runs[0];
   const meta = useApi(run ? `runs/${enc(run)}` : null);

@@ -11,6 +11,7 @@ import { NoRun, pickRun, RunPicker } from "./common.js";
 
 const TABS = { kept: "kept", dropped: "discarded,cancelled" };
 const SORTS = ["group", "reward", "advantage", "length", "turns", "off_policy", "id"];
+const PAGE = 500;
 
 export function RolloutsPage({ params, runs }) {
   const run = pickRun(params, runs);
@@ -36,7 +37,8 @@ export function RolloutBrowser({ run, runs, params, tabs, evalSteps }) {
     q: params.q,
     sort: params.sort,
     desc: params.desc === "1" ? "true" : undefined,
-    limit: 1000,
+    offset: params.off,
+    limit: PAGE,
   };
   const page = useApi(step !== undefined && !Number.isNaN(step) ? `runs/${enc(run)}/steps/${step}/rollouts` : null, query, cursor ? String(cursor.rollout) : "");
   if (meta.error) return html`<${ErrorBox} error=${meta.error} />`;
@@ -46,9 +48,9 @@ export function RolloutBrowser({ run, runs, params, tabs, evalSteps }) {
     <div class="toolbar">
       <${RunPicker} runs=${runs} run=${run} />
       ${tabs && html`<span>${Object.keys(TABS).map((t) => html`<label><input type="radio" name="tab" checked=${t === tab} onChange=${() => setParams({ tab: t === "kept" ? undefined : t, step: undefined, rollout: undefined })} data-testid=${"tab-" + t} /> ${t === "dropped" ? "discarded & cancelled" : t} </label>`)}</span>`}
-      <label>step <input type="number" value=${step ?? ""} onChange=${(e) => setParams({ step: e.target.value, rollout: undefined })} data-testid="step-input" /></label>
-      <button disabled=${i <= 0} onClick=${() => setParams({ step: steps[i - 1], rollout: undefined })}>◀</button>
-      <button disabled=${i < 0 || i >= steps.length - 1} onClick=${() => setParams({ step: steps[i + 1], rollout: undefined })}>▶</button>
+      <label>step <input type="number" value=${step ?? ""} onChange=${(e) => setParams({ step: e.target.value, rollout: undefined, off: undefined })} data-testid="step-input" /></label>
+      <button disabled=${i <= 0} onClick=${() => setParams({ step: steps[i - 1], rollout: undefined, off: undefined })}>◀</button>
+      <button disabled=${i < 0 || i >= steps.length - 1} onClick=${() => setParams({ step: steps[i + 1], rollout: undefined, off: undefined })}>▶</button>
       <span class="muted">${steps.length ? `steps ${steps[0]}–${steps[steps.length - 1]}` : "no steps"}</span>
     </div>
     <${Filters} params=${params} page=${page.data} />
@@ -70,7 +72,7 @@ function Filters({ params, page }) {
   return html`<form class="toolbar" onSubmit=${(e) => {
     e.preventDefault();
     const f = e.target.elements;
-    setParams({ q: f.q.value || undefined, rmin: f.rmin.value || undefined, rmax: f.rmax.value || undefined, rollout: undefined });
+    setParams({ q: f.q.value || undefined, rmin: f.rmin.value || undefined, rmax: f.rmax.value || undefined, rollout: undefined, off: undefined });
   }}>
     <label>environment <select value=${params.env || ""} onChange=${(e) => setParams({ env: e.target.value || undefined })} data-testid="rollout-env">
       <option value="">all</option>${envs.map((e) => html`<option value=${e}>${e}</option>`)}</select></label>
@@ -104,7 +106,11 @@ function RolloutTable({ data, params }) {
   }, [data, byGroup]);
   if (!data.rollouts.length) return html`<${Message} kind="empty">No rollouts match at step ${data.step}.<//>`;
   const dropped = data.rollouts.some((r) => r.status !== "kept" && r.status !== "eval");
-  return html`<div class="muted">${data.total} rollout(s) at step ${data.step}${data.total > data.rollouts.length ? `, first ${data.rollouts.length} shown` : ""}</div>
+  const first = data.offset;
+  const last = first + data.rollouts.length;
+  return html`<div class="muted">${data.total} rollout(s) at step ${data.step}${data.total > data.rollouts.length ? `, ${first + 1}–${last} shown ` : ""}
+      ${first > 0 && html`<button onClick=${() => setParams({ off: Math.max(0, first - PAGE) || undefined })}>previous</button>`}
+      ${last < data.total && html`<button onClick=${() => setParams({ off: last })} data-testid="next-page">next</button>`}</div>
     <table data-testid="rollouts-table"><thead><tr><th>#</th><th>env</th><th class="right">reward</th><th class="right">adv.</th><th class="right">tokens</th><th class="right">turns</th><th>stop</th><th class="right">off-policy</th>${dropped && html`<th>status / reason</th>`}</tr></thead>
     <tbody>${[...groups.entries()].map(([g, rows]) => html`
       ${byGroup && html`<tr class="group-head"><td colspan="9">group ${g} · ${rows[0].env} · mean reward ${fmt(rows.reduce((a, r) => a + (r.reward ?? 0), 0) / rows.length)}</td></tr>`}

@@ -71,37 +71,42 @@ def metric_series(
     return out
 
 
-def time_bounds(reader: RunReader) -> dict[str, float | None]:
-    """First and last wall time of the run's timeline (events and rollouts) and of its system
-    metrics (None where the run has none)."""
-    parts = []
+def max_after(reader: RunReader, table: str, expr: str, key: str, after: int) -> tuple[float | None, int]:
+    """The largest ``expr`` over the rows whose ``key`` (an increasing id) is past ``after``, and
+    the last id: a running maximum over append-only rows reads only the new ones."""
+    row = reader.rows(f"SELECT MAX({expr}) AS v, MAX({key}) AS last FROM {table} WHERE {key} > ?", (after,))[
+        0
+    ]
+    return row["v"], row["last"] if row["last"] is not None else after
+
+
+def time_bounds(reader: RunReader, timeline_end: float | None) -> dict[str, float | None]:
+    """First and last wall time of the run's timeline (events and rollouts; the caller keeps the
+    last end, a running maximum: see :func:`max_after`) and of its system metrics, by index seeks
+    (None where the run has none)."""
+    starts = []
     if reader.has_table("events"):
-        parts.append('SELECT MIN(start) AS t0, MAX("end") AS t1 FROM events')
+        starts.append(reader.rows("SELECT MIN(start) AS t FROM events")[0]["t"])
     if reader.has_table("rollouts"):
-        parts.append("SELECT MIN(dispatch_time), MAX(finish_time) FROM rollouts WHERE dispatch_time > 0")
-    timeline = {"start": None, "end": None}
-    if parts:
-        row = reader.rows(f"SELECT MIN(t0) AS start, MAX(t1) AS end FROM ({' UNION ALL '.join(parts)})")[0]
-        timeline = {"start": row["start"], "end": row["end"]}
-    system = {"start": None, "end": None}
+        starts.append(
+            reader.rows("SELECT MIN(dispatch_time) AS t FROM rollouts WHERE dispatch_time > 0")[0]["t"]
+        )
+    starts = [t for t in starts if t is not None]
+    out: dict[str, float | None] = {"start": min(starts) if starts else None, "end": timeline_end}
+    out["system_start"] = out["system_end"] = None
     if reader.has_table("system_metrics"):
-        system = reader.rows("SELECT MIN(time) AS start, MAX(time) AS end FROM system_metrics")[0]
-    return timeline | {"system_start": system["start"], "system_end": system["end"]}
+        row = reader.rows("SELECT MIN(time) AS lo, MAX(time) AS hi FROM system_metrics")[0]
+        out["system_start"], out["system_end"] = row["lo"], row["hi"]
+    return out
 
 
-def longest_event(reader: RunReader) -> float:
-    """The longest event's duration in seconds (reads every event: callers cache it)."""
-    return reader.rows('SELECT MAX("end" - start) AS d FROM events')[0]["d"] or 0.0
-
-
-def longest_rollout(reader: RunReader) -> float:
-    """The longest rollout's dispatch-to-finish seconds (reads every rollout: callers cache it)."""
-    return (
-        reader.rows("SELECT MAX(finish_time - dispatch_time) AS d FROM rollouts WHERE dispatch_time > 0")[0][
-            "d"
-        ]
-        or 0.0
-    )
+def step_times(reader: RunReader) -> dict[int, float]:
+    """When each training step's metrics were logged, read from ``policy_version`` (logged every
+    step; one index range) or, without it, from every training metric."""
+    rows = reader.rows("SELECT step, time FROM step_metrics WHERE name = 'policy_version'")
+    if rows:
+        return {r["step"]: r["time"] for r in rows}
+    return reader.step_times()
 
 
 # instants a zoomed-out timeline still shows (the others are too many to tell apart)
@@ -125,7 +130,7 @@ def events_window(
 ) -> dict[str, Any]:
     """Events overlapping [start, end], by start time, at most ``limit`` (``truncated`` says so).
     The ``events_start`` index bounds the scan: an event overlapping the window started at most
-    ``longest`` (:func:`longest_event`) before it. With ``min_duration`` (about a pixel of a
+    ``longest`` (the longest event's duration) before it. With ``min_duration`` (about a pixel of a
     zoomed-out view) shorter spans and instants other than milestones (and evals) are left out."""
     sql = (
         'SELECT id, name, component, step, start, "end", attrs FROM events '
@@ -147,9 +152,10 @@ def events_window(
 def lanes_window(
     reader: RunReader, start: float, end: float, longest: float, limit: int = 5_000, min_duration: float = 0.0
 ) -> dict[str, Any]:
-    """Rollouts on the inference lanes during [start, end] (``longest``: :func:`longest_rollout`;
-    those shorter than ``min_duration`` left out) and their turns' generation and environment
-    spans, for a Gantt row per (server, lane). Both as columns ({name: [values]})."""
+    """Rollouts on the inference lanes during [start, end] (``longest``: the longest rollout's
+    dispatch-to-finish seconds; those shorter than ``min_duration`` left out) and their turns'
+    generation and environment spans, for a Gantt row per (server, lane). Both as columns
+    ({name: [values]})."""
     rollouts = reader.columns(
         "SELECT rollout_id, group_id, sample_idx, env, status, reason, step, server, lane, reward, "
         "dispatch_time, generation_end_time, finish_time FROM rollouts "

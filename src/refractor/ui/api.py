@@ -246,9 +246,24 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
     def time_bounds(run_id: str) -> dict[str, Any]:
         entry = registry.get(run_id)
         with reader(run_id) as r:
-            return registry.cached(
-                entry, "time_bounds", lambda: series.time_bounds(r) | {"step_times": r.step_times()}
-            )
+            ends = []
+            if r.has_table("events"):
+                ends.append(
+                    registry.running_max(
+                        entry, "events_end", lambda after: series.max_after(r, "events", '"end"', "id", after)
+                    )
+                )
+            if r.has_table("rollouts"):
+                ends.append(
+                    registry.running_max(
+                        entry,
+                        "rollouts_end",
+                        lambda after: series.max_after(r, "rollouts", "finish_time", "rollout_id", after),
+                    )
+                )
+            ends = [e for e in ends if e is not None]
+            bounds = series.time_bounds(r, max(ends) if ends else None)
+            return bounds | {"step_times": registry.cached(entry, "step_times", lambda: series.step_times(r))}
 
     @api.get("/runs/{run_id}/timeline")
     @json_reply
@@ -262,14 +277,23 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
         check_window(start, end)
         entry = registry.get(run_id)
         with reader(run_id) as r:
-            longest_event = registry.cached(
-                entry, "longest_event", lambda: series.longest_event(r) if r.has_table("events") else 0.0
-            )
-            longest_rollout = registry.cached(
-                entry,
-                "longest_rollout",
-                lambda: series.longest_rollout(r) if r.has_table("rollouts") else 0.0,
-            )
+            # running maxima: a live run's new rows are read, not every row at every refresh
+            longest_event = longest_rollout = 0.0
+            if r.has_table("events"):
+                longest_event = registry.running_max(
+                    entry,
+                    "longest_event",
+                    lambda after: series.max_after(r, "events", '"end" - start', "id", after),
+                )
+            if r.has_table("rollouts"):
+                duration = "CASE WHEN dispatch_time > 0 THEN finish_time - dispatch_time END"
+                longest_rollout = registry.running_max(
+                    entry,
+                    "longest_rollout",
+                    lambda after: series.max_after(r, "rollouts", duration, "rollout_id", after),
+                )
+            longest_event = longest_event or 0.0
+            longest_rollout = longest_rollout or 0.0
             out = {
                 "events": {"id": []},
                 "truncated": False,

@@ -30,6 +30,7 @@ class RunRegistry:
         self.runs_dirs = [Path(d) for d in runs_dirs]
         self._summaries: dict[Path, tuple[tuple, dict[str, Any]]] = {}
         self._cache: dict[tuple[Path, str], tuple[tuple, Any]] = {}
+        self._maxima: dict[tuple[Path, str], tuple[float | None, int]] = {}
 
     def entries(self) -> list[RunEntry]:
         out = []
@@ -57,6 +58,18 @@ class RunRegistry:
             self._cache.clear()
         value = compute()
         self._cache[(entry.path, key)] = (state, value)
+        return value
+
+    def running_max(
+        self, entry: RunEntry, key: str, read: Callable[[int], tuple[float | None, int]]
+    ) -> float | None:
+        """A maximum over a run's append-only rows: ``read(after)`` gives the maximum over the rows
+        past id ``after`` and the last id; only rows not seen before are read."""
+        value, last = self._maxima.get((entry.path, key), (None, 0))
+        new, last = read(last)
+        if new is not None:
+            value = new if value is None else max(value, new)
+        self._maxima[(entry.path, key)] = (value, last)
         return value
 
     def cached_steps(
