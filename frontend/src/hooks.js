@@ -53,3 +53,19 @@ export function useCursor(runId, ms = 1500) {
   }, [runId]);
   return cursor;
 }
+
+// A key for re-fetching what a page shows of a live run: "0" at first, then a new value each time
+// `pick(cursor)` changes after the first cursor seen (so a page's first fetch is not repeated when
+// the first cursor arrives).
+export function useLiveKey(runId, pick, ms = 1500) {
+  const cursor = useCursor(runId, ms);
+  const last = useRef(undefined);
+  const [key, setKey] = useState(0);
+  useEffect(() => {
+    if (!cursor) return;
+    const value = pick(cursor);
+    if (last.current !== undefined && value !== last.current) setKey((k) => k + 1);
+    last.current = value;
+  }, [cursor]);
+  return String(key);
+}

@@ -3,7 +3,7 @@
 import { useMemo } from "preact/hooks";
 import { enc } from "../api.js";
 import { Chart } from "../chart.js";
-import { useApi, useCursor } from "../hooks.js";
+import { useApi, useLiveKey } from "../hooks.js";
 import { setParams } from "../route.js";
 import { ErrorBox, html, Loading, Message, runColor } from "../ui.js";
 import { NoRun, pickRun, RunPicker } from "./common.js";
@@ -16,9 +16,9 @@ function section(m) {
 
 export function InfraPage({ params, runs }) {
   const run = pickRun(params, runs);
-  const cursor = useCursor(run, 3000);
+  const live = useLiveKey(run, (c) => `${Math.floor((c.system_time || 0) / 10)}|${c.step}`, 3000);
   const names = useApi(run ? `runs/${enc(run)}/system-names` : null);
-  const bounds = useApi(run ? `runs/${enc(run)}/time-bounds` : null, {}, cursor ? String(Math.floor((cursor.system_time || 0) / 10)) : "");
+  const bounds = useApi(run ? `runs/${enc(run)}/time-bounds` : null, {}, live);
   const groups = useMemo(() => {
     const out = new Map();
     for (const m of (names.data && names.data.metrics) || []) {
@@ -36,7 +36,7 @@ export function InfraPage({ params, runs }) {
   return html`<h2>Infra</h2>
     <div class="toolbar"><${RunPicker} runs=${runs} run=${run} />
       <label>find <input type="text" value=${filter} onInput=${(e) => setParams({ q: e.target.value || undefined })} placeholder="metric name" /></label></div>
-    <${TimeShares} run=${run} cursor=${cursor} />
+    <${TimeShares} run=${run} live=${live} />
     ${!names.data.metrics.length && html`<${Message} kind="empty">This run has no system metrics recorded.<//>`}
     ${["GPU", "CPU and memory", "inference servers"].filter((s) => groups.has(s)).map(
       (s) => html`<h3>${s}</h3><div class="grid">
@@ -63,8 +63,8 @@ function SystemChart({ run, name, bounds }) {
 const PHASE_ORDER = ["forward", "backward", "loss_computation", "optimizer", "grad_norm", "zero_grad", "data_to_device", "ref_logprobs", "weight_sync", "waiting_for_data", "idle"];
 
 // Where each training step's time went: the trainer's spans, the weight sync, waiting for data, idle.
-function TimeShares({ run, cursor }) {
-  const { data, error } = useApi(`runs/${enc(run)}/time-shares`, {}, cursor ? String(cursor.step) : "");
+function TimeShares({ run, live }) {
+  const { data, error } = useApi(`runs/${enc(run)}/time-shares`, {}, live);
   const lines = useMemo(
     () =>
       data

@@ -3,7 +3,7 @@
 import { useEffect, useMemo, useState } from "preact/hooks";
 import { api, enc } from "../api.js";
 import { Chart } from "../chart.js";
-import { useCursor } from "../hooks.js";
+import { useLiveKey } from "../hooks.js";
 import { html, runColor } from "../ui.js";
 
 export const OVERVIEW = [
@@ -17,8 +17,8 @@ export const OVERVIEW = [
 export function useSeries(runs, names, env) {
   const [data, setData] = useState({});
   const [error, setError] = useState(null);
-  const cursor = useCursor(runs[0]);
-  const key = `${runs.join(",")}|${names.join(",")}|${env}|${cursor ? cursor.step : ""}`;
+  const live = useLiveKey(runs[0], (c) => c.step);
+  const key = `${runs.join(",")}|${names.join(",")}|${env}|${live}`;
   useEffect(() => {
     if (!runs.length || !names.length) return;
     let live = true;

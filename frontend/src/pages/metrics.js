@@ -103,7 +103,7 @@ function AllMetrics({ runs, catalogue, params, opts, lastStep }) {
         ${isOpen && html`<div class="grid">${list.map((n) => html`<${MetricChart} name=${n} runs=${runs} data=${data} opts=${opts} />`)}</div>`}
       </details>`,
     )}
-    ${lastStep !== null && html`<${Distributions} run=${runs[0]} params=${params} lastStep=${lastStep} />`}
+    ${lastStep !== null && Object.keys(data).length > 0 && html`<${Distributions} run=${runs[0]} params=${params} lastStep=${lastStep} />`}
   `;
 }
 

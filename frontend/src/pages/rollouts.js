@@ -3,7 +3,7 @@
 // advantage, sample metrics coloured by their ranges, versions, server and lane, timings.
 import { useMemo } from "preact/hooks";
 import { enc } from "../api.js";
-import { useApi, useCursor } from "../hooks.js";
+import { useApi, useLiveKey } from "../hooks.js";
 import { href, setParams } from "../route.js";
 import { ErrorBox, fmt, fmtDuration, fmtTime, html, Loading, Message, rangeColor } from "../ui.js";
 import { ModelText } from "../markdown.js";
@@ -23,9 +23,9 @@ export function RolloutsPage({ params, runs }) {
 export function RolloutBrowser({ run, runs, params, tabs, evalSteps }) {
   const tab = tabs ? params.tab || "kept" : "eval";
   const status = TABS[tab] || "eval";
-  const cursor = useCursor(run);
+  const live = useLiveKey(run, (c) => c.rollout);
   const meta = useApi(`runs/${enc(run)}`);
-  const stepList = useApi(tab === "eval" ? null : `runs/${enc(run)}/steps`, { status: tab === "dropped" ? "discarded" : "kept" }, cursor ? String(cursor.rollout) : "");
+  const stepList = useApi(tab === "eval" ? null : `runs/${enc(run)}/steps`, { status: tab === "dropped" ? "discarded" : "kept" }, live);
   const steps = evalSteps || (stepList.data && stepList.data.steps) || [];
   const step = params.step !== undefined && params.step !== "" ? Number(params.step) : steps[steps.length - 1];
   const query = {
@@ -40,7 +40,7 @@ export function RolloutBrowser({ run, runs, params, tabs, evalSteps }) {
     offset: params.off,
     limit: PAGE,
   };
-  const page = useApi(step !== undefined && !Number.isNaN(step) ? `runs/${enc(run)}/steps/${step}/rollouts` : null, query, cursor ? String(cursor.rollout) : "");
+  const page = useApi(step !== undefined && !Number.isNaN(step) ? `runs/${enc(run)}/steps/${step}/rollouts` : null, query, live);
   if (meta.error) return html`<${ErrorBox} error=${meta.error} />`;
   if (meta.data && !meta.data.has.rollouts && tab !== "eval") return html`<${Message} kind="empty">This run has no rollouts recorded yet.<//>`;
   const i = steps.indexOf(step);

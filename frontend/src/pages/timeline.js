@@ -4,7 +4,7 @@
 // (windowed, so a long run stays responsive). Click a bar for its details.
 import { useEffect, useMemo, useRef, useState } from "preact/hooks";
 import { enc } from "../api.js";
-import { useApi, useCursor } from "../hooks.js";
+import { useApi, useLiveKey } from "../hooks.js";
 import { href, setParams } from "../route.js";
 import { ErrorBox, fmtDuration, fmtTime, html, Loading, Message } from "../ui.js";
 import { NoRun, pickRun, RunPicker } from "./common.js";
@@ -31,8 +31,8 @@ function defaultWindow(bounds) {
 
 export function TimelinePage({ params, runs }) {
   const run = pickRun(params, runs);
-  const cursor = useCursor(run, 2000);
-  const bounds = useApi(run ? `runs/${enc(run)}/time-bounds` : null, {}, cursor ? String(cursor.event) : "");
+  const live = useLiveKey(run, (c) => c.event, 2000);
+  const bounds = useApi(run ? `runs/${enc(run)}/time-bounds` : null, {}, live);
   if (!run) return html`<${NoRun} />`;
   if (bounds.error) return html`<${ErrorBox} error=${bounds.error} />`;
   if (!bounds.data) return html`<${Loading} what="time range" />`;
@@ -47,12 +47,12 @@ export function TimelinePage({ params, runs }) {
     start = Number(params.start);
     end = Number(params.end);
   }
-  return html`<h2>Timeline</h2><${Gantt} run=${run} runs=${runs} start=${start} end=${end} bounds=${bounds.data} cursor=${cursor} />`;
+  return html`<h2>Timeline</h2><${Gantt} run=${run} runs=${runs} start=${start} end=${end} bounds=${bounds.data} live=${live} />`;
 }
 
-function Gantt({ run, runs, start, end, bounds, cursor }) {
+function Gantt({ run, runs, start, end, bounds, live }) {
   // spans under ~a pixel wide are left out by the server (and said so), keeping wide views light
-  const win = useApi(`runs/${enc(run)}/timeline`, { start, end, limit: 8000, min_duration: (end - start) / 1500 }, cursor ? String(cursor.event) : "");
+  const win = useApi(`runs/${enc(run)}/timeline`, { start, end, limit: 8000, min_duration: (end - start) / 1500 }, live);
   const canvas = useRef(null);
   const hits = useRef([]);
   const [picked, setPicked] = useState(null);
