@@ -71,6 +71,13 @@ def metric_series(
     return out
 
 
+# first and last system-metric time; two subqueries, as SQLite reads a MIN or a MAX from an index
+# (one seek) only when the query asks for that one aggregate
+SYSTEM_TIME_EDGES = (
+    "SELECT (SELECT MIN(time) FROM system_metrics) AS lo, (SELECT MAX(time) FROM system_metrics) AS hi"
+)
+
+
 def max_after(reader: RunReader, table: str, expr: str, key: str, after: int) -> tuple[float | None, int]:
     """The largest ``expr`` over the rows whose ``key`` (an increasing id) is past ``after``, and
     the last id: a running maximum over append-only rows reads only the new ones."""
@@ -95,7 +102,7 @@ def time_bounds(reader: RunReader, timeline_end: float | None) -> dict[str, floa
     out: dict[str, float | None] = {"start": min(starts) if starts else None, "end": timeline_end}
     out["system_start"] = out["system_end"] = None
     if reader.has_table("system_metrics"):
-        row = reader.rows("SELECT MIN(time) AS lo, MAX(time) AS hi FROM system_metrics")[0]
+        row = reader.rows(SYSTEM_TIME_EDGES)[0]
         out["system_start"], out["system_end"] = row["lo"], row["hi"]
     return out
 
@@ -191,7 +198,7 @@ def system_metric_names(reader: RunReader, edge_seconds: float = 300.0) -> list[
     if not reader.has_table("system_metrics"):
         return []
     node = "node" if "node" in {c["name"] for c in reader.rows("PRAGMA table_info(system_metrics)")} else "''"
-    edges = reader.rows("SELECT MIN(time) AS lo, MAX(time) AS hi FROM system_metrics")[0]
+    edges = reader.rows(SYSTEM_TIME_EDGES)[0]
     if edges["lo"] is None:
         return []
     return reader.rows(
