@@ -45,7 +45,7 @@ def test_run_detail_says_which_data_the_run_has(client):
         "evals": True,
         "events": True,
         "system_metrics": True,
-        "code": False,
+        "code": True,
         "logs": False,
         "topology": True,
     }
@@ -224,9 +224,15 @@ def test_a_run_of_an_older_schema_has_an_empty_timeline_not_an_error(client):
     assert window["events"]["id"] == [] and window["lanes"]["rollouts"]["rollout_id"] == []
 
 
-def test_topology_and_a_run_without_code_or_logs(client):
+def test_topology_code_snapshot_and_a_run_without_logs(client):
     assert ok(client, "/api/runs/syn/topology")["topology"]["trainer"]["world_size"] == 2
-    assert ok(client, "/api/runs/syn/code") == {"info": None, "files": []}
+    code = ok(client, "/api/runs/syn/code")
+    assert code["info"]["roots"][0]["label"] == "project"
+    assert [f["path"] for f in code["files"]] == ["environments/countdown/env.py", "train.yaml"]
+    assert "seed: 1" in ok(client, "/api/runs/syn/code/file", root="project", path="train.yaml")["text"]
+    diff = ok(client, "/api/code-diff", a="syn", b="other")
+    assert [c["path"] for c in diff["changed"]] == ["train.yaml"] and "+seed: 2" in diff["changed"][0]["diff"]
+    assert ok(client, "/api/runs/old/code") == {"info": None, "files": []}
     resp = client.get("/api/runs/syn/logs")
     assert resp.status_code == 409 and "no logs recorded" in resp.json()["error"]
 
@@ -315,3 +321,36 @@ def test_a_runs_dir_with_500_runs_lists_them_all(tmp_path):
         runs = ok(c, "/api/runs")["runs"]
         assert len(runs) == 500 and runs[0]["id"] == "run499" and runs[0]["last_reward"] == 499 / 500
         assert ok(c, "/api/runs")["runs"] == runs  # the second listing reads no store again (cached)
+
+
+def test_logs_are_listed_with_filters_when_the_store_has_them(tmp_path):
+    import sqlite3
+
+    from refractor.telemetry.synthetic import SyntheticSpec, write_synthetic_run
+
+    run = write_synthetic_run(tmp_path / "runs" / "logged", SyntheticSpec(steps=2, rollouts_per_step=8))
+    conn = sqlite3.connect(run / "run.db")
+    conn.execute("CREATE TABLE logs (time REAL, level TEXT, component TEXT, message TEXT)")
+    conn.executemany(
+        "INSERT INTO logs VALUES (?, ?, ?, ?)",
+        [
+            (1.0, "INFO", "orchestrator", "step 0 done"),
+            (2.0, "WARNING", "server-0", "slow request"),
+            (3.0, "INFO", "trainer/rank0", "step 1 done"),
+        ],
+    )
+    conn.commit()
+    conn.close()
+    with TestClient(create_app([tmp_path / "runs"], tmp_path / "state")) as c:
+        assert ok(c, "/api/runs/logged")["has"]["logs"]
+        assert [r["message"] for r in ok(c, "/api/runs/logged/logs")["logs"]] == [
+            "step 0 done",
+            "slow request",
+            "step 1 done",
+        ]
+        assert [r["message"] for r in ok(c, "/api/runs/logged/logs", level="WARNING")["logs"]] == [
+            "slow request"
+        ]
+        assert [r["component"] for r in ok(c, "/api/runs/logged/logs", q="done", after=1)["logs"]] == [
+            "trainer/rank0"
+        ]

@@ -116,8 +116,9 @@ def test_metrics_page_draws_the_overview_for_two_runs_with_every_option(page, tm
         save_small_png(page.screenshot(), ROOT / "docs" / "dashboard.png")
     shot(page, "metrics", tmp_path_factory)
     go(page, "metrics?runs=syn&smooth=0.8&log=1&skip=1&outliers=1")
-    page.locator("[data-testid='chart-loss'] .chart[data-drawn='1']").wait_for()
-    assert page.locator("[data-testid='chart-loss'] .chart").get_attribute("data-points") == "19"
+    page.locator(
+        "[data-testid='chart-loss'] .chart[data-drawn='1'][data-points='19']"
+    ).wait_for()  # first left out
     page.get_by_test_id("env-filter").select_option("math")
     page.wait_for_url("**env=math**")
     page.locator("[data-testid='chart-reward_sum_mean'] .chart[data-drawn='1']").wait_for()
@@ -185,7 +186,11 @@ def test_infra_topology_evals_code_and_logs_pages(page, tmp_path_factory):
     go(page, "evals?runs=syn")
     page.locator("[data-testid='chart-eval/gsm8k_eval/pass@4/correct'] .chart[data-drawn='1']").wait_for()
     page.locator("tr.sample").first.wait_for()  # eval completions, browsable
-    go(page, "code?runs=syn")
+    go(page, "code?runs=syn&file=project/train.yaml")
+    page.get_by_test_id("code-text").get_by_text("seed: 1").wait_for()
+    go(page, "code?runs=syn,other&against=other")
+    page.get_by_test_id("code-diff").get_by_text("+seed: 1").wait_for()
+    go(page, "code?runs=old")
     page.get_by_text("no code snapshot recorded").wait_for()
     go(page, "logs?runs=syn")
     page.get_by_text("no logs recorded").wait_for()

@@ -9,6 +9,7 @@ For the dashboard's tests (small sizes) and its benchmark (a day-long run). Rows
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -21,8 +22,9 @@ import typer
 
 from refractor.records import EvalRollout, Rollout, RolloutStatus, TimelineEvent
 from refractor.records.rollout import ToolCall, Turn
+from refractor.telemetry.code_snapshot import CodeFile, CodeInfo, CodeRoot, CodeSnapshot
 from refractor.telemetry.metrics import RolloutSummary, rollout_step_metrics
-from refractor.telemetry.store import SCHEMA_VERSION, connect_writer, rollout_rows
+from refractor.telemetry.store import SCHEMA_VERSION, code_snapshot_rows, connect_writer, rollout_rows
 
 ENVS = ("countdown", "math", "code_tools")
 STOP_REASONS = ("stop", "stop", "stop", "length")
@@ -101,6 +103,32 @@ def _write(conn: sqlite3.Connection, run_name: str, spec: SyntheticSpec) -> None
             next_id += 8
         conn.execute("COMMIT")
     _write_system_metrics(conn, rng, spec)
+    _write_code_snapshot(conn, spec)
+
+
+def _write_code_snapshot(conn: sqlite3.Connection, spec: SyntheticSpec) -> None:
+    """Two small files; the learning rate in the config differs with the seed (code diffs)."""
+    texts = {
+        "train.yaml": f"model: synthetic/tiny-model\nlr: 1.0e-6\nseed: {spec.seed}\n",
+        "environments/countdown/env.py": "def reward(text, answer):\n    return float(answer in text)\n",
+    }
+    files = [
+        (
+            CodeFile("project", path, len(text.encode()), hashlib.sha256(text.encode()).hexdigest()),
+            text.encode(),
+        )
+        for path, text in sorted(texts.items())
+    ]
+    info = CodeInfo(
+        roots=[CodeRoot("project", "/synthetic/project", None)],
+        taken_at=spec.start_time,
+        file_count=len(files),
+        total_bytes=sum(f.size for f, _ in files),
+    )
+    conn.execute("BEGIN")
+    for sql, rows in code_snapshot_rows(CodeSnapshot(info, files, [])):
+        conn.executemany(sql, rows)
+    conn.execute("COMMIT")
 
 
 def _insert(conn: sqlite3.Connection, sql: str, rows: list[tuple]) -> None:
