@@ -6,6 +6,7 @@ pytest's temporary folder (``REFRACTOR_DOCS_SCREENSHOT=1`` also refreshes docs/d
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -185,6 +186,7 @@ def test_infra_topology_evals_code_and_logs_pages(page, tmp_path_factory):
     assert "synthetic-node" in page.get_by_test_id("machines").inner_text()
     go(page, "evals?runs=syn")
     page.locator("[data-testid='chart-eval/gsm8k_eval/pass@4/correct'] .chart[data-drawn='1']").wait_for()
+    page.locator("[data-testid='pass-at-k'] .chart[data-drawn='1']").wait_for()
     page.locator("tr.sample").first.wait_for()  # eval completions, browsable
     go(page, "code?runs=syn&file=project/train.yaml")
     page.get_by_test_id("code-text").get_by_text("seed: 1").wait_for()
@@ -226,8 +228,15 @@ def test_custom_layout_survives_a_server_restart(browser, runs_dir, live_runs, s
                 pg.get_by_test_id("add-metric").first.press("Enter")
             chart = pg.locator("[data-testid='custom-trainer/extra/metric_007'] .chart[data-drawn='1']")
             chart.wait_for()
+            order = pg.locator(".layout-section [data-metric]")
+            if attempt == 0:  # drag the new chart before the first one
+                order.last.drag_to(order.first)
+                first = "document.querySelector('.layout-section [data-metric]').dataset.metric"
+                pg.wait_for_function(f"{first}.endsWith('metric_007')")
+            assert order.first.get_attribute("data-metric") == "trainer/extra/metric_007"
             context.close()
-    assert "metric_007" in (state_dir / "layout.json").read_text()
+    layout = json.loads((state_dir / "layout.json").read_text())
+    assert layout["sections"][0]["metrics"][0] == "trainer/extra/metric_007"
 
 
 def _rollout(rid: int, step: int) -> Rollout:
