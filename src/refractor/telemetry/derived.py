@@ -14,6 +14,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from refractor.telemetry.metrics import gini
 from refractor.telemetry.query import RunReader
 
 # what a histogram may be taken of: name -> SQL expression over the rollouts table
@@ -83,9 +84,9 @@ def derived_step_metrics(
             m[f"{k}_max"] = r[f"{k}_max"]
         m["stop_reason_length_pct"] = r["stop_reason_length_pct"]
         m["off_policy_steps_mean"] = r["off_policy_steps_mean"]
-    for name, column in (("reward_gini_mean", "reward"), ("group_length_gini_mean", "completion_tokens")):
-        for r in _group_gini(reader, column, where, args):
-            out[r["step"]][name] = r["gini"]
+    for name, by_step in _group_ginis(reader, where, args).items():
+        for step, value in by_step.items():
+            out[step][name] = value
     drop_where, drop_args = _where(envs, "?", since)
     for status, prefix in (("discarded", "discarded"), ("cancelled", "canceled")):
         sql = f"SELECT step, reason, COUNT(*) AS n FROM rollouts WHERE {drop_where} GROUP BY step, reason"
@@ -103,20 +104,29 @@ def derived_step_metrics(
     return dict(sorted(out.items()))
 
 
-def _group_gini(reader: RunReader, column: str, where: str, args: list[Any]) -> list[dict[str, Any]]:
-    """Mean over each step's groups of the rank Gini ``2·Σ i·x_(i) / (n·Σx) − (n+1)/n``."""
-    sql = f"""
-        WITH ranked AS (
-            SELECT step, group_id, {column} AS x,
-                   ROW_NUMBER() OVER (PARTITION BY step, group_id ORDER BY {column}) AS i,
-                   COUNT(*) OVER (PARTITION BY step, group_id) AS n,
-                   SUM({column}) OVER (PARTITION BY step, group_id) AS s
-            FROM rollouts WHERE {where}),
-        groups AS (
-            SELECT step, 2.0 * SUM(i * x) / (MAX(n) * MAX(s)) - (MAX(n) + 1.0) / MAX(n) AS gini
-            FROM ranked WHERE n > 1 AND s > 0 GROUP BY step, group_id)
-        SELECT step, AVG(gini) AS gini FROM groups GROUP BY step"""
-    return reader.rows(sql, args)
+def _group_ginis(reader: RunReader, where: str, args: list[Any]) -> dict[str, dict[int, float]]:
+    """Per step, the mean over its groups of the rank Gini (:func:`refractor.telemetry.metrics.gini`,
+    the orchestrator's own definition) of the rewards and of the completion lengths. One pass over
+    the covering index, in its order (a group's rows are contiguous: one step, one environment);
+    sorting each small group in Python is far cheaper than SQL window functions here."""
+    rows = reader.columns(
+        f"SELECT step, group_id, reward, completion_tokens FROM rollouts WHERE {where} "
+        "ORDER BY step, env, group_id",
+        args,
+    )
+    steps, groups = rows["step"], rows["group_id"]
+    found: dict[str, dict[int, list[float]]] = {"reward_gini_mean": {}, "group_length_gini_mean": {}}
+    begin = 0
+    while begin < len(steps):
+        end = begin
+        while end < len(steps) and steps[end] == steps[begin] and groups[end] == groups[begin]:
+            end += 1
+        for name, column in (("reward_gini_mean", "reward"), ("group_length_gini_mean", "completion_tokens")):
+            g = gini([float(v) for v in rows[column][begin:end] if v is not None])
+            if g is not None:
+                found[name].setdefault(steps[begin], []).append(g)
+        begin = end
+    return {name: {step: sum(v) / len(v) for step, v in by_step.items()} for name, by_step in found.items()}
 
 
 def zero_advantage_breakdown(reader: RunReader, step: int) -> dict[str, float]:
