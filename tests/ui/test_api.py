@@ -240,6 +240,8 @@ def test_topology_code_snapshot_and_a_run_without_logs(client):
 def test_live_cursor_reports_the_newest_rows(client):
     cur = ok(client, "/api/runs/syn/cursor")
     assert cur["step"] == 20 and cur["rollout"] > 0 and cur["event"] > 0 and cur["status"] == "finished"
+    old = ok(client, "/api/runs/old/cursor")  # an older store: what it lacks reads None
+    assert old["step"] == 1 and old["rollout"] is None and old["log"] is None
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             has = {
                 "rollouts": has_rows(r, "rollouts", "status != 'eval'"),
                 "evals": has_rows(r, "rollouts", "status = 'eval'")
-                or has_rows(r, "step_metrics", "name LIKE 'eval/%'"),
+                or has_rows(r, "step_metrics", "name >= 'eval/' AND name < 'eval0'"),  # by index
                 "events": has_rows(r, "events"),
                 "system_metrics": has_rows(r, "system_metrics"),
                 "code": r.code_info() is not None,
@@ -102,14 +102,19 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
     def cursor(run_id: str) -> dict[str, Any]:
         """What a live page polls: the newest row of each kind (changes when the run writes)."""
         entry = registry.get(run_id)
+        newest = {  # each one index seek; a table an older store lacks reads None
+            "step": ("step_metrics", "MAX(step)"),
+            "rollout": ("rollouts", "MAX(rollout_id)"),
+            "event": ("events", "MAX(id)"),
+            "system_time": ("system_metrics", "MAX(time)"),
+            "log": ("logs", "MAX(rowid)"),
+        }
         with reader(run_id) as r:
-            top = r.rows(
-                "SELECT (SELECT MAX(step) FROM step_metrics) AS step, "
-                "(SELECT MAX(rollout_id) FROM rollouts) AS rollout, (SELECT MAX(id) FROM events) AS event, "
-                "(SELECT MAX(time) FROM system_metrics) AS system_time"
-            )[0]
-            logs = r.rows("SELECT MAX(rowid) AS n FROM logs")[0]["n"] if r.has_table("logs") else None
-        return top | {"log": logs, "status": registry.summary(entry)["status"]}
+            out = {
+                key: r.rows(f"SELECT {expr} AS v FROM {table}")[0]["v"] if r.has_table(table) else None
+                for key, (table, expr) in newest.items()
+            }
+        return out | {"status": registry.summary(entry)["status"]}
 
     @api.get("/config-diff")
     @json_reply

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +32,16 @@ class RunRegistry:
         self._summaries: dict[Path, tuple[tuple, dict[str, Any]]] = {}
         self._cache: dict[tuple[Path, str], tuple[tuple, Any]] = {}
         self._maxima: dict[tuple[Path, str], tuple[float | None, int]] = {}
+        self._listed: tuple[float, list[RunEntry]] | None = None
 
     def entries(self) -> list[RunEntry]:
+        """Every run, found again at most once a second (a page's requests share one listing)."""
+        now = time.monotonic()
+        if self._listed is None or now - self._listed[0] > 1.0:
+            self._listed = (now, self._find())
+        return self._listed[1]
+
+    def _find(self) -> list[RunEntry]:
         out = []
         seen: dict[str, int] = {}
         for runs_dir in self.runs_dirs:
