@@ -283,6 +283,9 @@ def test_bad_input_is_a_4xx_with_one_line_reason(client, url, status, words):
         "/static/../app.py",
         "/../../etc/passwd",
         "/static//etc/passwd",
+        "/openapi.json",
+        "/docs",
+        "/api/../../../etc/passwd",
     ],
 )
 def test_only_the_static_folder_is_served(client, path):

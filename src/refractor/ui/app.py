@@ -48,7 +48,9 @@ class Hidden(BaseModel):
 def create_app(runs_dirs: list[Path], state_dir: Path) -> FastAPI:
     registry = RunRegistry([Path(d) for d in runs_dirs])
     state = UiState(Path(state_dir))
-    app = FastAPI(title="refractor dashboard", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="refractor dashboard", version=__version__, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.include_router(build_router(registry, state))
 
     def error(status: int, message: str) -> JSONResponse:
