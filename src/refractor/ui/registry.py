@@ -124,9 +124,11 @@ def _file_state(run_dir: Path) -> tuple:
     for name in ("run.db", "run.db-wal"):
         try:
             st = os.stat(run_dir / name)
-            out.append((st.st_mtime_ns, st.st_size))
         except OSError:
             out.append(None)
+            continue
+        # an empty WAL is no change: a reader's first open of a closed store creates one
+        out.append((st.st_mtime_ns, st.st_size) if st.st_size else None)
     return tuple(out)
 
 
