@@ -21,7 +21,7 @@ def kept(rid: int, group: int, reward: float, tokens: int) -> Rollout:
 
 
 def test_live_run_recomputed_metrics_match_a_full_read(tmp_path):
-    run_dir = write_synthetic_run(tmp_path / "runs" / "live", SyntheticSpec(steps=6, rollouts_per_step=16))
+    run_dir = write_synthetic_run(tmp_path / "runs" / "live", SyntheticSpec(steps=20, rollouts_per_step=16))
     registry = RunRegistry([tmp_path / "runs"])
     (entry,) = registry.entries()
     reads = []
@@ -32,14 +32,14 @@ def test_live_run_recomputed_metrics_match_a_full_read(tmp_path):
             return derived.derived_step_metrics(r, None, since)
 
     first = registry.cached_steps(entry, "d", compute)
-    assert reads == [None] and sorted(first) == list(range(6))
+    assert reads == [None] and sorted(first) == list(range(20))
     assert registry.cached_steps(entry, "d", compute) == first and reads == [None]  # nothing changed
-    store = RunStore(run_dir)  # the run writes on: more of step 5, then step 6
-    store.log_rollouts([kept(900_000, 77_000, 1.0, 5), kept(900_001, 77_000, 0.0, 9)], 5, 5)
-    store.log_rollouts([kept(900_002, 88_000, 1.0, 4), kept(900_003, 88_000, 0.5, 7)], 6, 6)
+    store = RunStore(run_dir)  # the run writes on: more rows of step 10 (async: an older step), step 20
+    store.log_rollouts([kept(900_000, 77_000, 1.0, 5), kept(900_001, 77_000, 0.0, 9)], 10, 10)
+    store.log_rollouts([kept(900_002, 88_000, 1.0, 4), kept(900_003, 88_000, 0.5, 7)], 20, 20)
     store.flush()
     again = registry.cached_steps(entry, "d", compute)
-    assert reads == [None, 4]  # only the newest step seen (5) and later ones were read
+    assert reads == [None, 3]  # only the newest 16 steps seen (4..19) and later ones were read
     with RunReader(run_dir) as r:
         assert again == derived.derived_step_metrics(r)
     store.close()

@@ -15,6 +15,11 @@ from typing import Any
 from refractor.runtime.run_lock import is_held
 from refractor.telemetry.query import RunReader
 
+# Rows of a step keep arriving after later steps have rows: a discarded rollout is stored under the
+# step being filled, ahead of the steps still training when rollouts run asynchronously. So a
+# cached per-step answer re-reads this many of the newest steps it has seen.
+REREAD_STEPS = 16
+
 
 class UnknownRunError(LookupError):
     pass
@@ -84,17 +89,17 @@ class RunRegistry:
     def cached_steps(
         self, entry: RunEntry, key: str, compute: Callable[[int | None], dict[int, Any]]
     ) -> dict[int, Any]:
-        """A per-step answer kept across changes of a live run: only the newest step seen (it may
-        have been partly written) and later ones are read again (``compute(since)`` gives the
-        steps after ``since``); when those are gone (a resume redoes them) everything is read."""
+        """A per-step answer kept across changes of a live run: only the newest ``REREAD_STEPS``
+        steps seen and later ones are read again (``compute(since)`` gives the steps after
+        ``since``); when those are gone (a resume redoes them) everything is read."""
         state = _file_state(entry.path)
         hit = self._cache.get((entry.path, key))
         if hit is not None and hit[0] == state:
             return hit[1]
         old: dict[int, Any] = hit[1] if hit is not None else {}
         merged = None
-        if len(old) > 1:
-            since = sorted(old)[-2]
+        if len(old) > REREAD_STEPS:
+            since = sorted(old)[-REREAD_STEPS - 1]
             fresh = compute(since)
             if fresh:  # none at all: the newest steps went away (a resume), so read everything
                 merged = {s: v for s, v in old.items() if s <= since} | fresh
