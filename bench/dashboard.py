@@ -63,6 +63,7 @@ def routes(spec: SyntheticSpec, bounds: dict) -> list[str]:
     mid = spec.steps // 2
     names = "reward_sum_mean,loss,entropy,grad_norm,kl_divergence_inference,length_completion_mean"
     t0 = bounds["start"]
+    t1 = bounds["end"]
     w0 = t0 + mid * spec.step_seconds
     w1 = w0 + 3 * spec.step_seconds
     s0 = bounds["system_start"]
@@ -87,8 +88,10 @@ def routes(spec: SyntheticSpec, bounds: dict) -> list[str]:
         f"/api/runs/big/rollouts/{mid * spec.rollouts_per_step}",
         "/api/runs/big/evals",
         "/api/runs/big/time-bounds",
-        f"/api/runs/big/timeline?start={w0}&end={w1}",
-        f"/api/runs/big/timeline?start={t0}&end={bounds['end']}",
+        # as the timeline page asks: at most 8000 events, none under ~a pixel (1/1500 of the window)
+        f"/api/runs/big/timeline?start={w0}&end={w1}&limit=8000&min_duration={(w1 - w0) / 1500}",
+        f"/api/runs/big/timeline?start={w0}&end={w0 + 3600}&limit=8000&min_duration={3600 / 1500}",
+        f"/api/runs/big/timeline?start={t0}&end={t1}&limit=8000&min_duration={(t1 - t0) / 1500}",
         "/api/runs/big/system-names",
         f"/api/runs/big/system?name=gpu_utilization_percent&start={s0}&end={s1}&points=600",
         f"/api/runs/big/system?name=gpu_utilization_percent&start={s0}&end={s0 + 300}",

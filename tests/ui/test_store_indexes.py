@@ -11,7 +11,13 @@ from refractor.telemetry.query import RunReader
 from refractor.telemetry.store import SCHEMA_VERSION, RunStore
 from refractor.telemetry.synthetic import SyntheticSpec, write_synthetic_run
 
-DASHBOARD_INDEXES = ("step_metrics_by_name", "rollouts_dispatch", "rollouts_step_stats")
+DASHBOARD_INDEXES = (
+    "step_metrics_by_name",
+    "rollouts_dispatch",
+    "rollouts_step_stats",
+    "events_duration",
+    "events_name",
+)
 
 
 def answers(run_dir):
@@ -21,6 +27,7 @@ def answers(run_dir):
             derived.derived_step_metrics(r, ["math"]),
             derived.distribution_over_steps(r, "reward"),
             series.lanes_window(r, 1_750_000_010.0, 1_750_000_020.0, 10.0),
+            series.events_window(r, 1_750_000_000.0, 1_750_000_030.0, 10.0, min_duration=0.5, wide=1.0),
         )
 
 

@@ -133,24 +133,38 @@ def events_window(
     longest: float,
     limit: int = 20_000,
     min_duration: float = 0.0,
-    component: str | None = None,
+    wide: float = 1800.0,
 ) -> dict[str, Any]:
-    """Events overlapping [start, end], by start time, at most ``limit`` (``truncated`` says so).
-    The ``events_start`` index bounds the scan: an event overlapping the window started at most
-    ``longest`` (the longest event's duration) before it. With ``min_duration`` (about a pixel of a
-    zoomed-out view) shorter spans and instants other than milestones (and evals) are left out."""
-    sql = (
-        'SELECT id, name, component, step, start, "end", attrs FROM events '
-        'WHERE start BETWEEN ? AND ? AND "end" >= ?'
-    )
-    args: list[Any] = [start - longest, end, start]
-    if min_duration > 0:
-        marks = ",".join("?" * len(MILESTONES))
-        sql += f" AND (\"end\" - start >= ? OR name IN ({marks}) OR substr(name, 1, 5) = 'eval_')"
-        args += [min_duration, *MILESTONES]
-    if component is not None:
-        sql += " AND component = ?"
-        args.append(component)
+    """Events overlapping [start, end], by start time, at most ``limit`` (``truncated`` says so),
+    as columns. An event overlapping the window started at most ``longest`` (the longest event's
+    duration) before it, so the ``events_start`` index bounds the scan. With ``min_duration``
+    (about a pixel of the view) shorter spans and instants other than milestones and evals are
+    left out; a window wider than ``wide`` seconds then reads the long spans and the milestones by
+    the ``events_duration`` and ``events_name`` indexes (schema 4) instead of every event in it."""
+    cols = 'id, name, component, step, start, "end", attrs'
+    window = 'start BETWEEN ? AND ? AND "end" >= ?'
+    bounds = [start - longest, end, start]
+    marks = ",".join("?" * len(MILESTONES))
+    if (
+        min_duration > 0
+        and end - start > wide
+        and reader.has_index("events_duration")
+        and reader.has_index("events_name")
+    ):
+        sql = (
+            f'SELECT {cols} FROM events INDEXED BY events_duration WHERE "end" - start >= ? AND {window} '
+            f"UNION ALL SELECT {cols} FROM events INDEXED BY events_name "
+            f"WHERE name IN ({marks}) AND {window} "
+            f"UNION ALL SELECT {cols} FROM events INDEXED BY events_name "
+            f"WHERE name >= 'eval_' AND name < 'eval`' AND {window}"
+        )
+        args: list[Any] = [min_duration, *bounds, *MILESTONES, *bounds, *bounds]
+    else:
+        sql = f"SELECT {cols} FROM events WHERE {window}"
+        args = list(bounds)
+        if min_duration > 0:
+            sql += f" AND (\"end\" - start >= ? OR name IN ({marks}) OR substr(name, 1, 5) = 'eval_')"
+            args += [min_duration, *MILESTONES]
     events = reader.columns(sql + " ORDER BY start, id LIMIT ?", [*args, limit + 1])
     truncated = len(events["id"]) > limit
     return {"events": {k: v[:limit] for k, v in events.items()}, "truncated": truncated}

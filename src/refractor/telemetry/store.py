@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 # 2: system_metrics.node (the address of the machine a row comes from); 3: code_roots, code_files;
 # 4: indexes for the dashboard's reads (step metrics by name; rollouts by dispatch time, and the
-# rollout columns per-step statistics read, so they never read the rollouts' texts)
+# rollout columns per-step statistics read, so they never read the rollouts' texts; events by
+# duration and by name, for a zoomed-out timeline)
 SCHEMA_VERSION = 4
 
 SCHEMA = """
@@ -71,6 +72,8 @@ CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, component TEXT NOT NULL,
     step INTEGER, start REAL NOT NULL, "end" REAL NOT NULL, attrs TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS events_start ON events (start);
+CREATE INDEX IF NOT EXISTS events_duration ON events (("end" - start));
+CREATE INDEX IF NOT EXISTS events_name ON events (name, start);
 CREATE TABLE IF NOT EXISTS system_metrics (
     time REAL NOT NULL, source TEXT NOT NULL, name TEXT NOT NULL, value REAL,
     node TEXT NOT NULL DEFAULT '');
