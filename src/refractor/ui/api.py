@@ -306,7 +306,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             }
             if r.has_table("events"):  # columns: {"id": [...], "name": [...], ..., "attrs": [JSON text]}
                 out |= series.events_window(r, start, end, longest_event, limit, min_duration)
-            if r.has_table("rollouts"):
+            if r.has_table("rollouts") and longest_rollout >= min_duration:  # else none is wide enough
                 out["lanes"] = series.lanes_window(r, start, end, longest_rollout, min_duration=min_duration)
             return out
 
