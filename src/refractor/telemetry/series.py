@@ -171,7 +171,7 @@ def events_window(
 
 
 def lanes_window(
-    reader: RunReader, start: float, end: float, longest: float, limit: int = 5_000, min_duration: float = 0.0
+    reader: RunReader, start: float, end: float, longest: float, limit: int = 2_500, min_duration: float = 0.0
 ) -> dict[str, Any]:
     """Rollouts on the inference lanes during [start, end] (``longest``: the longest rollout's
     dispatch-to-finish seconds; those shorter than ``min_duration`` left out) and their turns'
