@@ -262,6 +262,14 @@ def test_live_updates_appear_while_a_run_writes(page, live_runs):
             store.log_rollouts([r], step, step)
         store.flush()
         page.locator("[data-testid='chart-loss'] .chart[data-points='5']").wait_for()  # no reload
+        go(page, "rollouts?runs=live&step=4")
+        page.locator("tr.sample").first.wait_for()
+        assert page.locator("tr.sample").count() == 1
+        more = _rollout(100, 4)
+        more.mark(RolloutStatus.KEPT)
+        store.log_rollouts([more], 4, 4)
+        store.flush()
+        page.wait_for_function("document.querySelectorAll('tr.sample').length === 2")  # no reload
         go(page, "runs")
         page.locator("tr[data-run='live']").get_by_text("running").wait_for()
     finally:
