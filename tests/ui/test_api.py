@@ -93,6 +93,9 @@ def test_derived_metrics_match_the_python_reference_per_environment(client, runs
             for name in (
                 "reward_sum_mean",
                 "reward_sum_std",
+                "reward_correct_mean",
+                "reward_format_std",
+                "reward_format_min",
                 "length_completion_max",
                 "advantage_std",
                 "stop_reason_length_pct",

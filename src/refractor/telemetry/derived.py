@@ -84,6 +84,13 @@ def derived_step_metrics(
             m[f"{k}_max"] = r[f"{k}_max"]
         m["stop_reason_length_pct"] = r["stop_reason_length_pct"]
         m["off_policy_steps_mean"] = r["off_policy_steps_mean"]
+    for r in _sample_metric_stats(reader, envs, since):
+        m = out[r["step"]]
+        prefix = f"reward_{r['name']}"
+        m[f"{prefix}_mean"] = r["mean"]
+        m[f"{prefix}_std"] = _std(r["n"], r["total"], r["sq"])
+        m[f"{prefix}_min"] = r["lo"]
+        m[f"{prefix}_max"] = r["hi"]
     for name, by_step in _group_ginis(reader, where, args).items():
         for step, value in by_step.items():
             out[step][name] = value
@@ -102,6 +109,30 @@ def derived_step_metrics(
             m["discarded_zero_advantage_pct"] = 100.0 * m.get("discarded_zero_advantage_count", 0.0) / dropped
             m["discarded_max_async_pct"] = 100.0 * m.get("discarded_max_async_count", 0.0) / dropped
     return dict(sorted(out.items()))
+
+
+def _sample_metric_stats(
+    reader: RunReader, envs: list[str] | None, since: int | None
+) -> list[dict[str, Any]]:
+    """Per step and sample metric of the kept rollouts (of ``envs``): count, mean, sum, sum of
+    squares, min and max (the ``sample_metrics`` table; joined to the rollouts for their
+    environment only when filtered)."""
+    clauses = ["m.status = 'kept'"]
+    args: list[Any] = []
+    join = ""
+    if envs:
+        join = "JOIN rollouts AS r ON r.rollout_id = m.rollout_id"
+        clauses.append(f"r.env IN ({','.join('?' * len(envs))})")
+        args += envs
+    if since is not None:
+        clauses.append("m.step > ?")
+        args.append(since)
+    return reader.rows(
+        "SELECT m.step AS step, m.name AS name, COUNT(m.value) AS n, AVG(m.value) AS mean, "
+        "SUM(m.value) AS total, SUM(m.value * m.value) AS sq, MIN(m.value) AS lo, MAX(m.value) AS hi "
+        f"FROM sample_metrics AS m {join} WHERE {' AND '.join(clauses)} GROUP BY m.step, m.name",
+        args,
+    )
 
 
 def _group_ginis(reader: RunReader, where: str, args: list[Any]) -> dict[str, dict[int, float]]:
