@@ -29,15 +29,20 @@ else
   $PIP install "torch==${TORCH_VERSION}"
 fi
 
-# 2. OS packages: bubblewrap isolates the local code sandbox.
+# 2. OS packages: bubblewrap isolates the local code sandbox; Chromium runs the dashboard's browser tests.
 if [ "$WITH_DEV" = 1 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null
+  apt-get install -y -qq --no-install-recommends bubblewrap chromium >/dev/null
 fi
 
 # 3. refractor itself.
 EXTRAS="math"
 [ "$WITH_DEV" = 1 ] && EXTRAS="$EXTRAS,dev"
 $PIP install -e ".[${EXTRAS}]"
+# 4. The dashboard's frontend toolchain (tests rebuild it to check the shipped bundle is current).
+#    The built frontend ships in the package: `refractor ui` itself needs no Node.js.
+if [ "$WITH_DEV" = 1 ] && command -v npm >/dev/null 2>&1; then
+  (cd frontend && npm ci --no-audit --no-fund)
+fi
 python3 -c "import refractor, torch; print('refractor', refractor.__version__, '| torch', torch.__version__)"

@@ -170,6 +170,11 @@ from refractor.inference.serve_cli import register as _register_serve  # noqa: E
 _register_serve(app)
 
 
+from refractor.ui.cli import register as _register_ui  # noqa: E402  (`refractor ui`)
+
+_register_ui(app)
+
+
 def main() -> None:
     app()
 

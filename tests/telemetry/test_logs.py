@@ -19,7 +19,7 @@ from refractor.telemetry.log_capture import (
 )
 from refractor.telemetry.log_files import FileFollower, LogFileCopies, line_level
 from refractor.telemetry.query import RunReader
-from refractor.telemetry.store import RunStore
+from refractor.telemetry.store import SCHEMA_VERSION, RunStore
 
 
 class Clock:
@@ -274,7 +274,7 @@ def test_a_run_store_of_schema_3_reads_no_logs_and_gets_the_table_when_written_a
     store.close()
     with RunReader(tmp_path) as reader:
         assert [r["message"] for r in reader.logs()] == ["after the resume"]
-        assert reader.meta()["schema_version"] == 4
+        assert reader.meta()["schema_version"] == SCHEMA_VERSION
 
 
 def test_unwritable_log_files_are_one_warning_and_the_store_still_gets_every_line(tmp_path):

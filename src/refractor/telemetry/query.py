@@ -80,6 +80,25 @@ class RunReader:
     def _rows(self, sql: str, args: tuple = ()) -> list[dict[str, Any]]:
         return [dict(r) for r in self._conn.execute(sql, args).fetchall()]
 
+    def rows(self, sql: str, args: tuple | list = ()) -> list[dict[str, Any]]:
+        """Rows of one read-only SQL query, as dicts (for the query modules built on this reader;
+        the connection is read-only, so nothing a caller passes can change the store)."""
+        return self._rows(sql, tuple(args))
+
+    def columns(self, sql: str, args: tuple | list = ()) -> dict[str, list[Any]]:
+        """One read-only SQL query's result as {column: [values]} (compact for large answers)."""
+        cur = self._conn.execute(sql, tuple(args))
+        names = [d[0] for d in cur.description]
+        rows = cur.fetchall()
+        return {n: [r[i] for r in rows] for i, n in enumerate(names)}
+
+    def has_table(self, table: str) -> bool:
+        return bool(table_columns(self._conn, table))
+
+    def has_index(self, index: str) -> bool:
+        row = self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?", (index,))
+        return row.fetchone() is not None
+
     def meta(self) -> dict[str, Any]:
         return {r["key"]: json.loads(r["value"]) for r in self._rows("SELECT key, value FROM meta")}
 

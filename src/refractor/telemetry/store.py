@@ -31,13 +31,17 @@ if TYPE_CHECKING:
 
 # 2: system_metrics.node (the address of the machine a row comes from); 3: code_roots, code_files;
 # 4: logs
-SCHEMA_VERSION = 4
+# 5: indexes for the dashboard's reads (step metrics by name; rollouts by dispatch time, and the
+# rollout columns per-step statistics read, so they never read the rollouts' texts; events by
+# duration and by name, for a zoomed-out timeline)
+SCHEMA_VERSION = 5
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS step_metrics (
     step INTEGER NOT NULL, name TEXT NOT NULL, value REAL, time REAL NOT NULL,
     PRIMARY KEY (step, name));
+CREATE INDEX IF NOT EXISTS step_metrics_by_name ON step_metrics (name, step, value);
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id INTEGER PRIMARY KEY, group_id INTEGER NOT NULL, sample_idx INTEGER NOT NULL,
     env TEXT NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL, error TEXT NOT NULL,
@@ -51,6 +55,9 @@ CREATE TABLE IF NOT EXISTS rollouts (
     dispatch_time REAL, generation_end_time REAL, finish_time REAL, reward_time REAL,
     prompt_index INTEGER NOT NULL, prompt_ordinal INTEGER NOT NULL, completion_ids BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS rollouts_step_status ON rollouts (step, status);
+CREATE INDEX IF NOT EXISTS rollouts_dispatch ON rollouts (dispatch_time);
+CREATE INDEX IF NOT EXISTS rollouts_step_stats ON rollouts (status, step, env, group_id, reward, advantage,
+    prompt_tokens, completion_tokens, stop_reason, off_policy_steps, reason);
 CREATE TABLE IF NOT EXISTS sample_metrics (
     rollout_id INTEGER NOT NULL, step INTEGER NOT NULL, status TEXT NOT NULL, name TEXT NOT NULL, value REAL,
     PRIMARY KEY (rollout_id, name));
@@ -68,6 +75,8 @@ CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, component TEXT NOT NULL,
     step INTEGER, start REAL NOT NULL, "end" REAL NOT NULL, attrs TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS events_start ON events (start);
+CREATE INDEX IF NOT EXISTS events_duration ON events (("end" - start));
+CREATE INDEX IF NOT EXISTS events_name ON events (name, start);
 CREATE TABLE IF NOT EXISTS system_metrics (
     time REAL NOT NULL, source TEXT NOT NULL, name TEXT NOT NULL, value REAL,
     node TEXT NOT NULL DEFAULT '');
