@@ -236,7 +236,8 @@ def test_topology_code_snapshot_and_a_run_without_logs(client):
     diff = ok(client, "/api/code-diff", a="syn", b="other")
     assert [c["path"] for c in diff["changed"]] == ["train.yaml"] and "+seed: 2" in diff["changed"][0]["diff"]
     assert ok(client, "/api/runs/old/code") == {"info": None, "files": []}
-    resp = client.get("/api/runs/syn/logs")
+    assert ok(client, "/api/runs/syn/logs")["logs"] == []  # a logs table with no line yet
+    resp = client.get("/api/runs/old/logs")  # a run store from before the logs table
     assert resp.status_code == 409 and "no logs recorded" in resp.json()["error"]
 
 
@@ -332,33 +333,37 @@ def test_a_runs_dir_with_500_runs_lists_them_all(tmp_path):
 
 
 def test_logs_are_listed_with_filters_when_the_store_has_them(tmp_path):
-    import sqlite3
-
+    from refractor.telemetry.log_capture import LogLine
+    from refractor.telemetry.store import RunStore
     from refractor.telemetry.synthetic import SyntheticSpec, write_synthetic_run
 
     run = write_synthetic_run(tmp_path / "runs" / "logged", SyntheticSpec(steps=2, rollouts_per_step=8))
-    conn = sqlite3.connect(run / "run.db")
-    conn.execute("CREATE TABLE logs (time REAL, level TEXT, component TEXT, message TEXT)")
-    conn.executemany(
-        "INSERT INTO logs VALUES (?, ?, ?, ?)",
+    store = RunStore(run)  # the run's writer adds the logs table to the synthetic store
+    store.log_lines(
         [
-            (1.0, "INFO", "orchestrator", "step 0 done"),
-            (2.0, "WARNING", "server-0", "slow request"),
-            (3.0, "INFO", "trainer/rank0", "step 1 done"),
-        ],
+            LogLine(1.0, "INFO", "orchestrator", None, "10.0.0.1", "log", "step 0 done"),
+            LogLine(2.0, "WARNING", "server", 0, "10.0.0.2", "file", "slow request"),
+            LogLine(3.0, "INFO", "trainer", 0, "10.0.0.1", "stdout", "step 1 done"),
+        ]
     )
-    conn.commit()
-    conn.close()
+    store.close()
     with TestClient(create_app([tmp_path / "runs"], tmp_path / "state")) as c:
         assert ok(c, "/api/runs/logged")["has"]["logs"]
-        assert [r["message"] for r in ok(c, "/api/runs/logged/logs")["logs"]] == [
-            "step 0 done",
-            "slow request",
-            "step 1 done",
-        ]
-        assert [r["message"] for r in ok(c, "/api/runs/logged/logs", level="WARNING")["logs"]] == [
+        first = ok(c, "/api/runs/logged/logs")
+        assert [r["message"] for r in first["logs"]] == ["step 0 done", "slow request", "step 1 done"]
+        assert {(s["component"], s["rank"], s["lines"]) for s in first["summary"]} == {
+            ("orchestrator", None, 1),
+            ("server", 0, 1),
+            ("trainer", 0, 1),
+        }
+        assert [r["message"] for r in ok(c, "/api/runs/logged/logs", level="warning")["logs"]] == [
             "slow request"
         ]
         assert [r["component"] for r in ok(c, "/api/runs/logged/logs", q="done", after=1)["logs"]] == [
-            "trainer/rank0"
+            "trainer"
         ]
+        assert [r["source"] for r in ok(c, "/api/runs/logged/logs", component="trainer", rank=0)["logs"]] == [
+            "stdout"
+        ]
+        resp = c.get("/api/runs/logged/logs", params={"level": "LOUD"})
+        assert resp.status_code == 400 and "level must be one of" in resp.json()["error"]

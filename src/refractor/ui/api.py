@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Query
 
 from refractor.telemetry import derived, rollout_query, series
+from refractor.telemetry.log_capture import LEVELS
 from refractor.telemetry.query import RunReader, diff_code
 from refractor.telemetry.run_configs import ConfigQuery, config_diff
 from refractor.ui.registry import RunRegistry
@@ -361,26 +362,23 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
         run_id: str,
         component: str | None = None,
         level: str | None = None,
+        rank: int | None = None,
         q: str = Query("", max_length=500),
         after: int = 0,
         limit: int = Query(1000, ge=1, le=10_000),
     ) -> dict[str, Any]:
+        """Lines after id ``after``, oldest first (a live view passes the last id it has);
+        ``level``: that level and above; ``q``: lines containing it (docs/run-store.md#logs)."""
+        if level and level.upper() not in LEVELS:
+            raise HTTPException(400, f"level must be one of {', '.join(LEVELS)}")
         with reader(run_id) as r:
             require_table(r, "logs", "logs")
             columns = {c["name"] for c in r.rows("PRAGMA table_info(logs)")}
-            clauses = ["rowid > ?"]
-            args: list[Any] = [after]
-            for column, value in (("component", component), ("level", level)):
-                if value and column in columns:
-                    clauses.append(f"{column} = ?")
-                    args.append(value)
-            if q and "message" in columns:
-                clauses.append("message LIKE ?")
-                args.append(f"%{q}%")
-            rows = r.rows(
-                f"SELECT rowid AS id, * FROM logs WHERE {' AND '.join(clauses)} ORDER BY rowid LIMIT ?",
-                [*args, limit],
-            )
-            return {"columns": sorted(columns), "logs": rows}
+            rows = r.logs(component or None, level or None, q or None, rank, after_id=after, limit=limit)
+            return {
+                "columns": sorted(columns),
+                "logs": rows,
+                "summary": r.log_summary() if after == 0 else None,
+            }
 
     return api
