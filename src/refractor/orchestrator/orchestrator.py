@@ -39,8 +39,9 @@ from refractor.orchestrator.protocols import StepSink, TelemetryLoop, Trainer
 from refractor.orchestrator.rollout import InferenceServer, PreparedPrompt, SerialServer, prepare_prompt
 from refractor.orchestrator.settings import OrchestratorSettings
 from refractor.orchestrator.stall import ZeroAdvantageWatch
-from refractor.orchestrator.train_batch import summarize, train_samples
+from refractor.orchestrator.train_batch import train_samples
 from refractor.records import DiscardReason, Group, PromptRef, RolloutStatus, TimelineEvent
+from refractor.telemetry.metrics import RolloutSummary
 from refractor.telemetry.step_metrics import StepTiming, step_metrics
 from refractor.weight_sync import UpdateTarget
 
@@ -331,7 +332,10 @@ class Orchestrator:
         previous_end = self._last_step_end if self._last_step_end is not None else t0 - waited
         timing = StepTiming(waited, t1 - t0, t2 - t1 - held, t2 - previous_end)
         metrics = filtered | step_metrics(
-            [summarize(r) for r in batch.rollouts + batch.discarded_rollouts + batch.cancelled_rollouts],
+            [
+                RolloutSummary.of(r)
+                for r in batch.rollouts + batch.discarded_rollouts + batch.cancelled_rollouts
+            ],
             result.metrics,
             timing,
             sum(r.num_completion_tokens for r in batch.rollouts),

@@ -8,7 +8,6 @@ from dataclasses import replace
 from refractor.algorithms.advantages import AdvantageSettings, normalize_batch_advantages
 from refractor.algorithms.filters import FilterSettings, filter_metrics, sample_filter_flags, without_loss
 from refractor.records import Rollout, TrainSample, to_train_samples
-from refractor.telemetry.metrics import RolloutSummary
 
 
 def train_samples(
@@ -25,18 +24,3 @@ def train_samples(
             s = replace(s, advantage=adv)
             samples.append(without_loss(s) if f.any else s)
     return samples, filter_metrics(flags, filters)
-
-
-def summarize(r: Rollout) -> RolloutSummary:
-    return RolloutSummary(
-        r.group_id,
-        str(r.status),
-        r.reason,
-        r.reward,
-        r.advantage,
-        len(r.prompt_ids),
-        r.num_completion_tokens,
-        r.stop_reason,
-        r.off_policy_steps,
-        dict(r.sample_metrics),
-    )

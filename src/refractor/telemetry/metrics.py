@@ -15,6 +15,10 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refractor.records import Rollout
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,21 @@ class RolloutSummary:
     stop_reason: str = ""
     off_policy_steps: int = 0
     sample_metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, r: Rollout) -> RolloutSummary:
+        return cls(
+            r.group_id,
+            str(r.status),
+            r.reason,
+            r.reward,
+            r.advantage,
+            len(r.prompt_ids),
+            r.num_completion_tokens,
+            r.stop_reason,
+            r.off_policy_steps,
+            dict(r.sample_metrics),
+        )
 
 
 def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:

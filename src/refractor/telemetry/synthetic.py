@@ -308,21 +308,7 @@ def _turns(rng: random.Random, answer: int, tools: bool, start: float, step: int
 def _step_metrics(
     rng: random.Random, spec: SyntheticSpec, step: int, rollouts: list[Rollout]
 ) -> list[tuple[str, float]]:
-    summaries = [
-        RolloutSummary(
-            r.group_id,
-            str(r.status),
-            r.reason,
-            r.reward,
-            r.advantage,
-            len(r.prompt_ids),
-            r.num_completion_tokens,
-            r.stop_reason,
-            r.off_policy_steps,
-            r.sample_metrics,
-        )
-        for r in rollouts
-    ]
+    summaries = [RolloutSummary.of(r) for r in rollouts]
     out = rollout_step_metrics(summaries)
     progress = step / max(1, spec.steps)
     train = spec.step_seconds * 0.8  # the trainer spans of _events fill 80% of the step
