@@ -66,6 +66,17 @@ def test_runtime_env_defaults(monkeypatch):
     assert "py_executable" not in env
 
 
+def test_a_named_cluster_that_nobody_runs_is_an_error_at_once():
+    """ray.init would retry a dead address for minutes (and hold off Ctrl-C meanwhile)."""
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    ray.shutdown()  # connected by an earlier test: init_ray would keep that connection
+    with pytest.raises(ClusterError, match=f"cannot reach the Ray cluster at `ray_address: {dead}`"):
+        init_ray(settings(address=dead))
+    assert not ray.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.shutdown()

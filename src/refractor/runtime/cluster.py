@@ -200,14 +200,21 @@ def stale_auto_address(timeout_s: float = 2.0) -> str | None:
             address = path.read_text().strip()
         except OSError:
             return None
+    return address if unreachable(address, timeout_s) else None
+
+
+def unreachable(address: str, timeout_s: float = 2.0) -> bool:
+    """Nothing accepts a connection at ``address`` (``host:port``, or ``ray://host:port``) within
+    ``timeout_s``. ``ray.init`` would instead retry a dead address for minutes. Addresses of
+    another form (``auto``, ``local``) are not probed."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit() or address in ("auto", "local"):
-        return None
+    if not host or not port.isdigit():
+        return False
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return None
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return False
     except OSError:
-        return address
+        return True
 
 
 def _connect(s: RaySettings, common: dict[str, Any]) -> bool:
@@ -222,6 +229,11 @@ def _connect(s: RaySettings, common: dict[str, Any]) -> bool:
             log.info("no Ray cluster answers at %s (left by a cluster that is gone); starting one", stale)
             ray.init(**common, **local)
             return True
+    elif s.address != "auto" and unreachable(s.address):
+        raise ClusterError(
+            f"cannot reach the Ray cluster at `ray_address: {s.address}`: nothing answers there; "
+            f'start it, fix the address, or set `ray_address: ""` to start a cluster for this run'
+        )
     try:
         ray.init(address=s.address, **common)
     except (ConnectionError, RuntimeError) as err:
@@ -293,6 +305,8 @@ class RayHost:
             stop_signals.install()  # ours again, over the handlers ray.init installed
             return connection
         except KeyboardInterrupt:
+            if settings.address not in ("", "auto"):
+                raise  # joining a named cluster starts nothing here: no need to wait for it
             with stop_signals.deferred():  # let the start finish, then stop what it started
                 try:
                     connection = self._started.result(timeout=120)
