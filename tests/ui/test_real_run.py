@@ -101,6 +101,6 @@ def test_every_page_shows_the_quickstart_run(quick_runs, tmp_path):
         page.get_by_test_id("code-text").get_by_text("repeat_letter").first.wait_for()
         page.goto(f"{base}/#/code?runs=quick,copy&against=copy")
         page.get_by_text("are the same").wait_for()
-        page.goto(f"{base}/#/logs?runs=quick")
-        page.get_by_text("no logs recorded").wait_for()
+        page.goto(f"{base}/#/logs?runs=quick&component=trainer")
+        page.get_by_test_id("logs-table").get_by_text("trainer rank 0/1 on cpu").wait_for()
         browser.close()

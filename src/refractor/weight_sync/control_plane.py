@@ -113,6 +113,9 @@ class ServerControl:
     def resume(self) -> None:
         self.call("POST", "/resume")
 
+    def is_paused(self) -> bool:
+        return bool(self.call("GET", "/is_paused")["is_paused"])
+
     def shutdown_weight_transfer_engine(self) -> None:
         self.call("POST", "/shutdown_weight_transfer_engine", timeout_s=5.0)
 

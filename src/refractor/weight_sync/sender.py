@@ -347,7 +347,7 @@ class WeightSender:
 
     def _resume_quietly(self, controls: list[ServerControl]) -> None:
         # a server that died must not turn a clear error into a second one
-        futures = [self._pool.submit(c.resume) for c in controls]
+        futures = [self._pool.submit(_resume_until_running, c) for c in controls]
         for future in futures:
             with contextlib.suppress(Exception):
                 future.result(timeout=self.timeout_s)
@@ -368,6 +368,20 @@ class WeightSender:
         group.transfer.shutdown()
         for control in group.servers:
             control.close()
+
+
+RESUME_ATTEMPTS = 20
+
+
+def _resume_until_running(control: ServerControl) -> None:
+    """Resume, and resume again while the server still says it is paused: vLLM can drop a resume
+    that arrives while it is still winding down a failed update (seen on vLLM CPU 0.32)."""
+    for attempt in range(RESUME_ATTEMPTS):
+        control.resume()
+        if not control.is_paused():
+            return
+        time.sleep(0.05 * (attempt + 1))
+    raise WeightSyncError(f"server {control.server} stays paused after {RESUME_ATTEMPTS} resumes")
 
 
 def gather_ahead(
