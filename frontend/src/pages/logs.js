@@ -29,9 +29,11 @@ function LogView({ run, runs, params }) {
   }, [key]);
   useEffect(() => {
     api(`runs/${enc(run)}/logs`, { ...filters, after: last.current, limit: 5000 }).then((d) => {
-      if (d.logs.length) {
-        last.current = d.logs[d.logs.length - 1].id;
-        setLines((old) => [...old, ...d.logs].slice(-20000));
+      // two requests can overlap (a filter change and a new cursor): keep only lines not shown yet
+      const fresh = d.logs.filter((l) => l.id > last.current);
+      if (fresh.length) {
+        last.current = fresh[fresh.length - 1].id;
+        setLines((old) => [...old, ...fresh].slice(-20000));
       }
       setError(null);
     }, setError);
@@ -48,6 +50,6 @@ function LogView({ run, runs, params }) {
       <button type="submit">filter</button>
     </form>
     <${ErrorBox} error=${error} />
-    <table data-testid="logs-table"><thead><tr><th>time</th><th>component</th><th>level</th><th>message</th></tr></thead>
-      <tbody>${lines.map((l) => html`<tr><td>${fmtTime(l.time ?? l.timestamp)}</td><td>${l.component ?? ""}</td><td>${l.level ?? ""}</td><td><pre>${l.message ?? JSON.stringify(l)}</pre></td></tr>`)}</tbody></table>`;
+    <table data-testid="logs-table"><thead><tr><th>time</th><th>component</th><th>level</th><th>source</th><th>message</th></tr></thead>
+      <tbody>${lines.map((l) => html`<tr><td>${fmtTime(l.time)}</td><td>${l.rank == null ? l.component : `${l.component}-${l.rank}`}</td><td>${l.level}</td><td>${l.source}</td><td><pre>${l.message}</pre></td></tr>`)}</tbody></table>`;
 }
