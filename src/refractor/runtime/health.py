@@ -131,8 +131,8 @@ def actor_process_check(actor_of: Callable[[str], Any], timeout_s: float = 30.0)
     async def check(name: str) -> tuple[bool, str]:
         actor = actor_of(name)
         try:
-            alive = await asyncio.wait_for(_await_ref(actor.alive.remote()), timeout_s)
-            tail = "" if alive else await asyncio.wait_for(_await_ref(actor.log_tail.remote()), timeout_s)
+            alive = await asyncio.wait_for(await_ref(actor.alive.remote()), timeout_s)
+            tail = "" if alive else await asyncio.wait_for(await_ref(actor.log_tail.remote()), timeout_s)
             return bool(alive), tail
         except ray.exceptions.RayActorError as err:
             return False, f"(its Ray actor died: {err})"
@@ -142,13 +142,14 @@ def actor_process_check(actor_of: Callable[[str], Any], timeout_s: float = 30.0)
     return check
 
 
-async def _await_ref(ref: Any) -> Any:
+async def await_ref(ref: Any) -> Any:
+    """An awaitable of a Ray ObjectRef (or any awaitable), for asyncio.wait_for and tasks."""
     return await ref
 
 
 async def await_ranks(refs: Sequence[Any], what: str, timeout_s: float) -> list[Any]:
     """Results of one call on every trainer rank, in rank order; a dead or late rank fails by number."""
-    tasks = [asyncio.ensure_future(_await_ref(r)) for r in refs]
+    tasks = [asyncio.ensure_future(await_ref(r)) for r in refs]
     try:
         done, pending = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
         for rank, task in enumerate(tasks):

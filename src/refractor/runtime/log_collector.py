@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from refractor.records import TimelineEvent
+from refractor.runtime.health import await_ref
 from refractor.telemetry.log_capture import LogBatch, LogLine, ProcessLogs
 from refractor.telemetry.log_files import LogFileCopies
 
@@ -78,7 +79,7 @@ class LogCollector:
 
     async def collect(self) -> None:
         results = await asyncio.gather(
-            *(asyncio.wait_for(_await(s.drain()), self.call_timeout_s) for s in self.sources),
+            *(asyncio.wait_for(await_ref(s.drain()), self.call_timeout_s) for s in self.sources),
             return_exceptions=True,
         )
         await asyncio.to_thread(self._record_all, results)
@@ -154,10 +155,6 @@ class LogCollector:
         log.warning(message)
         now = time.time()
         self.warn(TimelineEvent(event, now, now, "driver", {"source": source, "message": message}))
-
-
-async def _await(ref: Any) -> Any:
-    return await ref
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:

@@ -21,6 +21,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from refractor.records import TimelineEvent
+from refractor.runtime.health import await_ref
 from refractor.telemetry.system import NodeSampler, describe_machine
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,10 @@ class NodeMetricsLoop:
     async def collect(self) -> None:
         nodes = list(self.actors)
         results = await asyncio.gather(
-            *(asyncio.wait_for(_await(self.actors[n].sample.remote()), self.call_timeout_s) for n in nodes),
+            *(
+                asyncio.wait_for(await_ref(self.actors[n].sample.remote()), self.call_timeout_s)
+                for n in nodes
+            ),
             return_exceptions=True,
         )
         for node, result in zip(nodes, results, strict=True):
@@ -133,7 +137,3 @@ class NodeMetricsLoop:
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         self.actors.clear()
-
-
-async def _await(ref: Any) -> Any:
-    return await ref

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from refractor.algorithms.packing import PackingSettings, pack_step
 from refractor.records import StepResult, TimelineEvent, TrainSample
 from refractor.runtime.cluster import LOOPBACK, Reservation
-from refractor.runtime.health import await_ranks
+from refractor.runtime.health import await_ranks, await_ref
 from refractor.telemetry.log_capture import LogBatch, ProcessLogs
 from refractor.telemetry.torch_memory import TorchMemoryRecorder, torch_memory_gb
 from refractor.trainer.settings import TrainerSettings
@@ -337,7 +337,7 @@ class TrainerMemoryLoop:
         ranks = list(self.ranks)
         results = await asyncio.gather(
             *(
-                asyncio.wait_for(_await(self.ranks[r].drain_torch_memory.remote()), self.call_timeout_s)
+                asyncio.wait_for(await_ref(self.ranks[r].drain_torch_memory.remote()), self.call_timeout_s)
                 for r in ranks
             ),
             return_exceptions=True,
@@ -362,7 +362,3 @@ class TrainerMemoryLoop:
         self.warn(
             TimelineEvent("torch_memory_failed", now, now, "driver", {"rank": rank, "message": message})
         )
-
-
-async def _await(ref: Any) -> Any:
-    return await ref
