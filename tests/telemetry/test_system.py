@@ -60,6 +60,27 @@ def test_io_wait_counts_as_idle_and_no_cpu_metric_without_elapsed_time():
     assert sampler.sample()["cpu_utilization_percent"] == pytest.approx(50.0)
 
 
+def test_a_counter_stepping_backwards_stays_within_0_and_100_percent():
+    """Idle may step back between readings on a virtual machine; the share is clamped, not 120%."""
+    readings = Readings([(100.0, 100.0, 5.0), (100.0, 100.0, 0.0)])
+    sampler = SystemSampler(readings.cpu_times, readings.virtual_memory)
+    readings.cores = [
+        (110.0, 100.0, 0.0),
+        (100.0, 99.0, 0.0),
+    ]  # core 0: I/O wait -5; core 1: idle -1, no elapsed time
+    m = sampler.sample()
+    assert m["cpu_core_0_utilization_percent"] == pytest.approx(100.0)
+    assert "cpu_core_1_utilization_percent" not in m  # no time passed on its counters: no reading
+
+
+def test_guest_time_is_not_counted_twice():
+    Times = namedtuple("Times", "user nice system idle iowait guest guest_nice")
+    now = [Times(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)]
+    sampler = SystemSampler(lambda percpu=False: now if percpu else now[0], Readings([]).virtual_memory)
+    now[0] = Times(20.0, 0.0, 0.0, 20.0, 0.0, 20.0, 0.0)  # the 20 s of guest time are inside user's 20 s
+    assert sampler.sample()["cpu_utilization_percent"] == pytest.approx(50.0)
+
+
 def test_real_machine_is_sane():
     sampler = SystemSampler()
     sum(i * i for i in range(200_000))  # some CPU time between the two readings

@@ -29,15 +29,20 @@ Rows = list[tuple[str, str, float]]  # (source, metric name, value)
 
 
 def _busy_and_total(times: Any) -> tuple[float, float]:
-    """CPU seconds spent busy and in total; idle counts I/O wait too."""
-    total = float(sum(times))
+    """CPU seconds spent busy and in total; idle counts I/O wait too. Linux counts guest time inside
+    user and nice already, so it is left out of the total rather than counted twice."""
+    total = float(sum(times)) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
     idle = times.idle + getattr(times, "iowait", 0.0)
     return total - idle, total
 
 
 def _percent_busy(now: tuple[float, float], before: tuple[float, float]) -> float | None:
+    """Clamped to [0, 100]: a kernel's idle and I/O-wait counters may step backwards between two
+    readings (seen on virtual machines), which would otherwise give a share below 0 or above 100."""
     elapsed = now[1] - before[1]
-    return 100.0 * (now[0] - before[0]) / elapsed if elapsed > 0 else None
+    if elapsed <= 0:
+        return None
+    return min(100.0, max(0.0, 100.0 * (now[0] - before[0]) / elapsed))
 
 
 class SystemSampler:

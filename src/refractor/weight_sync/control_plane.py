@@ -7,6 +7,12 @@ native server through ``refractor.inference.weight_routes``): ``/get_world_size`
 ``/shutdown_weight_transfer_engine``, ``/health``. Every call is bounded by a timeout, and every
 failure raises ``WeightSyncError`` naming the server it came from. Every call but ``/health``
 presents the run's control token (``Authorization: Bearer``), which those routes require.
+
+A call that may be repeated without effect (pause in ``keep`` mode, resume, the cache reset, the
+GETs) is sent again once when the server closed the kept-alive connection under it: uvicorn closes
+a connection whose request raised after its error answer went out (a rejected ``/update_weights``
+does), and the next call on that pooled connection then fails with "connection reset" although
+the server is fine.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from typing import Any
 import httpx
 
 from refractor.errors import RefractorUserError
+
+# what httpx raises when the server closed the connection before answering
+_CLOSED_UNDER_US = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 class WeightSyncError(RefractorUserError, RuntimeError):
@@ -55,6 +64,7 @@ class ServerControl:
         json: Any = None,
         params: dict | None = None,
         timeout_s: float | None = None,
+        repeatable: bool = False,
     ) -> Any:
         kwargs: dict[str, Any] = {"params": params}
         if json is not None:
@@ -62,7 +72,12 @@ class ServerControl:
         if timeout_s is not None:
             kwargs["timeout"] = timeout_s
         try:
-            response = self._http.request(method, path, **kwargs)
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except _CLOSED_UNDER_US:
+                if not repeatable:
+                    raise
+                response = self._http.request(method, path, **kwargs)  # the pool opens a new connection
         except httpx.TimeoutException as err:
             raise WeightSyncError(f"server {self.server}: {method} {path} timed out ({err!r})") from err
         except httpx.HTTPError as err:
@@ -76,7 +91,7 @@ class ServerControl:
 
     # --- the routes, named after vLLM's ----------------------------------------------------
     def world_size(self) -> int:
-        return int(self.call("GET", "/get_world_size")["world_size"])
+        return int(self.call("GET", "/get_world_size", repeatable=True)["world_size"])
 
     def init_weight_transfer_engine(self, init_info: dict, timeout_s: float) -> None:
         self.call("POST", "/init_weight_transfer_engine", json={"init_info": init_info}, timeout_s=timeout_s)
@@ -84,7 +99,7 @@ class ServerControl:
     def pause(self) -> None:
         # keep: in-flight requests are frozen, not aborted. clear_cache=false: the prefix cache is
         # reset explicitly after the update (vLLM applies clear_cache even in keep mode)
-        self.call("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
+        self.call("POST", "/pause", params={"mode": "keep", "clear_cache": "false"}, repeatable=True)
 
     def start_weight_update(self) -> None:
         self.call("POST", "/start_weight_update")
@@ -108,19 +123,20 @@ class ServerControl:
             "POST",
             "/reset_prefix_cache",
             params={"reset_running_requests": "true" if reset_running_requests else "false"},
+            repeatable=True,
         )
 
     def resume(self) -> None:
-        self.call("POST", "/resume")
+        self.call("POST", "/resume", repeatable=True)
 
     def is_paused(self) -> bool:
-        return bool(self.call("GET", "/is_paused")["is_paused"])
+        return bool(self.call("GET", "/is_paused", repeatable=True)["is_paused"])
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.call("POST", "/shutdown_weight_transfer_engine", timeout_s=5.0)
 
     def weight_version(self) -> str | None:
-        return self.call("GET", "/weight_info")["weight_version"]
+        return self.call("GET", "/weight_info", repeatable=True)["weight_version"]
 
     def probe(self, timeout_s: float = 5.0) -> str | None:
         """None when the server answers /health, else why it does not."""

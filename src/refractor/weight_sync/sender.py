@@ -235,6 +235,7 @@ class WeightSender:
         what = f"weight update to version {version} ({target.value!r})"
         unresponsive: frozenset[str] = frozenset()
         paused_at = time.perf_counter()
+        failed = True
         try:  # resumed in every case: a server that paused must not stay paused because another failed
             with spans.span("pause"):
                 self._on_all(controls, ServerControl.pause, what)
@@ -261,9 +262,10 @@ class WeightSender:
                 self._on_all(controls, lambda c: c.finish_weight_update(str(version)), what)
                 recompute = self.settings.inflight_kv == "recompute"
                 self._on_all(controls, lambda c: c.reset_prefix_cache(reset_running_requests=recompute), what)
+            failed = False
         finally:
             with spans.span("resume"):
-                self._resume_quietly([c for c in controls if c.server.name not in unresponsive])
+                self._resume([c for c in controls if c.server.name not in unresponsive], quietly=failed)
             paused = time.perf_counter() - paused_at
         by_server = self._reports_by_server(group, reports)
         spans.add_server_reports(receive_spans, by_server)
@@ -345,12 +347,17 @@ class WeightSender:
         detail = f" ({cause})" if isinstance(cause, CollectiveTimeout) else ""
         return WeightSyncError(f"{what} failed{detail}:\n  " + "\n  ".join(problems), frozenset(unresponsive))
 
-    def _resume_quietly(self, controls: list[ServerControl]) -> None:
-        # a server that died must not turn a clear error into a second one
-        futures = [self._pool.submit(_resume_until_running, c) for c in controls]
-        for future in futures:
-            with contextlib.suppress(Exception):
-                future.result(timeout=self.timeout_s)
+    def _resume(self, controls: list[ServerControl], quietly: bool) -> None:
+        """Resume every server. ``quietly`` (the update already failed): a server that cannot be
+        resumed must not turn that clear error into a second one. Otherwise a server left paused
+        fails the update, naming it: it would serve nothing for the rest of the run."""
+        futures = {c: self._pool.submit(_resume_until_running, c) for c in controls}
+        if quietly:
+            for future in futures.values():
+                with contextlib.suppress(Exception):
+                    future.result(timeout=self.timeout_s)
+            return
+        self._wait_all(futures, "resuming the servers after the update", controls)
 
     def close(self) -> None:
         """Release every group: the servers' side first (best effort), then the trainer's."""
@@ -370,18 +377,23 @@ class WeightSender:
             control.close()
 
 
-RESUME_ATTEMPTS = 20
+RESUME_ATTEMPTS = 5
 
 
 def _resume_until_running(control: ServerControl) -> None:
-    """Resume, and resume again while the server still says it is paused: vLLM can drop a resume
-    that arrives while it is still winding down a failed update (seen on vLLM CPU 0.32)."""
+    """Resume, then check that the server says it runs; a failed or unconfirmed resume is tried
+    again (a resume is harmless on a running server), so a server is never left paused by one lost
+    call after a failed update."""
+    problem = "it still says it is paused"
     for attempt in range(RESUME_ATTEMPTS):
-        control.resume()
-        if not control.is_paused():
-            return
+        try:
+            control.resume()
+            if not control.is_paused():
+                return
+        except WeightSyncError as err:
+            problem = str(err)
         time.sleep(0.05 * (attempt + 1))
-    raise WeightSyncError(f"server {control.server} stays paused after {RESUME_ATTEMPTS} resumes")
+    raise WeightSyncError(f"server {control.server} stays paused after {RESUME_ATTEMPTS} resumes: {problem}")
 
 
 def gather_ahead(
