@@ -53,3 +53,28 @@ def tiny_qwen3_path():
     from refractor.testing import tiny_qwen3
 
     return tiny_qwen3()
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+    """The README's quick start, 3 steps on CPU (asynchronous, zero-advantage groups discarded,
+    metrics scraped every 0.5 s), run once for every test that only reads what a run leaves
+    behind. Returns its run directory (``runs/quick``); tests must not write to it."""
+    from pathlib import Path
+
+    from refractor.config import load_config
+    from refractor.train import run_training
+
+    root = Path(__file__).resolve().parents[1]
+    quickstart = root / "configs" / "examples" / "quickstart.yaml"
+    os.environ.setdefault("REFRACTOR_ENV_PATH", str(root / "environments"))
+    overrides = {
+        "run_dir": str(tmp_path_factory.mktemp("quickstart") / "runs"),
+        "run_name": "quick",
+        "number_of_steps": 3,
+        "ray_address": "",
+        "max_async_rollout": 1,
+        "discard_group_zero_advantage": True,
+        "metrics_logger_interval_seconds": 0.5,
+    }
+    return run_training(load_config(quickstart, overrides), quiet=True, config_path=quickstart)

@@ -42,17 +42,8 @@ def reward_means(run_dir) -> list[float]:
 
 
 @pytest.mark.slow
-def test_three_async_steps_fill_the_run_store(tmp_path):
-    run_dir = run_training(
-        quick_cfg(
-            tmp_path,
-            max_async_rollout=1,
-            discard_group_zero_advantage=True,
-            metrics_logger_interval_seconds=0.5,
-        ),
-        quiet=True,
-        config_path=QUICKSTART,
-    )
+def test_three_async_steps_fill_the_run_store(quickstart_run):
+    run_dir = quickstart_run
     with RunReader(run_dir) as reader:
         steps = reader.step_metrics()
         assert [m["step"] for m in steps] == [0, 1, 2]
@@ -137,9 +128,9 @@ def test_three_async_steps_fill_the_run_store(tmp_path):
     logs = Path(run_dir) / "logs"
     assert server_line["message"] in (logs / "server-0.log").read_text()  # the server's file, indexed
     assert "trainer rank 0/1 on cpu" in (logs / "trainer-0.log").read_text()
-    assert "run t: started a local Ray cluster" in (logs / "driver.log").read_text()
+    assert "run quick: started a local Ray cluster" in (logs / "driver.log").read_text()
     saved = load_config(Path(run_dir) / "config.yaml")  # the resolved config, loadable as is
-    assert saved.run_name == "t" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()
+    assert saved.run_name == "quick" and saved.max_async_rollout == 1 and Path(saved.model).is_dir()
 
 
 @pytest.mark.slow
@@ -250,12 +241,12 @@ def _ignore_sigint() -> None:  # what a shell does to a background job (`refract
 def test_a_stop_signal_stops_everything_and_leaves_no_orphans(tmp_path, sig, after, background, busy, extra):
     """SIGINT and SIGTERM stop a run from any state within 30 s: exit 128 + signal, no process left,
     the store marked interrupted; also when the run was started in the background (SIGINT arrives
-    ignored) and with both cores busy."""
+    ignored) and with both cores busy when the signal comes."""
     env = {**os.environ, "REFRACTOR_ENV_PATH": os.environ["REFRACTOR_ENV_PATH"]}
     argv = [sys.executable, "-m", "refractor.cli", "train", "--config", str(QUICKSTART)]
     argv += ["--run_dir", str(tmp_path / "runs"), "--run_name", "stop", "--number_of_steps", "50"]
     argv += ["--ray_address", "", *extra]
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if busy else 0)]
+    hogs = []
     try:
         proc = subprocess.Popen(
             argv,
@@ -277,6 +268,9 @@ def test_a_stop_signal_stops_everything_and_leaves_no_orphans(tmp_path, sig, aft
                 break
         assert any(after in line for line in lines), "".join(lines)
         seen |= _descendants(proc.pid)
+        # both cores busy from here: the stop must not depend on the run getting CPU time
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if busy else 0)]
+        time.sleep(1 if busy else 0)
         proc.send_signal(sig)
         sent_at = time.monotonic()
         rest, _ = proc.communicate(timeout=120)

@@ -3,15 +3,12 @@ answers and every page shows that run's data in a real browser."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from refractor.config import load_config
-from refractor.train import run_training
 from refractor.ui import create_app
 from refractor.ui.local import chromium_path, serve_in_thread
 
@@ -22,13 +19,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory):
-    os.environ.setdefault("REFRACTOR_ENV_PATH", str(ROOT / "environments"))
+def quick_runs(quickstart_run, tmp_path_factory):
+    """The shared quick-start run and a copy of it, in a runs folder of their own."""
     runs = tmp_path_factory.mktemp("quick") / "runs"
-    overrides = {"run_dir": str(runs), "run_name": "quick", "number_of_steps": 3, "ray_address": ""}
-    overrides["metrics_logger_interval_seconds"] = 0.5
-    run_training(load_config(QUICKSTART, overrides), quiet=True, config_path=QUICKSTART)
-    shutil.copytree(runs / "quick", runs / "copy", ignore=shutil.ignore_patterns(".lock"))
+    for name in ("quick", "copy"):
+        shutil.copytree(quickstart_run, runs / name, ignore=shutil.ignore_patterns(".lock"))
     return runs
 
 
