@@ -1,9 +1,9 @@
 """``refractor train``: the driver that wires a run together and tears it down.
 
 Order: resolve the config and the model once -> run directory + run store (the code snapshot is
-taken by a thread beside the rest of the start) -> environments and tokenizer -> Ray (connect or
-start) -> inference servers and trainer ranks start side by side -> weight-sync group -> resume
-(trainer state, orchestrator counters, prompt stream, weights pushed to the servers) -> the
+taken by a thread beside the rest of the start) -> environments -> Ray (connect or start; the
+tokenizer loads meanwhile) -> inference servers and trainer ranks start side by side -> weight-sync
+group -> resume (trainer state, orchestrator counters, prompt stream, weights pushed to the servers) -> the
 orchestrator's event loop -> shutdown of every actor and server process, on success, on error
 and on Ctrl-C.
 """
@@ -219,7 +219,6 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     envs = load_environments(cfg)
     evals = load_evals(cfg, envs)
     envs_ready = time.time()
-    tokenizer = load_tokenizer(cfg)
     store = RunStore(paths.root, config=cfg.model_dump(mode="json"), run_name=cfg.run_name)
     startup = StartupEvents(store)
     startup.mark("orchestrator_start", started)
@@ -246,7 +245,12 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             wandb_sink = WandbSink.from_config(cfg, log_dir=paths.logs if cfg.wandb_upload_logs else None)
             sinks.append(wandb_sink)
         startup.mark("ray_init_start")
-        connection = ray_host.connect(RaySettings.from_config(cfg, run_dir=str(paths.root)))
+        loaded: list = []  # the tokenizer: importing transformers takes seconds, the cluster start too
+        connection = ray_host.connect(
+            RaySettings.from_config(cfg, run_dir=str(paths.root)),
+            meanwhile=lambda: loaded.append(load_tokenizer(cfg)),
+        )
+        (tokenizer,) = loaded
         startup.mark("ray_init_done")
         log.info("run %s: %s", cfg.run_name, connection.describe())
         if not quiet:

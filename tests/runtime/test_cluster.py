@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from refractor.config import RefractorConfig
-from refractor.runtime.cluster import ClusterError, RaySettings, build_runtime_env, init_ray, reserve
+from refractor.runtime.cluster import ClusterError, RayHost, RaySettings, build_runtime_env, init_ray, reserve
 
 
 def settings(**overrides) -> RaySettings:
@@ -74,6 +74,20 @@ def test_a_named_cluster_that_nobody_runs_is_an_error_at_once():
     ray.shutdown()  # connected by an earlier test: init_ray would keep that connection
     with pytest.raises(ClusterError, match=f"cannot reach the Ray cluster at `ray_address: {dead}`"):
         init_ray(settings(address=dead))
+    assert not ray.is_initialized()
+
+
+def test_work_beside_the_start_that_fails_still_stops_the_cluster_it_started():
+    """``meanwhile`` (the tokenizer load in ``refractor train``) runs while the cluster starts; its
+    error comes out as is, after the cluster that was being started for the run is stopped."""
+    ray.shutdown()
+    host = RayHost()
+
+    def load():
+        raise ValueError("no tokenizer here")
+
+    with pytest.raises(ValueError, match="no tokenizer here"):
+        host.connect(settings(address="", namespace="refractor-test-cluster"), meanwhile=load)
     assert not ray.is_initialized()
 
 

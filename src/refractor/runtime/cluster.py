@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -297,10 +298,16 @@ class RayHost:
         self._started: concurrent.futures.Future = concurrent.futures.Future()
         self._thread: threading.Thread | None = None
 
-    def connect(self, settings: RaySettings) -> RayConnection:
+    def connect(self, settings: RaySettings, meanwhile: Callable[[], object] | None = None) -> RayConnection:
+        """Start or join the cluster on the hosting thread and wait for it. ``meanwhile`` runs on
+        this thread while the cluster starts (the start is mostly other processes booting, so work
+        such as loading the tokenizer overlaps it); if it fails or is interrupted, the cluster is
+        still stopped once its start ends, so nothing is left running."""
         self._thread = threading.Thread(target=self._host, args=(settings,), name="ray-host", daemon=True)
         self._thread.start()
         try:
+            if meanwhile is not None:
+                meanwhile()
             connection = self._started.result()
             stop_signals.install()  # ours again, over the handlers ray.init installed
             return connection
@@ -308,12 +315,19 @@ class RayHost:
             if settings.address not in ("", "auto"):
                 raise  # joining a named cluster starts nothing here: no need to wait for it
             with stop_signals.deferred():  # let the start finish, then stop what it started
-                try:
-                    connection = self._started.result(timeout=120)
-                except Exception:  # noqa: BLE001 - the start failed too: nothing to stop
-                    connection = None
-                self.close(connection is not None and connection.started_local)
+                self._stop_once_started()
             raise
+        except Exception:
+            with stop_signals.deferred():
+                self._stop_once_started()
+            raise
+
+    def _stop_once_started(self) -> None:
+        try:
+            connection = self._started.result(timeout=120)
+        except Exception:  # noqa: BLE001 - the start failed too: nothing to stop
+            connection = None
+        self.close(connection is not None and connection.started_local)
 
     def _host(self, settings: RaySettings) -> None:
         logging.getLogger("ray._private.worker").addFilter(_NoSigtermNotice())
