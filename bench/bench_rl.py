@@ -1,9 +1,10 @@
 """End-to-end RL throughput: synchronous (``max_async_rollout: 0``) vs asynchronous (``2``) training.
 
 Runs the real ``refractor train`` driver once per mode in one invocation, on the same machine, with the
-native engine: one inference server on the last GPU, one trainer rank on the first (one GPU: both
-share it). The model is a random-weight Qwen2.5-0.5B shape written to disk once; the task is
-countdown with procedurally generated problems (no downloads). A random-weight model rarely emits
+native engine: one inference server and one trainer rank, each on a GPU of its own when there are
+two, sharing the one GPU otherwise (``colocate: auto``). The model is a random-weight Qwen2.5-0.5B
+shape written to disk once; the task is countdown with procedurally generated problems (no
+downloads). A random-weight model rarely emits
 EOS, so every completion runs to ``max_tokens``: the work per step is fixed and the two modes do
 the same amount of generation and training.
 
@@ -113,7 +114,7 @@ def run_mode(
         "trainer_num_workers": 1,
         "ray_inference_cpus_per_worker": args.cpus,
         "ray_trainer_cpus_per_worker": args.cpus,
-        "gpu_memory_utilization": 0.45 if gpus < 2 else 0.85,
+        "gpu_memory_utilization": 0.4 if gpus < 2 else 0.85,
         "number_of_steps": args.steps,
         "prompts_batch_size_for_trainer": args.groups,
         "group_size": args.group_size,
@@ -159,13 +160,16 @@ def run_mode(
     log = out_path.read_text(errors="replace")[-6000:]
     if proc.returncode != 0:
         raise SystemExit(f"{name}: refractor train failed ({proc.returncode}):\n{log}")
-    return summarize(name, max_async, workdir / name, sampler, args.warmup, wall)
+    return summarize(name, max_async, workdir / name, sampler, args.warmup, wall, started=start)
 
 
 def summarize(
-    name: str, max_async: int, run_dir: Path, sampler: GpuSampler, warmup: int, wall: float
+    name: str, max_async: int, run_dir: Path, sampler: GpuSampler, warmup: int, wall: float, started: float
 ) -> dict:
-    """Rates over the measured steps: from the end of the last warm-up step to the end of the last step."""
+    """Rates over the measured steps: from the end of the last warm-up step to the end of the last step.
+    Also: time from the command to the end of the first step, every step's KL between the engine's and
+    the trainer's logprobs, and each process's peak GPU memory (torch's peak per trainer rank and
+    native server, NVML's peak per GPU)."""
     from refractor.telemetry.query import RunReader
 
     with RunReader(run_dir) as reader:
@@ -183,12 +187,22 @@ def summarize(
         for row in reader.system_metrics(t0, t1):
             if row["source"].startswith("inference:"):
                 scraped.setdefault(row["name"], []).append(row["value"])
+        peaks: dict[str, float] = {}  # GiB, over the whole run
+        for metric in ("torch_max_allocated_gb", "torch_reserved_gb", "gpu_memory_used_gb"):
+            for row in reader.system_metrics(name=metric):
+                key = f"{row['source']}:{metric}"
+                peaks[key] = max(peaks.get(key, 0.0), row["value"])
+        first_step_s = ends[steps[0]["step"]] - started
+        kl = [s.get("kl_divergence_inference") for s in steps]
     mean = lambda key: statistics.fmean(s.get(key, float("nan")) for s in measured)  # noqa: E731
     return {
         "mode": name,
         "max_async_rollout": max_async,
         "steps_measured": len(measured),
         "wall_s": wall,
+        "command_to_first_step_s": first_step_s,
+        "kl_divergence_inference": kl,
+        "peak_gpu_memory_gb": peaks,
         "step_s": (t1 - t0) / len(measured),
         "samples_per_s": len(kept) / (t1 - t0),
         "tokens_per_s": sum(r["completion_tokens"] for r in kept) / (t1 - t0),
@@ -265,6 +279,16 @@ def main() -> None:
             f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | train {r['train_step_s']:.2f} s "
             f"| sync {r['weight_sync_s']:.3f} s "
             f"| waiting for data {r['waiting_for_data_s']:.2f} s | idle {idle}",
+            flush=True,
+        )
+        print(
+            f"{'':>7}  command -> first step {r['command_to_first_step_s']:.1f} s | kl per step "
+            + " ".join(f"{k:.2e}" if k is not None else "-" for k in r["kl_divergence_inference"]),
+            flush=True,
+        )
+        print(
+            f"{'':>7}  peak GPU memory (GiB): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["peak_gpu_memory_gb"].items())),
             flush=True,
         )
         server = r["server"]

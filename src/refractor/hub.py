@@ -26,6 +26,8 @@ def resolve_model_path(model: str) -> Path:
             "tiny-qwen2": testing.tiny_qwen2,
             "tiny-llama": testing.tiny_llama,
             "tiny-qwen3": testing.tiny_qwen3,
+            # random weights in Qwen2.5-0.5B's shape: a GPU run's real sizes without a download
+            "qwen2.5-0.5b-shaped": testing.qwen25_shaped,
         }
         name = model[len(TESTING_PREFIX) :]
         if name not in builders:

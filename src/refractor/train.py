@@ -204,9 +204,10 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     from refractor.orchestrator import Orchestrator, OrchestratorSettings
     from refractor.orchestrator.eval_schedule import build_eval_schedule, eval_server_names
     from refractor.runtime import stop_signals
-    from refractor.runtime.cluster import RayHost, RaySettings, cluster_has_gpus, reserve
+    from refractor.runtime.cluster import RayHost, RaySettings, cluster_has_gpus
     from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
     from refractor.runtime.node_metrics import NodeMetricsLoop, run_nodes
+    from refractor.runtime.placement import place
     from refractor.runtime.restarts import ServerRestarter
     from refractor.runtime.server_group import RayServerGroup, choose_engine
     from refractor.runtime.topology import model_info, placement_group_info, topology_snapshot
@@ -261,34 +262,25 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         run_tag = f"{cfg.run_name}-{secrets.token_hex(3)}"  # names this run's placement groups
         has_gpu = cluster_has_gpus()
         engine = choose_engine(cfg.inference_engine, has_gpu)
-        gpus_per_server = cfg.inference_tensor_parallel_size if has_gpu else 0
-        server_pg = reserve(
-            "inference servers",
-            cfg.num_inference_servers,
-            cfg.ray_inference_cpus_per_worker,
-            gpus_per_server,
-            cfg.ray_inference_placement_strategy,
-            cfg.ray_placement_timeout_s,
-            "ray_inference_cpus_per_worker",
-            "inference_num_workers",
-            run_tag,
+        placement = place(cfg, run_tag)
+        if placement.colocated:
+            log.info("servers and trainer ranks share GPUs (colocate: %s)", cfg.colocate)
+        servers = RayServerGroup(
+            cfg,
+            placement.servers,
+            engine,
+            str(paths.logs),
+            control_token,
+            gpu_memory_utilization=cfg.engine_memory_share(placement.colocated),
         )
-        trainer_pg = reserve(
-            "trainer ranks",
-            cfg.trainer_num_workers,
-            cfg.ray_trainer_cpus_per_worker,
-            1 if has_gpu else 0,
-            cfg.ray_trainer_placement_strategy,
-            cfg.ray_placement_timeout_s,
-            "ray_trainer_cpus_per_worker",
-            "trainer_num_workers",
-            run_tag,
-        )
-        servers = RayServerGroup(cfg, server_pg, engine, str(paths.logs), control_token)
         trainer_settings = TrainerGroupSettings.from_config(
-            cfg, tokenizer.pad_token_id, control_token=control_token, single_node=connection.nodes == 1
+            cfg,
+            tokenizer.pad_token_id,
+            control_token=control_token,
+            single_node=connection.nodes == 1,
+            colocated=placement.colocated,
         )
-        trainers = RayTrainerGroup(trainer_settings, trainer_pg)
+        trainers = RayTrainerGroup(trainer_settings, placement.trainers)
         for rank, actor in enumerate(trainers.actors):
             logs.add_actor_source("trainer", rank, actor.drain_logs.remote)
         for index in range(len(servers.actors)):  # the actor of the moment: a restart may replace it
@@ -302,7 +294,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
 
         clients = _http_servers(infos, cfg, control_token)
         node_metrics = NodeMetricsLoop(
-            run_nodes([server_pg.group, trainer_pg.group]),
+            run_nodes([r.group for _, r in placement.groups]),
             store.log_system_metrics,
             store.log_event,
             cfg.system_metrics_collection_interval_seconds,
@@ -316,10 +308,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
                     machines=node_metrics.describe_nodes(),
                     servers=servers.placements(),
                     trainer_ranks=trainer_ranks,
-                    placement_groups=[
-                        placement_group_info("inference servers", server_pg),
-                        placement_group_info("trainer ranks", trainer_pg),
-                    ],
+                    placement_groups=[placement_group_info(name, r) for name, r in placement.groups],
                     model=model_info(cfg.model, trainer_ranks),
                 )
             }

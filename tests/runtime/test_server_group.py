@@ -38,7 +38,7 @@ def server_config(**overrides) -> RefractorConfig:
 
 def test_settings_are_read_once_from_the_config():
     cfg = server_config()
-    s = ServerGroupSettings.from_config(cfg)
+    s = ServerGroupSettings.from_config(cfg, 0.9)
     assert (s.model, s.host, s.chat_template, s.startup_timeout_s) == (
         "/models/policy",
         "auto",
@@ -93,7 +93,7 @@ TOKEN = "the-run-control-token"
 
 
 def test_native_server_command_line(spawned, tmp_path):
-    launch_server(ServerGroupSettings.from_config(server_config()), "native", tmp_path / "s.log", TOKEN)
+    launch_server(ServerGroupSettings.from_config(server_config(), 0.9), "native", tmp_path / "s.log", TOKEN)
     argv = spawned.argv
     assert argv[argv.index("serve") :][:5] == ["serve", "--model", "/models/policy", "--engine", "native"]
     # control routes on, guarded by the run's token, which travels in the environment only
@@ -116,7 +116,7 @@ def test_native_server_command_line(spawned, tmp_path):
 
 
 def test_vllm_server_command_line(spawned, tmp_path):
-    settings = ServerGroupSettings.from_config(server_config(inference_host="0.0.0.0"))
+    settings = ServerGroupSettings.from_config(server_config(inference_host="0.0.0.0"), 0.9)
     launch_server(settings, "vllm", tmp_path / "s.log", TOKEN)
     argv = spawned.argv
     assert spawned.env["REFRACTOR_CONTROL_TOKEN"] == TOKEN and TOKEN not in " ".join(argv)
@@ -153,7 +153,7 @@ def local_ray():
 def test_a_server_that_fails_to_start_is_named(local_ray, tmp_path):
     cfg = server_config(inference_host="256.0.0.1")  # no such address: the start fails before any spawn
     reservation = reserve("inference servers", 1, 1, 0, "PACK", 60, "cpus", "servers")
-    group = RayServerGroup(cfg, reservation, "native", str(tmp_path / "logs"), TOKEN)
+    group = RayServerGroup(cfg, reservation, "native", str(tmp_path / "logs"), TOKEN, 0.9)
     try:
         with pytest.raises(ServerStartError, match=r"inference server server-0 \(native\) failed to start"):
             group.start()

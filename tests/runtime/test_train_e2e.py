@@ -153,14 +153,23 @@ def test_grpo_learns_and_a_zero_learning_rate_does_not(tmp_path):
 
 @pytest.mark.slow
 def test_a_raising_reward_discards_with_a_reason_and_the_run_goes_on(tmp_path):
+    """Also the colocated layout end to end: server and trainer rank in one placement group."""
     run_dir = run_training(
         quick_cfg(
-            tmp_path, environments=[{"name": "flaky_reward"}], number_of_steps=2, group_size=4, max_tokens=12
+            tmp_path,
+            environments=[{"name": "flaky_reward"}],
+            number_of_steps=2,
+            group_size=4,
+            max_tokens=12,
+            colocate=True,
         ),
         quiet=True,
     )
     with RunReader(run_dir) as reader:
         assert len(reader.step_metrics()) == 2
+        (group,) = reader.topology()["placement_groups"]
+        assert group["name"] == "servers and trainer ranks (colocated)"
+        assert [b["resources"] for b in group["bundles"]] == [{"CPU": 2.0}]
         failed = [
             r for r in reader.rollouts(status="discarded") if "judge is down" in f"{r['reason']} {r['error']}"
         ]

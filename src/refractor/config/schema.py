@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+# the inference engine's share of its GPU when gpu_memory_utilization is not set: colocated, the
+# trainer rank on the same GPU needs the rest (weights, gradients, optimizer state, activations)
+SPLIT_GPU_MEMORY_UTILIZATION = 0.9
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.4
 
 # Upper bounds of sizes, counts and durations: far beyond any real run, they turn a typo (`1e12`)
 # into an error naming the key instead of an allocation that fails, or hangs, at run time.
@@ -197,6 +201,11 @@ class WorkerKeys(_Strict):
     inference_engine: Literal["auto", "vllm", "native"] = Field(
         "auto",
         description="[refractor] auto = vLLM when importable and a GPU is present, else the native engine.",
+    )
+    colocate: bool | Literal["auto"] = Field(
+        "auto",
+        description="[refractor] Servers and trainer ranks share GPUs (one server and one rank per GPU). "
+        "auto = share when the cluster has fewer GPUs than inference_num_workers + trainer_num_workers.",
     )
 
 
@@ -457,8 +466,12 @@ class InferenceKeys(_Strict):
     inference_base_port: int = Field(
         8100, ge=1, le=65535, description="Fallback base port (servers pick free ports)."
     )
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache."
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of each GPU's memory the inference engine takes for weights + KV cache. "
+        "Default: 0.9, or 0.4 when colocated (the trainer rank on the same GPU gets the rest).",
     )
     kv_cache_memory_gb: float | None = Field(
         None,
@@ -611,6 +624,7 @@ DELIBERATE_DEFAULT_CHANGES: dict[str, str] = {
     "wandb_project": "named after this project",
     "wandb_run_name": "named after this project",
     "wandb_tags": "named after this project",
+    "gpu_memory_utilization": "left unset: 0.9 as before, or 0.4 when servers and trainer ranks share GPUs",
 }
 
 
@@ -658,6 +672,12 @@ class RefractorConfig(
     @property
     def num_inference_servers(self) -> int:
         return self.inference_num_workers // self.inference_tensor_parallel_size
+
+    def engine_memory_share(self, colocated: bool) -> float:
+        """``gpu_memory_utilization`` resolved for the run's placement."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return COLOCATED_GPU_MEMORY_UTILIZATION if colocated else SPLIT_GPU_MEMORY_UTILIZATION
 
     @property
     def samples_per_step(self) -> int:

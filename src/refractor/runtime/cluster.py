@@ -391,19 +391,25 @@ def reserve(
     bundle: dict[str, float] = {"CPU": cpus}
     if gpus:
         bundle["GPU"] = gpus
+    group = reserve_bundles(name, [dict(bundle) for _ in range(count)], strategy, timeout_s, run_tag)
+    return Reservation(group=group, cpus=cpus, gpus=gpus, count=count)
+
+
+def reserve_bundles(
+    name: str, bundles: list[dict[str, float]], strategy: str, timeout_s: int, run_tag: str = ""
+) -> PlacementGroup:
+    """A placement group of ``bundles``, once it is ready (removed again if it is not in time)."""
     pg = placement_group(
-        [dict(bundle) for _ in range(count)],
-        strategy=strategy,
-        name=f"refractor-{run_tag}-{name}" if run_tag else f"refractor-{name}",
+        bundles, strategy=strategy, name=f"refractor-{run_tag}-{name}" if run_tag else f"refractor-{name}"
     )
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
         raise ClusterError(
-            f"{name}: placement group of {count} x {bundle} with strategy {strategy} was not ready after "
+            f"{name}: placement group of {bundles} with strategy {strategy} was not ready after "
             f"{timeout_s} s (`ray_placement_timeout_s`); other jobs may hold the resources."
         )
-    return Reservation(group=pg, cpus=cpus, gpus=gpus, count=count)
+    return pg
 
 
 def cluster_has_gpus() -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,9 @@ class ServerGroupSettings:
     vllm: VllmServerSettings
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ServerGroupSettings:
+    def from_config(cls, cfg: Any, gpu_memory_utilization: float) -> ServerGroupSettings:
+        """``gpu_memory_utilization``: the engine's share of its GPU, resolved for the run's placement
+        (``cfg.gpu_memory_utilization`` may leave it to the placement)."""
         return cls(
             model=cfg.model,
             host=cfg.inference_host,
@@ -70,12 +72,15 @@ class ServerGroupSettings:
             native=NativeEngineArgs(
                 max_model_len=cfg.max_model_len,
                 kv_cache_memory_gb=cfg.kv_cache_memory_gb,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                gpu_memory_utilization=gpu_memory_utilization,
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 seed=cfg.seed,
             ),
-            vllm=VllmServerSettings.from_config(cfg, served_model_name=cfg.model),
+            vllm=replace(
+                VllmServerSettings.from_config(cfg, served_model_name=cfg.model),
+                gpu_memory_utilization=gpu_memory_utilization,
+            ),
         )
 
 
@@ -197,8 +202,16 @@ class ServerInfo:
 class RayServerGroup:
     """One server actor per bundle of ``reservation``; ``start`` returns their names and URLs."""
 
-    def __init__(self, cfg, reservation: Reservation, engine: str, log_dir: str, control_token: str) -> None:
-        self.settings = ServerGroupSettings.from_config(cfg)
+    def __init__(
+        self,
+        cfg,
+        reservation: Reservation,
+        engine: str,
+        log_dir: str,
+        control_token: str,
+        gpu_memory_utilization: float,
+    ) -> None:
+        self.settings = ServerGroupSettings.from_config(cfg, gpu_memory_utilization)
         self.engine = engine
         self.reservation = reservation
         self.log_dir = log_dir

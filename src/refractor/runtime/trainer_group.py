@@ -17,7 +17,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -54,13 +54,24 @@ class TrainerGroupSettings:
 
     @classmethod
     def from_config(
-        cls, cfg: Any, pad_token_id: int, *, control_token: str | None = None, single_node: bool = False
+        cls,
+        cfg: Any,
+        pad_token_id: int,
+        *,
+        control_token: str | None = None,
+        single_node: bool = False,
+        colocated: bool = False,
     ) -> TrainerGroupSettings:
-        """``control_token``: the run's secret for the servers' control routes (not a config key)."""
+        """``control_token``: the run's secret for the servers' control routes (not a config key).
+        ``colocated``: servers share the ranks' GPUs; NCCL refuses two members of one communicator on
+        the same GPU ("Duplicate GPU detected"), so weight updates travel through host memory (gloo)."""
         loopback_transfer = single_node and cfg.ray_broadcast_prefer_loopback_if_single_node
+        weight_sync = WeightSyncSettings.from_config(cfg, control_token)
+        if colocated:
+            weight_sync = replace(weight_sync, cpu_staging=True)
         return cls(
             trainer=TrainerSettings.from_config(cfg),
-            weight_sync=WeightSyncSettings.from_config(cfg, control_token),
+            weight_sync=weight_sync,
             packing=PackingSettings.from_config(cfg, pad_token_id),
             call_timeout_s=float(cfg.trainer_call_timeout_s),
             torch_memory_interval_s=float(cfg.torch_memory_sample_interval_seconds),

@@ -76,7 +76,7 @@ class VllmServerSettings:
         has no OTLP receiver for vLLM's request spans yet, and vLLM's own Prometheus histograms
         (queue, prefill, decode, TTFT, e2e) are scraped instead."""
         return cls(
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            gpu_memory_utilization=cfg.engine_memory_share(colocated=False),
             kv_cache_memory_gb=cfg.kv_cache_memory_gb,
             max_model_len=cfg.max_model_len,
             tensor_parallel_size=cfg.inference_tensor_parallel_size,

@@ -1,0 +1,163 @@
+"""Where a run's inference servers and trainer ranks go: split or colocated (docs/config.md#placement).
+
+* **Split**: servers and trainer ranks get placement groups of their own; every server worker and
+  every rank holds whole GPUs. A run needs ``inference_num_workers + trainer_num_workers`` GPUs.
+* **Colocated** (``colocate: true``, or ``auto`` on a cluster with fewer GPUs than a split run
+  needs): one placement group whose bundle ``i`` is one GPU holding server ``i`` and trainer rank
+  ``i``; each takes half of the GPU in Ray's accounting, which only lets the two share it. The
+  memory is split by the engine's ``gpu_memory_utilization`` (0.4 by default when colocated), and
+  the trainer rank uses the rest. Servers are single-GPU (``inference_tensor_parallel_size: 1``).
+
+What a run asks is checked against the whole cluster before anything is reserved, so a run that
+cannot fit fails in seconds naming the keys to change, not after ``ray_placement_timeout_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from refractor.runtime.cluster import ClusterError, Reservation, reserve, reserve_bundles
+
+_GPU_SHARE = 0.5  # Ray's share of a colocated GPU for each of its two actors
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What a run asks of the cluster."""
+
+    servers: int
+    tensor_parallel: int
+    server_cpus: float
+    ranks: int
+    trainer_cpus: float
+
+    @classmethod
+    def of(cls, cfg: Any) -> Demand:
+        return cls(
+            servers=cfg.num_inference_servers,
+            tensor_parallel=cfg.inference_tensor_parallel_size,
+            server_cpus=cfg.ray_inference_cpus_per_worker,
+            ranks=cfg.trainer_num_workers,
+            trainer_cpus=cfg.ray_trainer_cpus_per_worker,
+        )
+
+    @property
+    def split_gpus(self) -> int:
+        return self.servers * self.tensor_parallel + self.ranks
+
+    @property
+    def colocated_gpus(self) -> int:
+        return max(self.servers, self.ranks)
+
+
+def colocated(setting: bool | str, demand: Demand, cluster_gpus: float) -> bool:
+    """``colocate`` resolved: ``auto`` shares GPUs only when a split run would not fit them (on a
+    cluster without GPUs nothing is shared)."""
+    if setting == "auto":
+        return 0 < cluster_gpus < demand.split_gpus
+    return bool(setting)
+
+
+def check_fits(demand: Demand, colocate: bool, cluster_cpus: float, cluster_gpus: float) -> None:
+    """Raise ``ClusterError`` naming the keys to change when the run cannot fit the cluster's totals."""
+    cpus = demand.servers * demand.server_cpus + demand.ranks * demand.trainer_cpus
+    if cpus > cluster_cpus:
+        raise ClusterError(
+            f"the run needs {cpus:g} CPUs ({demand.servers} server(s) x {demand.server_cpus:g} + "
+            f"{demand.ranks} trainer rank(s) x {demand.trainer_cpus:g}) but the Ray cluster has "
+            f"{cluster_cpus:g}. Lower `ray_inference_cpus_per_worker`, `ray_trainer_cpus_per_worker`, "
+            "`inference_num_workers` or `trainer_num_workers`."
+        )
+    if not cluster_gpus:
+        return
+    if colocate:
+        if demand.tensor_parallel != 1:
+            raise ClusterError(
+                f"`colocate` shares each GPU between one server and one trainer rank, so servers are "
+                f"single-GPU: set `inference_tensor_parallel_size: 1` (it is {demand.tensor_parallel}) "
+                "or `colocate: false`."
+            )
+        if demand.colocated_gpus > cluster_gpus:
+            raise ClusterError(
+                f"colocated, the run needs {demand.colocated_gpus} GPU(s) (one per server and per "
+                f"trainer rank, {demand.servers} server(s) and {demand.ranks} rank(s) sharing them) "
+                f"but the Ray cluster has {cluster_gpus:g}. Lower `inference_num_workers` or "
+                "`trainer_num_workers`."
+            )
+        return
+    if demand.split_gpus > cluster_gpus:
+        raise ClusterError(
+            f"the run needs {demand.split_gpus} GPUs ({demand.servers * demand.tensor_parallel} for "
+            f"inference + {demand.ranks} for training) but the Ray cluster has {cluster_gpus:g}. "
+            "Set `colocate: true` (or `auto`) to share GPUs between servers and trainer ranks, or "
+            "lower `inference_num_workers` or `trainer_num_workers`."
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The reservations of a run's servers and trainer ranks, and the placement groups behind them
+    (one when colocated) with the names the topology snapshot gives them."""
+
+    colocated: bool
+    servers: Reservation
+    trainers: Reservation
+    groups: list[tuple[str, Reservation]]
+
+
+def place(cfg: Any, run_tag: str) -> Placement:
+    """Check the run against the cluster, then reserve its placement group(s) and wait for them."""
+    total = ray.cluster_resources()
+    cluster_cpus, cluster_gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    demand = Demand.of(cfg)
+    shared = colocated(cfg.colocate, demand, cluster_gpus)
+    check_fits(demand, shared, cluster_cpus, cluster_gpus)
+    timeout_s = cfg.ray_placement_timeout_s
+    if shared:
+        gpu = 1.0 if cluster_gpus else 0.0
+        bundles = [
+            {
+                "CPU": demand.server_cpus * (i < demand.servers) + demand.trainer_cpus * (i < demand.ranks),
+                **({"GPU": gpu} if gpu else {}),
+            }
+            for i in range(demand.colocated_gpus)
+        ]
+        group = reserve_bundles(
+            "servers and trainer ranks", bundles, cfg.ray_inference_placement_strategy, timeout_s, run_tag
+        )
+        share = _GPU_SHARE if gpu else 0.0
+        servers = Reservation(group=group, cpus=demand.server_cpus, gpus=share, count=demand.servers)
+        trainers = Reservation(group=group, cpus=demand.trainer_cpus, gpus=share, count=demand.ranks)
+        return Placement(True, servers, trainers, [("servers and trainer ranks (colocated)", servers)])
+    has_gpu = cluster_gpus > 0
+    servers = reserve(
+        "inference servers",
+        demand.servers,
+        demand.server_cpus,
+        demand.tensor_parallel if has_gpu else 0,
+        cfg.ray_inference_placement_strategy,
+        timeout_s,
+        "ray_inference_cpus_per_worker",
+        "inference_num_workers",
+        run_tag,
+    )
+    try:
+        trainers = reserve(
+            "trainer ranks",
+            demand.ranks,
+            demand.trainer_cpus,
+            1 if has_gpu else 0,
+            cfg.ray_trainer_placement_strategy,
+            timeout_s,
+            "ray_trainer_cpus_per_worker",
+            "trainer_num_workers",
+            run_tag,
+        )
+    except BaseException:
+        remove_placement_group(servers.group)  # the run stops here: release what it holds
+        raise
+    return Placement(False, servers, trainers, [("inference servers", servers), ("trainer ranks", trainers)])
