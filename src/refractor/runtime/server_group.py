@@ -61,7 +61,8 @@ class ServerGroupSettings:
     vllm: VllmServerSettings
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ServerGroupSettings:
+    def from_config(cls, cfg: Any, otlp_traces_endpoint: str | None = None) -> ServerGroupSettings:
+        """``otlp_traces_endpoint``: where vLLM servers export their request spans (None: nowhere)."""
         return cls(
             model=cfg.model,
             host=cfg.inference_host,
@@ -75,7 +76,9 @@ class ServerGroupSettings:
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 seed=cfg.seed,
             ),
-            vllm=VllmServerSettings.from_config(cfg, served_model_name=cfg.model),
+            vllm=VllmServerSettings.from_config(
+                cfg, served_model_name=cfg.model, otlp_traces_endpoint=otlp_traces_endpoint
+            ),
         )
 
 
@@ -195,10 +198,19 @@ class ServerInfo:
 
 
 class RayServerGroup:
-    """One server actor per bundle of ``reservation``; ``start`` returns their names and URLs."""
+    """One server actor per bundle of ``reservation``; ``start`` returns their names and URLs.
+    ``otlp_traces_endpoint``: the run's OTLP receiver, for vLLM servers (None: no trace export)."""
 
-    def __init__(self, cfg, reservation: Reservation, engine: str, log_dir: str, control_token: str) -> None:
-        self.settings = ServerGroupSettings.from_config(cfg)
+    def __init__(
+        self,
+        cfg,
+        reservation: Reservation,
+        engine: str,
+        log_dir: str,
+        control_token: str,
+        otlp_traces_endpoint: str | None = None,
+    ) -> None:
+        self.settings = ServerGroupSettings.from_config(cfg, otlp_traces_endpoint)
         self.engine = engine
         self.reservation = reservation
         self.log_dir = log_dir
