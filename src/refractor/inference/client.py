@@ -194,7 +194,8 @@ class InferenceClient:
     async def generate_choices(
         self, token_ids: list[int], sampling: Sampling, *, request_id: str | None = None, priority: int = 0
     ) -> list[GenerateResult]:
-        """``request_id``: the id the server gives the request (a new one when None)."""
+        """``request_id``: names the request on the server (as ``generate-tokens-<request_id>``); a new
+        one when None."""
         request_id = request_id or uuid.uuid4().hex
         body: dict[str, Any] = {
             "token_ids": list(token_ids),
