@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from refractor.runtime.health import ServerWatchdog
     from refractor.runtime.log_collector import LogCollector
     from refractor.runtime.run_lock import RunLock
+    from refractor.telemetry.otlp import OtlpTraceReceiver
     from refractor.telemetry.store import RunStore
 
 log = logging.getLogger("refractor.train")
@@ -232,6 +233,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     servers = None
     trainers = None
     node_metrics = None
+    trace_receiver = None
     code_snapshot = None
     code_taken: list = []  # the snapshot once taken (W&B uploads it at the end)
     wandb_sink = None
@@ -265,6 +267,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         placement = place(cfg, run_tag)
         if placement.colocated:
             log.info("servers and trainer ranks share GPUs (colocate: %s)", cfg.colocate)
+        trace_receiver = start_trace_receiver(cfg, engine, single_node=connection.nodes == 1)
         servers = RayServerGroup(
             cfg,
             placement.servers,
@@ -272,6 +275,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             str(paths.logs),
             control_token,
             gpu_memory_utilization=cfg.engine_memory_share(placement.colocated),
+            otlp_traces_endpoint=None if trace_receiver is None else trace_receiver.endpoint,
         )
         trainer_settings = TrainerGroupSettings.from_config(
             cfg,
@@ -334,6 +338,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             sinks=sinks,
             evals=build_eval_schedule(cfg, evals, [i.name for i in infos], tokenizer, store, sinks),
             telemetry=telemetry,
+            latency=trace_receiver,
         )
         if cfg.resume_from_checkpoint is not False:
             step = trainers.load_checkpoint(
@@ -381,6 +386,8 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             for group in (servers, trainers, node_metrics):
                 if group is not None:
                     group.shutdown(timeout_s=grace_s)
+            if trace_receiver is not None:  # after the servers: their exporters flush as they stop
+                trace_receiver.stop()
             if code_snapshot is not None:
                 code_snapshot.join(CODE_SNAPSHOT_WAIT_S)
             if wandb_sink is not None and cfg.wandb_upload_code and code_taken:
@@ -403,6 +410,23 @@ class StartupEvents:
     def mark(self, name: str, at: float | None = None) -> None:
         now = time.time() if at is None else at
         self.store.log_event(TimelineEvent(name, now, now, "orchestrator", {}), step=0)
+
+
+def start_trace_receiver(cfg: RefractorConfig, engine: str, single_node: bool) -> OtlpTraceReceiver | None:
+    """The receiver of vLLM's request spans (``enable_vllm_tracing``; docs/metrics.md#latency), in this
+    process: on loopback when the cluster is one node, else on this node's address, which the
+    servers' nodes reach. None for the native engine, which returns each request's latency itself."""
+    if engine != "vllm" or not cfg.enable_vllm_tracing:
+        return None
+    from ray.util import get_node_ip_address
+
+    from refractor.runtime.cluster import LOOPBACK
+    from refractor.telemetry.otlp import OtlpTraceReceiver
+
+    host = LOOPBACK if single_node else get_node_ip_address()
+    receiver = OtlpTraceReceiver(host, cfg.otlp_receiver_port)
+    log.info("vLLM's request spans go to the OTLP receiver at %s", receiver.endpoint)
+    return receiver
 
 
 def start_log_collector(store: RunStore, paths: RunPaths) -> LogCollector:

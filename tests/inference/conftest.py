@@ -1,5 +1,6 @@
-"""Fixtures of the inference tests: ONE vLLM CPU server per test session (starting one is slow), the
-trainer-side sender bound to it, and transformers references for log-prob parity."""
+"""Fixtures of the inference tests: ONE vLLM CPU server per test session (starting one is slow), with
+its request spans exported to an OTLP receiver, the trainer-side sender bound to it, and
+transformers references for log-prob parity."""
 
 from __future__ import annotations
 
@@ -20,7 +21,17 @@ def tiny_qwen2_seed1_path():
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_qwen2_path):
+def otlp_receiver():
+    """The trace receiver the session's vLLM server exports its request spans to (as in a run)."""
+    from refractor.telemetry.otlp import OtlpTraceReceiver
+
+    receiver = OtlpTraceReceiver("127.0.0.1", 0)
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_qwen2_path, otlp_receiver):
     pytest.importorskip("vllm")
     from refractor.inference.vllm.launcher import VllmServerSettings, start_vllm_server
 
@@ -30,6 +41,7 @@ def vllm_server(tiny_qwen2_path):
         kv_cache_memory_gb=0.25,
         max_num_seqs=16,
         served_model_name=VLLM_SERVED_NAME,
+        otlp_traces_endpoint=otlp_receiver.endpoint,
         startup_timeout_s=300,
         extra_env={"VLLM_CPU_CI_ENV": "1"},
     )  # CI env: skip the warm-up pass

@@ -32,6 +32,7 @@ class FakeResult:
     finish_reason: str
     weight_versions: list[Any] = field(default_factory=list)
     latency: dict[str, float] = field(default_factory=dict)
+    server_request_id: str | None = None
 
 
 @dataclass

@@ -112,3 +112,58 @@ def test_the_inflight_snapshot_lists_running_generations_and_a_cancelled_one_is_
         (gen,) = spans_of(store, r.rollout_id)["generation"]
         assert gen.attrs["outcome"] == "cancelled"
     assert store.meta["inflight"]["count"] == 0 and not orch.rollout_events.inflight()["spans"]
+
+
+class IdServer(FakeServer):
+    """Answers without latency, naming each request as a vLLM server does."""
+
+    async def generate(self, token_ids, sampling, *, priority=0):
+        request_id = f"generate-tokens-{len(self.calls) + 1}"
+        result = await super().generate(token_ids, sampling, priority=priority)
+        result.server_request_id = request_id
+        return result
+
+
+class LateLatency:
+    """A latency source (vLLM's trace spans) that knows one request, and tells it only after 0.3 s."""
+
+    def __init__(self, request_id: str, latency: dict[str, float]) -> None:
+        self.known = {request_id: latency}
+        self.asked: list[str] = []
+
+    async def take(self, request_id, timeout_s):
+        self.asked.append(request_id)
+        if request_id not in self.known:
+            await asyncio.sleep(timeout_s)
+            return None
+        await asyncio.sleep(0.3)
+        return self.known[request_id]
+
+
+def test_a_generation_span_gets_late_latency_without_holding_up_its_rollout(tok):
+    cfg = make_config(number_of_steps=1)
+    latency = {"ttft": 0.5, "e2e_latency": 1.5}
+    source = LateLatency("generate-tokens-1", latency)
+    store = MemoryStore()
+    orch = Orchestrator(
+        OrchestratorSettings.from_config(cfg),
+        [ToyEnv()],
+        [IdServer("s0", tok)],
+        FakeTrainer(),
+        store,
+        tok,
+        clock=FakeClock(),
+        latency=source,
+    )
+    asyncio.run(orch.run())
+    gens = [e for e in store.events if getattr(e, "component", None) == "rollout" and e.name == "generation"]
+    finished = [g for g in gens if "outcome" not in g.attrs]
+    assert finished and sorted(source.asked) == sorted(g.attrs["request_id"] for g in finished)
+    (known,) = [g for g in gens if g.attrs["request_id"] == "generate-tokens-1"]
+    assert {k: known.attrs[k] for k in latency} == latency
+    assert all("ttft" not in g.attrs for g in gens if g is not known)  # never arrived: written without
+    # the rollout went on to its reward while its generation span waited for the latency
+    reward = next(
+        e for e in store.events if e.name == "reward" and e.attrs["rollout_id"] == known.attrs["rollout_id"]
+    )
+    assert store.events.index(reward) < store.events.index(known)

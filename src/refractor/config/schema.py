@@ -580,8 +580,17 @@ class EvalKeys(_Strict):
         1, ge=0, le=MAX_WORKERS, description="Servers reserved for evals (from the end of the server list)."
     )
     eval_start_end_use_all_servers: bool = Field(True, description="Baseline/final evals use every server.")
-    enable_vllm_tracing: bool = Field(True, description="OTLP export from vLLM to a local receiver.")
-    otlp_receiver_port: int = Field(4318, ge=1, le=65535, description="OTLP receiver port.")
+    enable_vllm_tracing: bool = Field(
+        True,
+        description="vLLM servers export each request's span to a receiver in the driver, whose "
+        "latency phases the rollout's generation spans carry (docs/metrics.md#latency).",
+    )
+    otlp_receiver_port: int = Field(
+        4318,
+        ge=1,
+        le=65535,
+        description="Port of the driver's OTLP/HTTP trace receiver (busy: a free one, logged).",
+    )
 
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
@@ -610,9 +619,6 @@ IGNORED_KEYS: dict[str, str] = {
     "event_block_duration_seconds": "events go to the local run store, not W&B archives",
     "event_upload_interval_seconds": "events go to the local run store, not W&B archives",
     "rollout_block_size": "rollouts go to the local run store, not W&B archives",
-    "enable_vllm_tracing": "no OTLP receiver for vLLM's request spans yet: its latency histograms are "
-    "scraped from /metrics, and the native engine returns each request's latency",
-    "otlp_receiver_port": "no OTLP receiver for vLLM's request spans yet",
     "megatron_global_batch_size": "unused in Telescope too",
 }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,6 +22,9 @@ import httpx
 from refractor.inference.access import RouteKind, bearer, route_kind
 
 log = logging.getLogger(__name__)
+
+# how both engines name a /inference/v1/generate request internally (vLLM 0.32's token-in/token-out route)
+GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
 
 
 class InferenceServerError(RuntimeError):
@@ -83,6 +87,9 @@ class GenerateResult:
     # the server's account of the request's time, in seconds (queue_time, ttft, prefill_time,
     # decode_time, e2e_latency); empty when the server gives none (vLLM)
     latency: dict[str, float] = field(default_factory=dict)
+    # the server's id of the request (both engines: ``generate-tokens-<request_id sent>``), which
+    # vLLM's trace spans name (docs/metrics.md#latency)
+    server_request_id: str | None = None
 
 
 def _version(value: Any) -> int | str:
@@ -187,19 +194,25 @@ class InferenceClient:
     async def generate_choices(
         self, token_ids: list[int], sampling: Sampling, *, request_id: str | None = None, priority: int = 0
     ) -> list[GenerateResult]:
+        """``request_id``: names the request on the server (as ``generate-tokens-<request_id>``); a new
+        one when None."""
+        request_id = request_id or uuid.uuid4().hex
         body: dict[str, Any] = {
             "token_ids": list(token_ids),
             "sampling_params": sampling.to_json(),
             "priority": priority,
+            "request_id": request_id,
         }
-        if request_id is not None:
-            body["request_id"] = request_id
         if self.model is not None:
             body["model"] = self.model
         data = await self._post_json("/inference/v1/generate", body)
         latency = _latency(data.get("latency"))
+        server_id = f"{GENERATE_REQUEST_ID_PREFIX}{request_id}"
         return sorted(
-            (replace(parse_generate_choice(c), latency=latency) for c in data["choices"]),
+            (
+                replace(parse_generate_choice(c), latency=latency, server_request_id=server_id)
+                for c in data["choices"]
+            ),
             key=lambda r: r.index,
         )
 

@@ -11,6 +11,12 @@ snapshot shows them.
 Spans that have started and not ended are the in-flight snapshot: :class:`InflightSnapshots`
 writes it to the run store's meta ``inflight`` every interval, for readers in other processes
 (the dashboard's "what is running now").
+
+A ``generation`` span names its request (``request_id``, the server's id). When the server's answer
+held no latency and the run has a :class:`~refractor.orchestrator.protocols.LatencySource` (vLLM's
+trace spans), the span is written once that source has the request's latency, or after
+``LATENCY_WAIT_S`` without it: telemetry never holds up the rollout, and a missing account is
+simply no latency.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from refractor.orchestrator.protocols import LatencySource
 from refractor.records import TimelineEvent
 
 COMPONENT = "rollout"
 MAX_INFLIGHT_LISTED = 2000  # a snapshot lists at most this many spans (the oldest), and counts the rest
+LATENCY_WAIT_S = 0.5  # vLLM exports its spans every 200 ms: one batch late, and then some
 
 
 @dataclass
@@ -37,13 +45,21 @@ class _Open:
 
 class RolloutEvents:
     """Open and close lifecycle spans; ``record`` stores a finished one (the run store's
-    ``log_event``). Used from the event loop only."""
+    ``log_event``); ``latency`` completes the spans of requests whose server answered without one.
+    Used from the event loop only."""
 
-    def __init__(self, record: Callable[[TimelineEvent], None], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        record: Callable[[TimelineEvent], None],
+        clock: Callable[[], float],
+        latency: LatencySource | None = None,
+    ) -> None:
         self.record = record
         self.clock = clock
+        self.latency = latency
         self._open: dict[int, _Open] = {}
         self._keys = itertools.count()
+        self._completing: set[asyncio.Task] = set()
 
     @contextmanager
     def span(
@@ -68,7 +84,30 @@ class RolloutEvents:
             if outcome is not None:
                 attrs["outcome"] = outcome
             if record:
-                self.record(TimelineEvent(name, opened.start, self.clock(), component, attrs))
+                self._write(TimelineEvent(name, opened.start, self.clock(), component, attrs), outcome)
+
+    def _write(self, event: TimelineEvent, outcome: str | None) -> None:
+        """Now, or once the latency source has the request's latency (a finished request whose
+        server's answer had none)."""
+        request_id = event.attrs.get("request_id")
+        if self.latency is None or outcome is not None or request_id is None or "e2e_latency" in event.attrs:
+            self.record(event)
+            return
+        task = asyncio.ensure_future(self._record_with_latency(event, request_id))
+        self._completing.add(task)
+        task.add_done_callback(self._completing.discard)
+
+    async def _record_with_latency(self, event: TimelineEvent, request_id: str) -> None:
+        latency = None
+        try:
+            latency = await self.latency.take(request_id, LATENCY_WAIT_S)
+        finally:  # cancelled (the run ends) or not, the span is written
+            event.attrs.update(latency or {})
+            self.record(event)
+
+    async def flush(self) -> None:
+        """Wait until the spans still waiting for their latency are written (at most ``LATENCY_WAIT_S``)."""
+        await asyncio.gather(*self._completing, return_exceptions=True)
 
     def add(self, name: str, start: float, end: float, **attrs: Any) -> None:
         """A span measured elsewhere (a tool call timed by its environment)."""

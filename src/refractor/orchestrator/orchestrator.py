@@ -12,7 +12,8 @@ Dependencies are injected so they can be Ray actors, HTTP clients or test fakes:
 ``servers`` (``name`` + ``async generate``), ``trainer`` (:class:`Trainer`), ``store``
 (:class:`refractor.telemetry.store.RunStore`-like), ``sinks`` (console, W&B), ``clock``,
 ``evals`` (:class:`EvalScheduler`, which sees the orchestrator as its :class:`EvalHost`) and
-``telemetry`` (periodic collectors run alongside training).
+``telemetry`` (periodic collectors run alongside training) and ``latency`` (requests' latency that
+servers report apart from their answers: vLLM's trace spans).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from refractor.orchestrator.inflight import InFlightGroup
 from refractor.orchestrator.lanes import LaneManager
 from refractor.orchestrator.lifecycle import InflightSnapshots, RolloutEvents
 from refractor.orchestrator.prompts import PromptPrefetcher, PromptStream
-from refractor.orchestrator.protocols import StepSink, TelemetryLoop, Trainer
+from refractor.orchestrator.protocols import LatencySource, StepSink, TelemetryLoop, Trainer
 from refractor.orchestrator.rollout import InferenceServer, PreparedPrompt, SerialServer, prepare_prompt
 from refractor.orchestrator.settings import OrchestratorSettings
 from refractor.orchestrator.stall import ZeroAdvantageWatch
@@ -63,6 +64,7 @@ class Orchestrator:
         clock: Callable[[], float] = time.time,
         evals: EvalScheduler | None = None,
         telemetry: Sequence[TelemetryLoop] = (),
+        latency: LatencySource | None = None,
     ) -> None:
         self.settings = settings
         self.envs = {e.name: e for e in envs}
@@ -77,7 +79,7 @@ class Orchestrator:
         self.clock = clock
         self.evals = evals
         self.rollout_events = RolloutEvents(
-            lambda e: self.store.log_event(e, step=self.counters.inference_step), clock
+            lambda e: self.store.log_event(e, step=self.counters.inference_step), clock, latency
         )
         self.telemetry = [
             *telemetry,
@@ -175,6 +177,7 @@ class Orchestrator:
                 task.cancel()
             await asyncio.gather(dispatch, train, *telemetry, return_exceptions=True)
             await self._cancel_all(DiscardReason.SHUTDOWN)
+            await self.rollout_events.flush()
             self.prompts.close()
             if self.evals is not None:  # a running step eval ends (or is cancelled); then the final eval
                 await self.evals.after_training(self, completed)

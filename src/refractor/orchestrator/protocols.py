@@ -41,3 +41,11 @@ class TelemetryLoop(Protocol):
     """A periodic collector (system metrics, server metrics) that runs while the orchestrator trains."""
 
     async def run(self) -> None: ...
+
+
+class LatencySource(Protocol):
+    """Each request's latency as its server reported it apart from the answer (vLLM's trace spans)."""
+
+    async def take(self, request_id: str, timeout_s: float) -> dict[str, float] | None:
+        """The latency (seconds by phase) of the request the server knows as ``request_id``; None if it
+        has not arrived within ``timeout_s``."""

@@ -45,6 +45,7 @@ class GenerateResult(Protocol):
     finish_reason: str
     weight_versions: Any
     latency: dict[str, float]
+    server_request_id: str | None
 
 
 class InferenceServer(Protocol):
@@ -304,6 +305,8 @@ async def _generate_turns(run: SampleRun) -> None:
                     prompt_ids, replace(base, max_tokens=budget, seed=seed), priority=-index
                 )
                 span.update(finish_reason=result.finish_reason, completion_tokens=len(result.token_ids))
+                if result.server_request_id is not None:
+                    span["request_id"] = result.server_request_id
                 span.update(result.latency)  # the server's account (docs/metrics.md#latency)
         except asyncio.CancelledError:
             raise

@@ -61,9 +61,12 @@ class ServerGroupSettings:
     vllm: VllmServerSettings
 
     @classmethod
-    def from_config(cls, cfg: Any, gpu_memory_utilization: float) -> ServerGroupSettings:
+    def from_config(
+        cls, cfg: Any, gpu_memory_utilization: float, otlp_traces_endpoint: str | None = None
+    ) -> ServerGroupSettings:
         """``gpu_memory_utilization``: the engine's share of its GPU, resolved for the run's placement
-        (``cfg.gpu_memory_utilization`` may leave it to the placement)."""
+        (``cfg.gpu_memory_utilization`` may leave it to the placement). ``otlp_traces_endpoint``:
+        where vLLM servers export their request spans (None: nowhere)."""
         return cls(
             model=cfg.model,
             host=cfg.inference_host,
@@ -78,7 +81,9 @@ class ServerGroupSettings:
                 seed=cfg.seed,
             ),
             vllm=replace(
-                VllmServerSettings.from_config(cfg, served_model_name=cfg.model),
+                VllmServerSettings.from_config(
+                    cfg, served_model_name=cfg.model, otlp_traces_endpoint=otlp_traces_endpoint
+                ),
                 gpu_memory_utilization=gpu_memory_utilization,
             ),
         )
@@ -200,7 +205,8 @@ class ServerInfo:
 
 
 class RayServerGroup:
-    """One server actor per bundle of ``reservation``; ``start`` returns their names and URLs."""
+    """One server actor per bundle of ``reservation``; ``start`` returns their names and URLs.
+    ``otlp_traces_endpoint``: the run's OTLP receiver, for vLLM servers (None: no trace export)."""
 
     def __init__(
         self,
@@ -210,8 +216,9 @@ class RayServerGroup:
         log_dir: str,
         control_token: str,
         gpu_memory_utilization: float,
+        otlp_traces_endpoint: str | None = None,
     ) -> None:
-        self.settings = ServerGroupSettings.from_config(cfg, gpu_memory_utilization)
+        self.settings = ServerGroupSettings.from_config(cfg, gpu_memory_utilization, otlp_traces_endpoint)
         self.engine = engine
         self.reservation = reservation
         self.log_dir = log_dir

@@ -19,6 +19,8 @@ by the child). Always on:
 CPU specifics: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI of the CPU
 wheel crashes looking up the ``vllm`` distribution), an explicit KV-cache size (otherwise vLLM
 reserves ``gpu_memory_utilization`` x host RAM), and eager mode (torch.compile start-up is slow).
+With ``otlp_traces_endpoint`` (``enable_vllm_tracing``), every finished request's span goes there as
+OTLP/HTTP protobuf: the run's receiver (``refractor.telemetry.otlp``) reads its latency from it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ WORKER_EXTENSION = "refractor.inference.vllm.worker_ext.RefractorWorkerExtension
 PAUSE_GUARD = "refractor.inference.vllm.pause_guard.VllmPauseGuard"
 TRANSFER_BACKEND = "refractor"
 DEFAULT_CPU_KV_CACHE_GB = 1.0  # used on CPU when kv_cache_memory_gb is not set
+TRACE_EXPORT_DELAY_MS = 200
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,10 @@ class VllmServerSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg, *, served_model_name: str | None = None) -> VllmServerSettings:
-        """No trace export from a config (``enable_vllm_tracing`` is accepted and ignored): refractor
-        has no OTLP receiver for vLLM's request spans yet, and vLLM's own Prometheus histograms
-        (queue, prefill, decode, TTFT, e2e) are scraped instead."""
+    def from_config(
+        cls, cfg, *, served_model_name: str | None = None, otlp_traces_endpoint: str | None = None
+    ) -> VllmServerSettings:
+        """``otlp_traces_endpoint``: the run's OTLP receiver (``enable_vllm_tracing``), None: no export."""
         return cls(
             gpu_memory_utilization=cfg.engine_memory_share(colocated=False),
             kv_cache_memory_gb=cfg.kv_cache_memory_gb,
@@ -83,6 +86,7 @@ class VllmServerSettings:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             scheduling_policy=cfg.vllm_scheduling_policy,
+            otlp_traces_endpoint=otlp_traces_endpoint,
             seed=cfg.seed,
             served_model_name=served_model_name,
             startup_timeout_s=float(cfg.ray_placement_timeout_s),
@@ -179,6 +183,8 @@ def vllm_command(
     if s.otlp_traces_endpoint:
         argv += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+        # the receiver waits for a request's span: export batches every 200 ms, not every 5 s
+        env["OTEL_BSP_SCHEDULE_DELAY"] = str(TRACE_EXPORT_DELAY_MS)
     argv += list(s.extra_args)
     env.update(s.extra_env)
     return argv, env
