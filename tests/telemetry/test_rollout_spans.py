@@ -10,7 +10,7 @@ import pytest
 
 from refractor.orchestrator.lifecycle import RolloutEvents
 from refractor.records import TimelineEvent
-from refractor.telemetry import series
+from refractor.telemetry import rollout_spans, series
 from refractor.telemetry.query import RunReader
 from refractor.telemetry.store import SCHEMA_VERSION, RunStore
 
@@ -105,6 +105,23 @@ def test_lifecycle_spans_read_back_as_the_events_they_were_written_as(tmp_path):
         assert rounded(window_rows(r, 999.0, 1010.0)) == rounded(expected(spans, 2))
         wide = series.events_window(r, 0.0, 5000.0, 10.0, min_duration=0.25, wide=1.0)["events"]
         assert wide["name"] == ["generation", "forward", "env_response", "reward", "generation", "reward"]
+
+
+def test_a_zoomed_out_timeline_reads_the_long_rollout_spans_by_their_own_index(tmp_path):
+    long = {"rollout_id": 1, "group_id": 0, "sample": 0, "turn": 0, "server": "server-0", "lane": 0}
+    store = RunStore(tmp_path / "run")
+    store.log_events(lifecycle_spans(10, 1000.0), step=2)
+    store.log_events([TimelineEvent("generation", 1003.0, 1004.5, "rollout", long)], step=2)
+    store.close()
+    with RunReader(tmp_path / "run") as r:
+        plan = r.rows(
+            f"EXPLAIN QUERY PLAN SELECT id FROM rollout_spans WHERE {rollout_spans.LONG} AND start > 0"
+        )
+        assert any("rollout_spans_long" in row["detail"] for row in plan)
+        for min_duration in (1.0, 0.99):  # by the partial index, and by the start index
+            window = series.events_window(r, 0.0, 5000.0, 10.0, min_duration=min_duration, wide=1.0)
+            assert window["events"]["name"] == ["forward", "generation"]
+            assert json.loads(window["events"]["attrs"][1]) == long
 
 
 def test_a_store_with_the_spans_in_events_reads_the_same_and_takes_new_spans_when_written_again(tmp_path):

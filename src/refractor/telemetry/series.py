@@ -144,7 +144,8 @@ def events_window(
     ``min_duration`` (about a pixel of the view) shorter spans and instants other than milestones
     and evals are left out; a window wider than ``wide`` seconds then reads the long events and the
     milestones by the ``events_duration`` and ``events_name`` indexes (schema 4) instead of every
-    event in it."""
+    event in it, and a ``min_duration`` of a second or more reads only the long rollout spans
+    (``rollout_spans_long``)."""
     cols = 'id, name, component, step, start, "end", attrs'
     window = 'start BETWEEN ? AND ? AND "end" >= ?'
     bounds = [start - longest, end, start]
@@ -170,7 +171,13 @@ def events_window(
             sql += f" AND (\"end\" - start >= ? OR name IN ({marks}) OR substr(name, 1, 5) = 'eval_')"
             args += [min_duration, *MILESTONES]
     if reader.has_table("rollout_spans"):
-        sql += " UNION ALL " + rollout_spans.events_select(f'{window} AND "end" - start >= ?')
+        spans = f'{window} AND "end" - start >= ?'
+        if min_duration >= rollout_spans.LONG_SECONDS and reader.has_index("rollout_spans_long"):
+            sql += " UNION ALL " + rollout_spans.events_select(
+                f"{rollout_spans.LONG} AND {spans}", "rollout_spans_long"
+            )
+        else:
+            sql += " UNION ALL " + rollout_spans.events_select(spans)
         args += [*bounds, min_duration]
     events = reader.columns(sql + " ORDER BY start, id LIMIT ?", [*args, limit + 1])
     truncated = len(events["id"]) > limit

@@ -85,6 +85,7 @@ CREATE TABLE IF NOT EXISTS rollout_spans (
     rollout_id, group_id, sample, turn, server, lane, finish_reason, completion_tokens,
     queue_time, ttft, prefill_time, decode_time, e2e_latency, ok, outcome, extra TEXT);
 CREATE INDEX IF NOT EXISTS rollout_spans_start ON rollout_spans (start);
+CREATE INDEX IF NOT EXISTS rollout_spans_long ON rollout_spans (start) WHERE "end" - start >= 1.0;
 CREATE TABLE IF NOT EXISTS system_metrics (
     time REAL NOT NULL, source TEXT NOT NULL, name TEXT NOT NULL, value REAL,
     node TEXT NOT NULL DEFAULT '');
