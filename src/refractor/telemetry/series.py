@@ -145,7 +145,7 @@ def events_window(
     and evals are left out; a window wider than ``wide`` seconds then reads the long events and the
     milestones by the ``events_duration`` and ``events_name`` indexes (schema 4) instead of every
     event in it, and a ``min_duration`` of a second or more reads only the long rollout spans
-    (``rollout_spans_long``)."""
+    (``rollout_spans_long``), none when ``min_duration`` is over ``longest``."""
     cols = 'id, name, component, step, start, "end", attrs'
     window = 'start BETWEEN ? AND ? AND "end" >= ?'
     bounds = [start - longest, end, start]
@@ -170,7 +170,7 @@ def events_window(
         if min_duration > 0:
             sql += f" AND (\"end\" - start >= ? OR name IN ({marks}) OR substr(name, 1, 5) = 'eval_')"
             args += [min_duration, *MILESTONES]
-    if reader.has_table("rollout_spans"):
+    if reader.has_table("rollout_spans") and min_duration <= longest:  # else none is long enough
         spans = f'{window} AND "end" - start >= ?'
         if min_duration >= rollout_spans.LONG_SECONDS and reader.has_index("rollout_spans_long"):
             sql += " UNION ALL " + rollout_spans.events_select(
