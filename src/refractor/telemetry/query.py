@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from refractor.telemetry import rollout_spans
 from refractor.telemetry.code_snapshot import CodeFile, CodeInfo, CodeRoot, GitState
 from refractor.telemetry.log_capture import LEVELS
 from refractor.telemetry.metrics import RolloutSummary
@@ -196,24 +197,26 @@ class RunReader:
     def timeline(
         self, start: float | None = None, end: float | None = None, component: str | None = None
     ) -> list[dict[str, Any]]:
-        """Events overlapping [start, end] (either bound optional), by start time."""
-        clauses = []
-        args = []
+        """Events overlapping [start, end] (either bound optional), by start time, the rollouts'
+        lifecycle spans (stored apart since schema 6) among them."""
+        clauses = ["1"]
+        bounds = []
         if start is not None:
             clauses.append('"end" >= ?')
-            args.append(start)
+            bounds.append(start)
         if end is not None:
             clauses.append("start <= ?")
-            args.append(end)
+            bounds.append(end)
+        where = " AND ".join(clauses)
+        sql = f'SELECT id, name, component, step, start, "end", attrs FROM events WHERE {where}'
+        args = list(bounds)
         if component is not None:
-            clauses.append("component = ?")
+            sql += " AND component = ?"
             args.append(component)
-        sql = (
-            "SELECT * FROM events"
-            + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
-            + " ORDER BY start, id"
-        )
-        rows = self._rows(sql, tuple(args))
+        if self.has_table("rollout_spans") and component in (None, rollout_spans.COMPONENT):
+            sql += " UNION ALL " + rollout_spans.events_select(where)
+            args += bounds
+        rows = self._rows(sql + " ORDER BY start, id", tuple(args))
         for r in rows:
             r["attrs"] = json.loads(r["attrs"])
         return rows

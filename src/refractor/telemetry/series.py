@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from refractor.telemetry import rollout_spans
 from refractor.telemetry.query import RunReader
 
 
@@ -92,8 +93,9 @@ def time_bounds(reader: RunReader, timeline_end: float | None) -> dict[str, floa
     last end, a running maximum: see :func:`max_after`) and of its system metrics, by index seeks
     (None where the run has none)."""
     starts = []
-    if reader.has_table("events"):
-        starts.append(reader.rows("SELECT MIN(start) AS t FROM events")[0]["t"])
+    for table in ("events", "rollout_spans"):
+        if reader.has_table(table):
+            starts.append(reader.rows(f"SELECT MIN(start) AS t FROM {table}")[0]["t"])  # noqa: S608
     if reader.has_table("rollouts"):
         starts.append(
             reader.rows("SELECT MIN(dispatch_time) AS t FROM rollouts WHERE dispatch_time > 0")[0]["t"]
@@ -136,11 +138,14 @@ def events_window(
     wide: float = 1800.0,
 ) -> dict[str, Any]:
     """Events overlapping [start, end], by start time, at most ``limit`` (``truncated`` says so),
-    as columns. An event overlapping the window started at most ``longest`` (the longest event's
-    duration) before it, so the ``events_start`` index bounds the scan. With ``min_duration``
-    (about a pixel of the view) shorter spans and instants other than milestones and evals are
-    left out; a window wider than ``wide`` seconds then reads the long spans and the milestones by
-    the ``events_duration`` and ``events_name`` indexes (schema 4) instead of every event in it."""
+    as columns, the rollouts' lifecycle spans (``rollout_spans``, schema 6) among them. An event
+    overlapping the window started at most ``longest`` (the longest event's or span's duration)
+    before it, so the ``events_start`` and ``rollout_spans_start`` indexes bound the scan. With
+    ``min_duration`` (about a pixel of the view) shorter spans and instants other than milestones
+    and evals are left out; a window wider than ``wide`` seconds then reads the long events and the
+    milestones by the ``events_duration`` and ``events_name`` indexes (schema 4) instead of every
+    event in it, and a ``min_duration`` of a second or more reads only the long rollout spans
+    (``rollout_spans_long``), none when ``min_duration`` is over ``longest``."""
     cols = 'id, name, component, step, start, "end", attrs'
     window = 'start BETWEEN ? AND ? AND "end" >= ?'
     bounds = [start - longest, end, start]
@@ -165,6 +170,15 @@ def events_window(
         if min_duration > 0:
             sql += f" AND (\"end\" - start >= ? OR name IN ({marks}) OR substr(name, 1, 5) = 'eval_')"
             args += [min_duration, *MILESTONES]
+    if reader.has_table("rollout_spans") and min_duration <= longest:  # else none is long enough
+        spans = f'{window} AND "end" - start >= ?'
+        if min_duration >= rollout_spans.LONG_SECONDS and reader.has_index("rollout_spans_long"):
+            sql += " UNION ALL " + rollout_spans.events_select(
+                f"{rollout_spans.LONG} AND {spans}", "rollout_spans_long"
+            )
+        else:
+            sql += " UNION ALL " + rollout_spans.events_select(spans)
+        args += [*bounds, min_duration]
     events = reader.columns(sql + " ORDER BY start, id LIMIT ?", [*args, limit + 1])
     truncated = len(events["id"]) > limit
     return {"events": {k: v[:limit] for k, v in events.items()}, "truncated": truncated}

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from refractor.errors import RefractorUserError
 from refractor.records import EvalRollout, Rollout, RolloutStatus, TimelineEvent
+from refractor.telemetry import rollout_spans
 
 if TYPE_CHECKING:
     from refractor.telemetry.code_snapshot import CodeSnapshot
@@ -34,13 +35,15 @@ if TYPE_CHECKING:
 # 5: indexes for the dashboard's reads (step metrics by name; rollouts by dispatch time, and the
 # rollout columns per-step statistics read, so they never read the rollouts' texts; events by
 # duration and by name, for a zoomed-out timeline)
-SCHEMA_VERSION = 5
+# 6: rollout_spans (the rollouts' lifecycle spans, no longer in events); step_metrics, sample_metrics
+# and turns stored by their primary key (WITHOUT ROWID: no second copy of the key in an index)
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS step_metrics (
     step INTEGER NOT NULL, name TEXT NOT NULL, value REAL, time REAL NOT NULL,
-    PRIMARY KEY (step, name));
+    PRIMARY KEY (step, name)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS step_metrics_by_name ON step_metrics (name, step, value);
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id INTEGER PRIMARY KEY, group_id INTEGER NOT NULL, sample_idx INTEGER NOT NULL,
@@ -60,13 +63,13 @@ CREATE INDEX IF NOT EXISTS rollouts_step_stats ON rollouts (status, step, env, g
     prompt_tokens, completion_tokens, stop_reason, off_policy_steps, reason);
 CREATE TABLE IF NOT EXISTS sample_metrics (
     rollout_id INTEGER NOT NULL, step INTEGER NOT NULL, status TEXT NOT NULL, name TEXT NOT NULL, value REAL,
-    PRIMARY KEY (rollout_id, name));
+    PRIMARY KEY (rollout_id, name)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS turns (
     rollout_id INTEGER NOT NULL, turn_idx INTEGER NOT NULL, content TEXT NOT NULL,
     prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, finish_reason TEXT NOT NULL,
     max_tokens INTEGER NOT NULL, start_version INTEGER NOT NULL, end_version INTEGER NOT NULL,
     start_time REAL, end_time REAL, env_messages TEXT NOT NULL, env_time REAL,
-    PRIMARY KEY (rollout_id, turn_idx));
+    PRIMARY KEY (rollout_id, turn_idx)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tool_calls (
     rollout_id INTEGER NOT NULL, turn_idx INTEGER NOT NULL, call_idx INTEGER NOT NULL,
     tool_name TEXT NOT NULL, arguments TEXT NOT NULL, result TEXT NOT NULL, success INTEGER NOT NULL,
@@ -77,6 +80,12 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_start ON events (start);
 CREATE INDEX IF NOT EXISTS events_duration ON events (("end" - start));
 CREATE INDEX IF NOT EXISTS events_name ON events (name, start);
+CREATE TABLE IF NOT EXISTS rollout_spans (
+    id INTEGER PRIMARY KEY, kind INTEGER NOT NULL, step INTEGER, start REAL NOT NULL, "end" REAL NOT NULL,
+    rollout_id, group_id, sample, turn, server, lane, finish_reason, completion_tokens,
+    queue_time, ttft, prefill_time, decode_time, e2e_latency, ok, outcome, extra TEXT);
+CREATE INDEX IF NOT EXISTS rollout_spans_start ON rollout_spans (start);
+CREATE INDEX IF NOT EXISTS rollout_spans_long ON rollout_spans (start) WHERE "end" - start >= 1.0;
 CREATE TABLE IF NOT EXISTS system_metrics (
     time REAL NOT NULL, source TEXT NOT NULL, name TEXT NOT NULL, value REAL,
     node TEXT NOT NULL DEFAULT '');
@@ -132,6 +141,11 @@ def mark_crashed(path: Path) -> bool:
 
 def _json(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
+
+
+def _compact_json(value: Any) -> str:
+    """JSON without the spaces after separators (for the rows written by the thousand)."""
+    return json.dumps(value, default=str, ensure_ascii=False, separators=(",", ":"))
 
 
 def rollout_rows(
@@ -322,12 +336,20 @@ class RunStore:
         self.log_events([event], step)
 
     def log_events(self, events: Iterable[TimelineEvent], step: int | None = None) -> None:
-        rows = [
-            (e.name, e.component, e.attrs.get("step", step), e.start, e.end, _json(e.attrs)) for e in events
-        ]
+        """Timeline events; the rollouts' lifecycle spans go to ``rollout_spans`` (:mod:`.rollout_spans`)."""
+        rows = []
+        spans = []
+        for e in events:
+            if rollout_spans.is_rollout_span(e):
+                spans.append(rollout_spans.span_row(e, step))
+            else:
+                rows.append(
+                    (e.name, e.component, e.attrs.get("step", step), e.start, e.end, _compact_json(e.attrs))
+                )
         self._put(
             'INSERT INTO events (name, component, step, start, "end", attrs) VALUES (?,?,?,?,?,?)', rows
         )
+        self._put(rollout_spans.INSERT, spans)
 
     def log_system_metrics(
         self, source: str, metrics: Mapping[str, float], timestamp: float | None = None, node: str = ""

@@ -107,6 +107,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             "step": ("step_metrics", "MAX(step)"),
             "rollout": ("rollouts", "MAX(rollout_id)"),
             "event": ("events", "MAX(id)"),
+            "rollout_span": ("rollout_spans", "MAX(id)"),
             "system_time": ("system_metrics", "MAX(time)"),
             "log": ("logs", "MAX(rowid)"),
         }
@@ -252,13 +253,15 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
     def time_bounds(run_id: str) -> dict[str, Any]:
         entry = registry.get(run_id)
         with reader(run_id) as r:
-            ends = []
-            if r.has_table("events"):
-                ends.append(
-                    registry.running_max(
-                        entry, "events_end", lambda after: series.max_after(r, "events", '"end"', "id", after)
-                    )
+            ends = [
+                registry.running_max(
+                    entry,
+                    f"{table}_end",
+                    lambda after, table=table: series.max_after(r, table, '"end"', "id", after),
                 )
+                for table in ("events", "rollout_spans")
+                if r.has_table(table)
+            ]
             if r.has_table("rollouts"):
                 ends.append(
                     registry.running_max(
@@ -285,12 +288,14 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
         with reader(run_id) as r:
             # running maxima: a live run's new rows are read, not every row at every refresh
             longest_event = longest_rollout = 0.0
-            if r.has_table("events"):
-                longest_event = registry.running_max(
-                    entry,
-                    "longest_event",
-                    lambda after: series.max_after(r, "events", '"end" - start', "id", after),
-                )
+            for table in ("events", "rollout_spans"):
+                if r.has_table(table):
+                    longest = registry.running_max(
+                        entry,
+                        f"longest_{table}",
+                        lambda after, table=table: series.max_after(r, table, '"end" - start', "id", after),
+                    )
+                    longest_event = max(longest_event, longest or 0.0)
             if r.has_table("rollouts"):
                 duration = "CASE WHEN dispatch_time > 0 THEN finish_time - dispatch_time END"
                 longest_rollout = registry.running_max(
