@@ -205,7 +205,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     from refractor.orchestrator import Orchestrator, OrchestratorSettings
     from refractor.orchestrator.eval_schedule import build_eval_schedule, eval_server_names
     from refractor.runtime import stop_signals
-    from refractor.runtime.cluster import RayHost, RaySettings, cluster_has_gpus
+    from refractor.runtime.cluster import RayHost, RaySettings
     from refractor.runtime.health import HeartbeatSettings, ServerWatchdog, actor_process_check
     from refractor.runtime.node_metrics import NodeMetricsLoop, run_nodes
     from refractor.runtime.placement import place
@@ -262,8 +262,10 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         # rank 0 in memory, never logged nor written to the run store or config files
         control_token = new_token()
         run_tag = f"{cfg.run_name}-{secrets.token_hex(3)}"  # names this run's placement groups
-        has_gpu = cluster_has_gpus()
-        engine = choose_engine(cfg.inference_engine, has_gpu)
+        engine, why = choose_engine(cfg.inference_engine, cfg.model)
+        log.info("inference engine: %s (%s)", engine, why)
+        if not quiet:
+            print(f"refractor: inference engine {engine} ({why})", flush=True)
         placement = place(cfg, run_tag)
         if placement.colocated:
             log.info("servers and trainer ranks share GPUs (colocate: %s)", cfg.colocate)

@@ -3,6 +3,9 @@ a server that fails to start is named (real Ray actor)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+
 import pytest
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -138,9 +141,27 @@ def test_wildcard_urls_are_reached_through_the_node_address():
     assert reachable_url("http://127.0.0.1:8100", "10.0.0.5") == "http://127.0.0.1:8100"
 
 
-def test_explicit_engines_are_kept_and_auto_picks_native_without_a_gpu():
-    assert choose_engine("native", has_gpu=True) == "native"
-    assert choose_engine("auto", has_gpu=False) == "native"
+def test_explicit_engines_are_kept_and_auto_picks_native_for_the_architectures_it_implements(
+    tiny_qwen2_path, tiny_llama_path, tiny_qwen3_path, tmp_path
+):
+    assert choose_engine("native", str(tiny_qwen2_path)) == ("native", "`inference_engine: native`")
+    for path, arch in (
+        (tiny_qwen2_path, "Qwen2ForCausalLM"),
+        (tiny_llama_path, "LlamaForCausalLM"),
+        (tiny_qwen3_path, "Qwen3ForCausalLM"),
+    ):
+        assert choose_engine("auto", str(path)) == ("native", f"auto: the native engine implements {arch}")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GemmaForCausalLM"]}))
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(
+            ServerStartError, match="GemmaForCausalLM is not implemented .* vLLM is not installed"
+        ):
+            choose_engine("auto", str(tmp_path))
+    else:
+        assert choose_engine("auto", str(tmp_path)) == (
+            "vllm",
+            "auto: the native engine does not implement GemmaForCausalLM",
+        )
 
 
 @pytest.fixture(scope="module")

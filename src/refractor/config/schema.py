@@ -200,7 +200,8 @@ class WorkerKeys(_Strict):
     trainer_num_workers: int = Field(2, ge=1, le=MAX_WORKERS, description="Trainer ranks (one GPU each).")
     inference_engine: Literal["auto", "vllm", "native"] = Field(
         "auto",
-        description="[refractor] auto = vLLM when importable and a GPU is present, else the native engine.",
+        description="[refractor] auto = the native engine for the architectures it implements (Llama, "
+        "Qwen2/2.5, Qwen3), vLLM for the others; the run's first lines say which and why.",
     )
     colocate: bool | Literal["auto"] = Field(
         "auto",

@@ -93,6 +93,14 @@ class ModelConfig:
         )
 
 
+def native_architecture(raw: dict[str, Any]) -> str | None:
+    """The architecture of a ``config.json`` dict when refractor's native model implements it."""
+    try:
+        return _architecture(raw)
+    except UnsupportedModelError:
+        return None
+
+
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
     for arch in archs:

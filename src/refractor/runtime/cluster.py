@@ -410,7 +410,3 @@ def reserve_bundles(
             f"{timeout_s} s (`ray_placement_timeout_s`); other jobs may hold the resources."
         )
     return pg
-
-
-def cluster_has_gpus() -> bool:
-    return ray.cluster_resources().get("GPU", 0) > 0

