@@ -117,23 +117,22 @@ def place(cfg: Any, run_tag: str) -> Placement:
     shared = colocated(cfg.colocate, demand, cluster_gpus)
     check_fits(demand, shared, cluster_cpus, cluster_gpus)
     timeout_s = cfg.ray_placement_timeout_s
+    has_gpu = cluster_gpus > 0
     if shared:
-        gpu = 1.0 if cluster_gpus else 0.0
         bundles = [
             {
                 "CPU": demand.server_cpus * (i < demand.servers) + demand.trainer_cpus * (i < demand.ranks),
-                **({"GPU": gpu} if gpu else {}),
+                **({"GPU": 1.0} if has_gpu else {}),
             }
             for i in range(demand.colocated_gpus)
         ]
         group = reserve_bundles(
             "servers and trainer ranks", bundles, cfg.ray_inference_placement_strategy, timeout_s, run_tag
         )
-        share = _GPU_SHARE if gpu else 0.0
+        share = _GPU_SHARE if has_gpu else 0.0
         servers = Reservation(group=group, cpus=demand.server_cpus, gpus=share, count=demand.servers)
         trainers = Reservation(group=group, cpus=demand.trainer_cpus, gpus=share, count=demand.ranks)
         return Placement(True, servers, trainers, [("servers and trainer ranks (colocated)", servers)])
-    has_gpu = cluster_gpus > 0
     servers = reserve(
         "inference servers",
         demand.servers,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +97,10 @@ class ServerGroupSettings:
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 seed=cfg.seed,
             ),
-            vllm=replace(
-                VllmServerSettings.from_config(
-                    cfg, served_model_name=cfg.model, otlp_traces_endpoint=otlp_traces_endpoint
-                ),
+            vllm=VllmServerSettings.from_config(
+                cfg,
+                served_model_name=cfg.model,
+                otlp_traces_endpoint=otlp_traces_endpoint,
                 gpu_memory_utilization=gpu_memory_utilization,
             ),
         )

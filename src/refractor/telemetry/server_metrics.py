@@ -117,8 +117,8 @@ class ServerMetricsScraper:
         self.log_metrics = log_metrics
         self.interval_s = interval_s
         self.clock = clock
-        # generous: the answer waits behind the server's busy engine and this busy event loop (a
-        # 1 s limit timed out on the quick start's first step on 2 cores)
+        # generous: the answer waits behind the server's busy engine and this process's busy event
+        # loop, and a late answer only delays the next scrape
         self.timeout_s = timeout_s if timeout_s is not None else max(interval_s, 5.0)
         self._last: dict[str, tuple[float, dict[str, float]]] = {}
         self._warned: set[str] = set()

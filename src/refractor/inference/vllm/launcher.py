@@ -75,11 +75,20 @@ class VllmServerSettings:
 
     @classmethod
     def from_config(
-        cls, cfg, *, served_model_name: str | None = None, otlp_traces_endpoint: str | None = None
+        cls,
+        cfg,
+        *,
+        served_model_name: str | None = None,
+        otlp_traces_endpoint: str | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> VllmServerSettings:
-        """``otlp_traces_endpoint``: the run's OTLP receiver (``enable_vllm_tracing``), None: no export."""
+        """``otlp_traces_endpoint``: the run's OTLP receiver (``enable_vllm_tracing``), None: no export.
+        ``gpu_memory_utilization``: the engine's share resolved for the run's placement (None: the
+        config's, or the default of a server with a GPU of its own)."""
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = cfg.engine_memory_share(colocated=False)
         return cls(
-            gpu_memory_utilization=cfg.engine_memory_share(colocated=False),
+            gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_gb=cfg.kv_cache_memory_gb,
             max_model_len=cfg.max_model_len,
             tensor_parallel_size=cfg.inference_tensor_parallel_size,
