@@ -306,13 +306,14 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             cfg.system_metrics_collection_interval_seconds,
         )
         node_metrics.start()
+        server_places = servers.placements()
         store.set_meta(
             {
                 "topology": topology_snapshot(
                     connection=connection,
                     engine=engine,
                     machines=node_metrics.describe_nodes(),
-                    servers=servers.placements(),
+                    servers=server_places,
                     trainer_ranks=trainer_ranks,
                     placement_groups=[placement_group_info(name, r) for name, r in placement.groups],
                     model=model_info(cfg.model, trainer_ranks),
@@ -322,7 +323,12 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         telemetry = [
             logs,
             node_metrics,
-            ServerMetricsScraper(clients, store.log_system_metrics, cfg.metrics_logger_interval_seconds),
+            ServerMetricsScraper(
+                clients,
+                store.log_system_metrics,
+                cfg.metrics_logger_interval_seconds,
+                nodes={place["name"]: place["node"] for place in server_places},
+            ),
             TrainerMemoryLoop(
                 trainers,
                 store.log_system_metrics,

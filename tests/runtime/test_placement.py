@@ -78,6 +78,34 @@ def test_what_cannot_fit_names_the_keys(demand, colocate, cpus, gpus, message):
         check_fits(demand, colocate, cpus, gpus)
 
 
+def test_custom_resources_the_cluster_lacks_name_the_key():
+    pinned = Demand(
+        servers=2,
+        tensor_parallel=1,
+        server_cpus=1,
+        ranks=1,
+        trainer_cpus=1,
+        server_resources={"inference_node": 1},
+    )
+    with pytest.raises(
+        ClusterError, match=r"`ray_inference_resources` asks 1 'inference_node' for each of 2 .* has 1"
+    ):
+        check_fits(pinned, False, 8, 0, {"inference_node": 1})
+    check_fits(pinned, False, 8, 0, {"inference_node": 2})
+    # colocated, bundle i holds server i's and rank i's resources together
+    both = Demand(1, 1, 1, 2, 1, server_resources={"a": 1}, trainer_resources={"a": 0.5, "b": 1})
+    assert [both.bundle_resources(i) for i in range(2)] == [{"a": 1.5, "b": 1}, {"a": 0.5, "b": 1}]
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [({"GPU": 1}, "names 'GPU', which Ray accounts itself"), ({"n": 0}, r"'n' must be in \(0, ")],
+)
+def test_custom_resource_settings_are_checked(resources, message):
+    with pytest.raises(ValueError, match=message):
+        config(ray_trainer_resources=resources)
+
+
 def test_what_fits_passes():
     check_fits(ONE_SERVER_ONE_RANK, True, 2, 1)
     check_fits(ONE_SERVER_ONE_RANK, False, 2, 2)

@@ -74,12 +74,17 @@ def test_a_real_native_server_is_scraped_and_a_dead_one_is_skipped(tiny_qwen2_pa
     server = start_native_server(
         str(tiny_qwen2_path), engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05}
     )
-    rows: list[tuple[str, dict, float]] = []
+    rows: list[tuple[str, dict, float, str]] = []
     try:
 
         async def scrape() -> None:
             async with InferenceClient(server.url, name="server-0") as client:
-                scraper = ServerMetricsScraper([client, _Unreachable()], lambda *row: rows.append(row), 0.5)
+                scraper = ServerMetricsScraper(
+                    [client, _Unreachable()],
+                    lambda *row: rows.append(row),
+                    0.5,
+                    nodes={"server-0": "10.0.0.7"},
+                )
                 await scraper.scrape_once()  # idle
                 body = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "n": 4}
                 request = threading.Thread(
@@ -96,15 +101,16 @@ def test_a_real_native_server_is_scraped_and_a_dead_one_is_skipped(tiny_qwen2_pa
         asyncio.run(scrape())
     finally:
         server.stop()
-    assert {source for source, _, _ in rows} == {"inference:server-0"}  # server-9 skipped, the loop went on
+    # server-9 skipped, the loop went on; rows carry the node the server runs on
+    assert {(source, node) for source, _, _, node in rows} == {("inference:server-0", "10.0.0.7")}
     assert "server-9" in caplog.text and caplog.text.count("server-9") == 1  # warned once
-    assert all(started <= ts <= time.time() for _, _, ts in rows)
+    assert all(started <= ts <= time.time() for _, _, ts, _ in rows)
     first = rows[0][1]
     last = rows[-1][1]
     assert first["requests_running"] == 0 and "engine_busy_fraction" not in first
     assert last["generation_tokens_total"] - first["generation_tokens_total"] == 1600
     assert last["requests_total"] - first.get("requests_total", 0.0) == 4
-    busy = [m for _, m, _ in rows[1:-1] if m.get("requests_running") == 4]
+    busy = [m for _, m, _, _ in rows[1:-1] if m.get("requests_running") == 4]
     assert busy, "no scrape saw the request decoding"
     # while 4 sequences decode the engine thread steps without pause: busy nearly all the time
     assert max(m["engine_busy_fraction"] for m in busy) > 0.5

@@ -157,6 +157,15 @@ class RayKeys(_Strict):
     ray_placement_timeout_s: int = Field(
         900, ge=1, le=MAX_SECONDS, description="Placement-group readiness and server start-up timeout."
     )
+    ray_inference_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="[refractor] Custom Ray resources each inference server bundle also asks for "
+        "(e.g. {inference_node: 1} puts servers on nodes started with that resource).",
+    )
+    ray_trainer_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="[refractor] Custom Ray resources each trainer-rank bundle also asks for.",
+    )
     heartbeat_interval_s: float = Field(
         10.0,
         gt=0,
@@ -696,6 +705,9 @@ class RefractorConfig(
         return self._user_keys
 
 
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
 def _clipping_active(c: RefractorConfig) -> bool:
     return c.use_ppo_clip or c.algorithm in {"cispo", "gspo"}
 
@@ -703,6 +715,15 @@ def _clipping_active(c: RefractorConfig) -> bool:
 def cross_field_errors(c: RefractorConfig) -> list[str]:
     """Every rule that involves more than one key; each message names the keys and the fix."""
     e: list[str] = []
+    for key in ("ray_inference_resources", "ray_trainer_resources"):
+        for resource, amount in getattr(c, key).items():
+            if resource in RAY_BUILTIN_RESOURCES or resource.startswith("node:"):
+                e.append(
+                    f"`{key}` names {resource!r}, which Ray accounts itself: list only custom resources "
+                    "(set CPUs with `ray_inference_cpus_per_worker` / `ray_trainer_cpus_per_worker`)"
+                )
+            elif not 0 < amount <= MAX_CPUS:
+                e.append(f"`{key}`: {resource!r} must be in (0, {MAX_CPUS:g}], not {amount:g}")
     if not c.environments:
         e.append("`environments` must list at least one environment, e.g. environments: [{name: countdown}]")
     if c.use_tis and c.use_ppo_clip and c.ppo_clip_ref_logprobs == "rollout":

@@ -24,7 +24,7 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -374,10 +374,12 @@ def reserve(
     cpus_key: str,
     count_key: str,
     run_tag: str = "",
+    resources: Mapping[str, float] | None = None,
 ) -> Reservation:
     """Create a placement group of `count` bundles and wait until it is ready (or explain why not).
 
-    ``run_tag`` makes the group's name unique to the run (two runs on one cluster never collide)."""
+    ``run_tag`` makes the group's name unique to the run (two runs on one cluster never collide);
+    ``resources``: custom Ray resources every bundle also holds (which nodes it may go to)."""
     total = ray.cluster_resources()
     need_cpu = count * cpus
     need_gpu = count * gpus
@@ -391,6 +393,7 @@ def reserve(
     bundle: dict[str, float] = {"CPU": cpus}
     if gpus:
         bundle["GPU"] = gpus
+    bundle |= dict(resources or {})
     group = reserve_bundles(name, [dict(bundle) for _ in range(count)], strategy, timeout_s, run_tag)
     return Reservation(group=group, cpus=cpus, gpus=gpus, count=count)
 

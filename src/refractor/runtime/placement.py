@@ -14,7 +14,8 @@ cannot fit fails in seconds naming the keys to change, not after ``ray_placement
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -34,6 +35,8 @@ class Demand:
     server_cpus: float
     ranks: int
     trainer_cpus: float
+    server_resources: Mapping[str, float] = field(default_factory=dict)
+    trainer_resources: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, cfg: Any) -> Demand:
@@ -43,6 +46,8 @@ class Demand:
             server_cpus=cfg.ray_inference_cpus_per_worker,
             ranks=cfg.trainer_num_workers,
             trainer_cpus=cfg.ray_trainer_cpus_per_worker,
+            server_resources=dict(cfg.ray_inference_resources),
+            trainer_resources=dict(cfg.ray_trainer_resources),
         )
 
     @property
@@ -53,6 +58,18 @@ class Demand:
     def colocated_gpus(self) -> int:
         return max(self.servers, self.ranks)
 
+    def bundle_resources(self, index: int) -> dict[str, float]:
+        """The custom resources of colocated bundle ``index`` (server ``index`` and rank ``index``)."""
+        out: dict[str, float] = {}
+        for holds, asks in (
+            (index < self.servers, self.server_resources),
+            (index < self.ranks, self.trainer_resources),
+        ):
+            for name, amount in asks.items():
+                if holds:
+                    out[name] = out.get(name, 0.0) + amount
+        return out
+
 
 def colocated(setting: bool | str, demand: Demand, cluster_gpus: float) -> bool:
     """``colocate`` resolved: ``auto`` shares GPUs only when a split run would not fit them (on a
@@ -62,8 +79,27 @@ def colocated(setting: bool | str, demand: Demand, cluster_gpus: float) -> bool:
     return bool(setting)
 
 
-def check_fits(demand: Demand, colocate: bool, cluster_cpus: float, cluster_gpus: float) -> None:
-    """Raise ``ClusterError`` naming the keys to change when the run cannot fit the cluster's totals."""
+def check_fits(
+    demand: Demand,
+    colocate: bool,
+    cluster_cpus: float,
+    cluster_gpus: float,
+    cluster_custom: Mapping[str, float] | None = None,
+) -> None:
+    """Raise ``ClusterError`` naming the keys to change when the run cannot fit the cluster's totals
+    (``cluster_custom``: the cluster's custom resources, which ``ray_*_resources`` ask for)."""
+    custom = cluster_custom or {}
+    for key, count, asks in (
+        ("ray_inference_resources", demand.servers, demand.server_resources),
+        ("ray_trainer_resources", demand.ranks, demand.trainer_resources),
+    ):
+        for name, amount in asks.items():
+            if count * amount > custom.get(name, 0.0):
+                raise ClusterError(
+                    f"`{key}` asks {amount:g} {name!r} for each of {count} bundle(s) but the Ray cluster "
+                    f"has {custom.get(name, 0.0):g} in all: start nodes with `ray start --resources "
+                    f"'{{\"{name}\": N}}'` or change `{key}`."
+                )
     cpus = demand.servers * demand.server_cpus + demand.ranks * demand.trainer_cpus
     if cpus > cluster_cpus:
         raise ClusterError(
@@ -115,7 +151,7 @@ def place(cfg: Any, run_tag: str) -> Placement:
     cluster_cpus, cluster_gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     demand = Demand.of(cfg)
     shared = colocated(cfg.colocate, demand, cluster_gpus)
-    check_fits(demand, shared, cluster_cpus, cluster_gpus)
+    check_fits(demand, shared, cluster_cpus, cluster_gpus, total)
     timeout_s = cfg.ray_placement_timeout_s
     has_gpu = cluster_gpus > 0
     if shared:
@@ -123,6 +159,7 @@ def place(cfg: Any, run_tag: str) -> Placement:
             {
                 "CPU": demand.server_cpus * (i < demand.servers) + demand.trainer_cpus * (i < demand.ranks),
                 **({"GPU": 1.0} if has_gpu else {}),
+                **demand.bundle_resources(i),
             }
             for i in range(demand.colocated_gpus)
         ]
@@ -143,6 +180,7 @@ def place(cfg: Any, run_tag: str) -> Placement:
         "ray_inference_cpus_per_worker",
         "inference_num_workers",
         run_tag,
+        resources=demand.server_resources,
     )
     try:
         trainers = reserve(
@@ -155,6 +193,7 @@ def place(cfg: Any, run_tag: str) -> Placement:
             "ray_trainer_cpus_per_worker",
             "trainer_num_workers",
             run_tag,
+            resources=demand.trainer_resources,
         )
     except BaseException:
         remove_placement_group(servers.group)  # the run stops here: release what it holds

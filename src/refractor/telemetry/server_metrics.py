@@ -98,7 +98,8 @@ def rates(
 
 
 class ServerMetricsScraper:
-    """Scrapes every server each ``interval_s`` and hands ``(source, metrics, timestamp)`` to ``log``.
+    """Scrapes every server each ``interval_s`` and hands ``(source, metrics, timestamp, node)`` to
+    ``log_metrics`` (``nodes``: each server's node address, '' for a server not in it).
 
     ``servers``: objects with ``name`` and ``async metrics() -> {prometheus name: value}`` (the
     inference clients). A server that does not answer is skipped for that round (its heartbeat, not
@@ -108,11 +109,13 @@ class ServerMetricsScraper:
     def __init__(
         self,
         servers: Sequence[Any],
-        log_metrics: Callable[[str, dict[str, float], float], None],
+        log_metrics: Callable[[str, dict[str, float], float, str], None],
         interval_s: float,
         clock: Callable[[], float] = time.time,
         timeout_s: float | None = None,
+        nodes: Mapping[str, str] | None = None,
     ):
+        self.nodes = dict(nodes or {})
         self.servers = list(servers)
         self.log_metrics = log_metrics
         self.interval_s = interval_s
@@ -144,7 +147,7 @@ class ServerMetricsScraper:
         )
         self._last[server.name] = (now, metrics)
         if metrics:
-            self.log_metrics(f"inference:{server.name}", metrics, now)
+            self.log_metrics(f"inference:{server.name}", metrics, now, self.nodes.get(server.name, ""))
 
     async def run(self) -> None:
         while True:  # a first scrape at once: the rates need two
