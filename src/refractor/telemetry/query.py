@@ -20,6 +20,7 @@ from refractor.telemetry import rollout_spans
 from refractor.telemetry.code_snapshot import CodeFile, CodeInfo, CodeRoot, GitState
 from refractor.telemetry.log_capture import LEVELS
 from refractor.telemetry.metrics import RolloutSummary
+from refractor.telemetry.sampling import sampled_system_metrics
 from refractor.telemetry.store import table_columns, tokens_from_blob
 
 
@@ -195,28 +196,60 @@ class RunReader:
         return rows
 
     def timeline(
-        self, start: float | None = None, end: float | None = None, component: str | None = None
+        self,
+        start: float | None = None,
+        end: float | None = None,
+        component: str | None = None,
+        *,
+        after: tuple[float, int] | None = None,
+        limit: int | None = None,
+        longest: float | None = None,
     ) -> list[dict[str, Any]]:
-        """Events overlapping [start, end] (either bound optional), by start time, the rollouts'
-        lifecycle spans (stored apart since schema 6) among them."""
+        """Events overlapping [start, end] (either bound optional), ordered by ``(start, id)``, the
+        rollouts' lifecycle spans (stored apart since schema 6, negative ids) among them.
+
+        Paged: ``limit`` caps the answer; ``after`` is the ``(start, id)`` of the last event of the
+        previous page, and the next page is the events past it in that order (a page shorter than
+        ``limit`` is the last). Pages are index ranges on ``events_start`` and ``rollout_spans_start``
+        from the cursor on; an event overlapping the window's left edge may have started any time
+        before it, so the first pages read from the first event unless ``longest`` (the longest
+        event's or span's duration, which the dashboard keeps as a running maximum) bounds them."""
         clauses = ["1"]
-        bounds = []
+        bounds: list[Any] = []
         if start is not None:
             clauses.append('"end" >= ?')
             bounds.append(start)
+            if longest is not None:
+                clauses.append("start >= ?")
+                bounds.append(start - longest)
         if end is not None:
             clauses.append("start <= ?")
             bounds.append(end)
         where = " AND ".join(clauses)
-        sql = f'SELECT id, name, component, step, start, "end", attrs FROM events WHERE {where}'
-        args = list(bounds)
+        # past the cursor: a later start, or the same start and a larger id; `start >= ?` is the
+        # index range, the rest drops the ties already read. A span's id is minus its row id.
+        events_where = spans_where = where
+        events_args = list(bounds)
+        spans_args = list(bounds)
+        if after is not None:
+            after_start, after_id = after
+            events_where += " AND start >= ? AND (start > ? OR id > ?)"
+            events_args += [after_start, after_start, after_id]
+            spans_where += " AND start >= ? AND (start > ? OR id < ?)"
+            spans_args += [after_start, after_start, -after_id]
+        sql = f'SELECT id, name, component, step, start, "end", attrs FROM events WHERE {events_where}'
+        args = events_args
         if component is not None:
             sql += " AND component = ?"
             args.append(component)
         if self.has_table("rollout_spans") and component in (None, rollout_spans.COMPONENT):
-            sql += " UNION ALL " + rollout_spans.events_select(where)
-            args += bounds
-        rows = self._rows(sql + " ORDER BY start, id", tuple(args))
+            sql += " UNION ALL " + rollout_spans.events_select(spans_where)
+            args += spans_args
+        sql += " ORDER BY start, id"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(int(limit))
+        rows = self._rows(sql, tuple(args))
         for r in rows:
             r["attrs"] = json.loads(r["attrs"])
         return rows
@@ -229,9 +262,12 @@ class RunReader:
         name: str | None = None,
         source: str | None = None,
         node: str | None = None,
+        points: int | None = None,
     ) -> list[dict[str, Any]]:
         """Rows (``time, source, name, value, node``) in [start, end], by time; each filter optional.
-        A run store written before nodes were recorded gives ``node`` ''."""
+        A run store written before nodes were recorded gives ``node`` ''. With ``points``, at most
+        that many rows per (source, name, node) series: the first of each of ``points`` equal slices
+        of the window (:mod:`.sampling`)."""
         clauses = ["time BETWEEN ? AND ?"]
         args: list[Any] = [float("-inf") if start is None else start, float("inf") if end is None else end]
         for column, value in (("name", name), ("source", source), ("node", node)):
@@ -244,6 +280,9 @@ class RunReader:
             node_column = "'' AS node"
         else:
             return []
+        if points is not None:
+            filters = clauses[1:]
+            return sampled_system_metrics(self._conn, filters, args[2:], node_column, start, end, points)
         sql = (
             f"SELECT time, source, name, value, {node_column} FROM system_metrics "
             f"WHERE {' AND '.join(clauses)} ORDER BY time"

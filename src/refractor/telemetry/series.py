@@ -241,43 +241,13 @@ def system_series(
 ) -> dict[str, dict[str, list[float]]]:
     """{"<source>@<node>": {"time": [...], "value": [...]}} for one metric name in [start, end].
 
-    A window of more than ``points`` seconds is sampled: for each of ``points`` equal slices, the
-    first sample of every series in it, found by one short seek on the ``time`` index a slice (all
-    in one statement), so a day of 1 s metrics of many GPUs reads in milliseconds; a shorter
-    window reads every row."""
-    has_node = "node" in {c["name"] for c in reader.rows("PRAGMA table_info(system_metrics)")}
-    node = "node" if has_node else "''"
+    A window of more than ``points`` seconds is sampled (:meth:`RunReader.system_metrics` with
+    ``points``: the first sample of each series in each of ``points`` equal slices, a few index rows
+    a slice); a shorter window reads every row."""
+    sampled = points if end - start > points else None
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"time": [], "value": []})
-    if end - start <= points:
-        rows = reader.rows(
-            f"SELECT time, source, {node} AS node, value FROM system_metrics "
-            "WHERE time >= ? AND time <= ? AND name = ? ORDER BY time",
-            (start, end, name),
-        )
-    else:
-        width = (end - start) / points
-        probe = reader.rows(
-            f"SELECT DISTINCT source, {node} AS node FROM (SELECT source, {node} FROM system_metrics "
-            "WHERE time >= ? AND name = ? ORDER BY time LIMIT 4096)",
-            (start, name),
-        )
-        rows = reader.rows(
-            f"""WITH RECURSIVE slices(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM slices WHERE i + 1 < ?)
-            SELECT m.time, m.source, {node.replace("node", "m.node")} AS node, m.value, slices.i AS slice
-            FROM slices JOIN system_metrics AS m ON m.rowid IN (
-                SELECT rowid FROM system_metrics
-                WHERE time >= ? + slices.i * ? AND time < ? + (slices.i + 1) * ? AND name = ?
-                ORDER BY time LIMIT ?)
-            ORDER BY slices.i, m.time""",
-            (points, start, width, start, width, name, max(1, len(probe))),
-        )
-    seen: set[tuple[str, int]] = set()
-    for r in rows:
+    for r in reader.system_metrics(start, end, name=name, points=sampled):
         key = f"{r['source']}@{r['node']}" if r["node"] else r["source"]
-        once = (key, r.get("slice", -1))
-        if "slice" in r and once in seen:
-            continue
-        seen.add(once)
         out[key]["time"].append(r["time"])
         out[key]["value"].append(r["value"])
     return dict(out)
