@@ -7,14 +7,25 @@
    rollouts, lifecycle spans, trainer spans, weight-sync phases, logs, system and server metrics,
    code snapshot); the size of run.db per 1,000 steps, rows per table, and the writer thread's CPU
    time (``meta.store_stats``) against the run's wall time.
+3. A/B (``--ab-runs R``): the quick start with everything recorded against ``record_telemetry:
+   false`` (no timeline, node/server/torch metrics, log lines or code snapshot in the store), each
+   a fresh ``refractor train`` process, alternating R times so drift hits both. Learning rate 0
+   keeps every step's work the same (a learning run's completions change length as it learns).
+   Steps/s is measured between the metrics of step ``--ab-skip`` and of the last step, leaving the
+   start out; the overhead is 1 - (median steps/s recorded) / (median steps/s bare).
 
     PYTHONPATH=src python bench/bench_run_store.py --events 200000 --steps 20
+    PYTHONPATH=src python bench/bench_run_store.py --events 0 --steps 0 --ab-runs 4 --ab-steps 30
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -104,15 +115,71 @@ def quick_start(steps: int, folder: Path) -> None:
         )
 
 
+def steps_per_second(run_dir: Path, skip: int) -> float:
+    from refractor.telemetry.query import RunReader
+
+    with RunReader(run_dir) as reader:
+        times = reader.step_times()
+    last = max(times)
+    return (last - skip) / (times[last] - times[skip])
+
+
+def recording_ab(runs: int, steps: int, skip: int, folder: Path) -> None:
+    config = ROOT / "configs/examples/quickstart.yaml"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+        "REFRACTOR_ENV_PATH": str(ROOT / "environments"),
+    }
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(runs):
+        for record in (True, False) if i % 2 == 0 else (False, True):
+            name = f"ab-{i}-{'recorded' if record else 'bare'}"
+            flags = {
+                "run_dir": str(folder / "ab"),
+                "run_name": name,
+                "number_of_steps": steps,
+                "learning_rate": 0.0,
+                "ray_address": "",
+                "record_telemetry": str(record).lower(),
+            }
+            cmd = [sys.executable, "-m", "refractor.cli", "train", "--config", str(config), "--quiet"]
+            cmd += [part for key, value in flags.items() for part in (f"--{key}", str(value))]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+            run_dir = folder / "ab" / name
+            rate = steps_per_second(run_dir, skip)
+            size = sum(p.stat().st_size for p in run_dir.glob("run.db*"))
+            rates[record].append(rate)
+            print(
+                f"  {name}: {rate:.3f} steps/s (steps {skip}-{steps - 1}), run.db {size / 2**20:.2f} MiB",
+                flush=True,
+            )
+    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+    print(
+        f"A/B, {runs} runs each, {steps} steps: recorded median {on:.3f} steps/s "
+        f"(min {min(rates[True]):.3f}, max {max(rates[True]):.3f}), bare median {off:.3f} "
+        f"(min {min(rates[False]):.3f}, max {max(rates[False]):.3f}); recording costs "
+        f"{100 * (1 - on / off):+.1f}% of the steps/s (goal <= 2%)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ab-runs", type=int, default=0, help="A/B pairs of quick starts, recorded vs bare")
+    ap.add_argument("--ab-steps", type=int, default=30)
+    ap.add_argument("--ab-skip", type=int, default=3, help="steps left out of the steps/s (the start)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        writer_throughput(args.events, Path(tmp))
+        if args.events:
+            writer_throughput(args.events, Path(tmp))
         if args.steps:
             quick_start(args.steps, Path(tmp))
+        if args.ab_runs:
+            recording_ab(args.ab_runs, args.ab_steps, args.ab_skip, Path(tmp))
 
 
 if __name__ == "__main__":

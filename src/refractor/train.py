@@ -221,7 +221,12 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     envs = load_environments(cfg)
     evals = load_evals(cfg, envs)
     envs_ready = time.time()
-    store = RunStore(paths.root, config=cfg.model_dump(mode="json"), run_name=cfg.run_name)
+    store = RunStore(
+        paths.root,
+        config=cfg.model_dump(mode="json"),
+        run_name=cfg.run_name,
+        record_telemetry=cfg.record_telemetry,
+    )
     startup = StartupEvents(store)
     startup.mark("orchestrator_start", started)
     startup.mark("environments_prepare_start", started)
@@ -239,7 +244,8 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     wandb_sink = None
     status = "failed"
     try:
-        code_snapshot = start_code_snapshot(cfg, config_path, store, keep=code_taken.append)
+        if cfg.record_telemetry:
+            code_snapshot = start_code_snapshot(cfg, config_path, store, keep=code_taken.append)
         write_config_file(cfg, paths)
         sinks.append(ConsoleSink(cfg.number_of_steps, quiet=quiet))
         if cfg.use_wandb:
@@ -269,7 +275,8 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         placement = place(cfg, run_tag)
         if placement.colocated:
             log.info("servers and trainer ranks share GPUs (colocate: %s)", cfg.colocate)
-        trace_receiver = start_trace_receiver(cfg, engine, single_node=connection.nodes == 1)
+        if cfg.record_telemetry:
+            trace_receiver = start_trace_receiver(cfg, engine, single_node=connection.nodes == 1)
         servers = RayServerGroup(
             cfg,
             placement.servers,
@@ -305,7 +312,8 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             store.log_event,
             cfg.system_metrics_collection_interval_seconds,
         )
-        node_metrics.start()
+        if cfg.record_telemetry:
+            node_metrics.start()
         server_places = servers.placements()
         store.set_meta(
             {
@@ -320,8 +328,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
                 )
             }
         )
-        telemetry = [
-            logs,
+        recorders = [
             node_metrics,
             ServerMetricsScraper(
                 clients,
@@ -336,6 +343,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
                 cfg.ray_torch_memory_drain_interval_seconds,
             ),
         ]
+        telemetry = [logs, *recorders] if cfg.record_telemetry else [logs]
         orchestrator = Orchestrator(
             OrchestratorSettings.from_config(cfg),
             envs,

@@ -159,11 +159,17 @@ def test_grpo_learns_and_a_zero_learning_rate_does_not(tmp_path):
     learned = reward_means(
         run_training(quick_cfg(tmp_path, run_name="learn", number_of_steps=28), quiet=True)
     )
-    control = reward_means(
-        run_training(
-            quick_cfg(tmp_path, run_name="control", number_of_steps=9, learning_rate=0.0), quiet=True
-        )
+    # the control run also records no telemetry: it trains and stores its steps all the same
+    control_dir = run_training(
+        quick_cfg(tmp_path, run_name="control", number_of_steps=9, learning_rate=0.0, record_telemetry=False),
+        quiet=True,
     )
+    control = reward_means(control_dir)
+    with RunReader(control_dir) as reader:
+        assert len(reader.rollouts(status="kept")) == 9 * 4 * 16
+        assert reader.timeline() == [] and reader.system_metrics() == [] and reader.logs() == []
+        assert reader.code_info() is None and reader.meta()["status"] == "finished"
+    assert "trainer rank 0/1 on cpu" in (control_dir / "logs" / "trainer-0.log").read_text()  # files stay
     assert learned[0] < 0.2
     assert sum(learned[-3:]) / 3 >= 0.8, learned
     assert max(control) < 0.2, control

@@ -161,6 +161,29 @@ def test_reader_never_blocks_while_writing(tmp_path):
     reader.close()
 
 
+def test_a_store_without_telemetry_keeps_only_what_training_needs(tmp_path):
+    """``record_telemetry: false``: step metrics, rollouts and run state are written; events, rollout
+    spans, system metrics and log lines handed to the store are dropped."""
+    from refractor.telemetry.log_capture import LogLine
+
+    store = RunStore(tmp_path, run_name="bare", record_telemetry=False)
+    store.log_step_metrics(0, {"loss": 0.5})
+    store.log_rollouts([make_rollout(0, 0), make_rollout(1, 0)], trainer_step=0, inference_step=0)
+    store.log_events(
+        [
+            TimelineEvent("step", 1.0, 2.0, "trainer", {"rank": 0}),
+            TimelineEvent("generation", 1.0, 1.5, "rollout", {"rollout_id": 0, "server": "s0"}),
+        ]
+    )
+    store.log_system_metrics("system", {"cpu_percent": 3.0}, node="10.0.0.1")
+    store.log_lines([LogLine(1.0, "INFO", "driver", None, "10.0.0.1", "log", "hello")])
+    store.close()
+    with RunReader(tmp_path) as r:
+        assert r.step_metric(0, "loss") == 0.5 and len(r.rollouts()) == 2
+        assert r.meta()["status"] == "finished"
+        assert r.timeline() == [] and r.system_metrics() == [] and r.logs() == []
+
+
 def test_closed_store_rejects_writes(tmp_path):
     store = RunStore(tmp_path / "r")
     store.close()

@@ -554,6 +554,12 @@ class LoggingKeys(_Strict):
         default_factory=lambda: list(_WANDB_CODE_EXCLUDES),
         description="Code snapshot: glob patterns of names (or leading paths) of files and folders left out.",
     )
+    record_telemetry: bool = Field(
+        True,
+        description="[refractor] false: the run store keeps only step metrics, rollouts and the run's "
+        "state; no timeline, node, server or torch metrics, log lines or code snapshot (log files are "
+        "still written). The dashboard's Timeline, Infra, Logs and Code pages are then empty.",
+    )
     system_metrics_collection_interval_seconds: float = Field(
         1.0, gt=0, le=MAX_SECONDS, description="System metrics sampling period."
     )

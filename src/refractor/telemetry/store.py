@@ -292,9 +292,16 @@ class RunStore:
     """Single writer of one run's database. Safe to call from the event loop (never blocks on I/O)."""
 
     def __init__(
-        self, run_dir: str | Path, config: Mapping[str, Any] | None = None, run_name: str | None = None
+        self,
+        run_dir: str | Path,
+        config: Mapping[str, Any] | None = None,
+        run_name: str | None = None,
+        record_telemetry: bool = True,
     ) -> None:
+        """``record_telemetry`` false: events, system metrics, log lines and code snapshots handed to
+        the store are dropped (the config key of that name)."""
         self.run_dir = Path(run_dir)
+        self.record_telemetry = record_telemetry
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "run.db"
         self._conn = connect_writer(self.path)
@@ -337,6 +344,8 @@ class RunStore:
 
     def log_events(self, events: Iterable[TimelineEvent], step: int | None = None) -> None:
         """Timeline events; the rollouts' lifecycle spans go to ``rollout_spans`` (:mod:`.rollout_spans`)."""
+        if not self.record_telemetry:
+            return
         rows = []
         spans = []
         for e in events:
@@ -355,6 +364,8 @@ class RunStore:
         self, source: str, metrics: Mapping[str, float], timestamp: float | None = None, node: str = ""
     ) -> None:
         """``node``: the address of the machine measured ('' for what is not one machine's)."""
+        if not self.record_telemetry:
+            return
         ts = time.time() if timestamp is None else timestamp
         self._put(
             "INSERT INTO system_metrics (time, source, name, value, node) VALUES (?,?,?,?,?)",
@@ -363,6 +374,8 @@ class RunStore:
 
     def log_lines(self, lines: Iterable[LogLine]) -> None:
         """Log lines of any component (docs/run-store.md#logs)."""
+        if not self.record_telemetry:
+            return
         self._put(
             "INSERT INTO logs (time, level, component, rank, node, source, message) VALUES (?,?,?,?,?,?,?)",
             [(x.time, x.level, x.component, x.rank, x.node, x.source, x.message) for x in lines],
@@ -371,6 +384,8 @@ class RunStore:
     def log_code_snapshot(self, snapshot: CodeSnapshot) -> None:
         """Store the run's code in one transaction, replacing any earlier snapshot (a resumed run
         records the code it resumed with)."""
+        if not self.record_telemetry:
+            return
         self._put_all(code_snapshot_rows(snapshot))
 
     def abandon_unfinished(self, next_step: int, reason: str) -> None:
