@@ -3,8 +3,10 @@
 One trainer (Qwen2.5-0.5B shape, random weights, the config defaults: fp32 master, bf16 compute),
 the same packed rows every step. Steps alternate between ``track_gpu_events: true`` (a CUDA event
 around every span, one synchronize per step) and ``false`` (the whole step by the wall clock) on
-two trainers built alike, so drift in clocks or temperature hits both; the overhead is the ratio
-of their mean step times. Meanwhile the run store of this process records what a run records on
+two trainers built alike, so drift in clocks or temperature hits both; the overhead is the median
+of the per-round ratios of their step times (also printed: the ratio of medians and of minima).
+``--control`` builds both trainers without CUDA-event spans (A/A), to show what the two instances
+alone differ by. Meanwhile the run store of this process records what a run records on
 a GPU: every step's spans (with rank, node, GPU), NVML and psutil metrics every second
 (``NodeSampler``), and torch memory every 0.1 s (``TorchMemoryRecorder``); the script reads the
 store back and prints what it holds.
@@ -36,6 +38,11 @@ def main() -> None:
     ap.add_argument("--size", default="0.5b")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per setting")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A: both trainers without CUDA-event spans, to see what the two instances differ by alone",
+    )
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -86,7 +93,7 @@ def main() -> None:
     trainers = {}
     for detail in (True, False):
         trainers[detail] = Trainer(
-            trainer_settings(model_dir, track_gpu_events=detail, trainer_compile=False),
+            trainer_settings(model_dir, track_gpu_events=detail and not args.control, trainer_compile=False),
             random_init=True,
             device=None if device.type == "cuda" else device,  # None: this rank's own cuda:<i>
         )
@@ -110,12 +117,20 @@ def main() -> None:
         store.log_system_metrics("torch:trainer-0", metrics, t, node=node)
     store.close("finished")
 
-    on, off = statistics.fmean(times[True]), statistics.fmean(times[False])
-    spread = {k: statistics.pstdev(v) * 1e3 for k, v in times.items()}
+    label = {True: "second trainer, false" if args.control else "track_gpu_events true", False: "false"}
+    for detail in (True, False):
+        v = sorted(times[detail])
+        print(
+            f"step time, {label[detail]}: median {1e3 * statistics.median(v):.1f} ms, mean "
+            f"{1e3 * statistics.fmean(v):.1f}, min {1e3 * v[0]:.1f}, max {1e3 * v[-1]:.1f} ({len(v)} steps)"
+        )
+    # each round runs both trainers back to back: the ratio within a round leaves drift out
+    ratios = [a / b for a, b in zip(times[True], times[False], strict=True)]
     print(
-        f"step time: track_gpu_events true {on * 1e3:.1f} ms (stdev {spread[True]:.1f}), "
-        f"false {off * 1e3:.1f} ms (stdev {spread[False]:.1f}); "
-        f"overhead {100 * (on / off - 1):+.2f}% over {args.steps} steps each"
+        f"overhead ({label[True]} vs {label[False]}): median of per-round ratios "
+        f"{100 * (statistics.median(ratios) - 1):+.2f}%, of medians "
+        f"{100 * (statistics.median(times[True]) / statistics.median(times[False]) - 1):+.2f}%, of minima "
+        f"{100 * (min(times[True]) / min(times[False]) - 1):+.2f}%"
     )
     with RunReader(run_dir) as reader:
         events = reader.timeline()
