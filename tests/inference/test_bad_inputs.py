@@ -57,6 +57,8 @@ def _init(**changes) -> dict:
         ("/init_weight_transfer_engine", _init(master_port=70000), "master_port must be in 1..65535"),
         ("/init_weight_transfer_engine", _init(backend="mpi"), "backend must be 'gloo' or 'nccl'"),
         ("/init_weight_transfer_engine", _init(backend="nccl"), "'nccl' needs a CUDA engine"),
+        ("/init_weight_transfer_engine", _init(payload="cuda_ipc"), "'cuda_ipc' needs a CUDA engine"),
+        ("/init_weight_transfer_engine", _init(payload="shm"), "payload"),
         ("/init_weight_transfer_engine", _init(rank_offset=0), "rank 0 is the trainer's"),
         ("/init_weight_transfer_engine", _init(rank_offset=2), "got rank 2 of world_size 2"),
         ("/init_weight_transfer_engine", _init(world_size=2**70), "world_size"),

@@ -219,6 +219,9 @@ class InitInfo(_Body):
     rank_offset: int
     group: str = Field("full", min_length=1, max_length=255)
     backend: str = "gloo"
+    # how bucket bytes travel: through the group, or as CUDA IPC handles of the sender's GPU memory
+    # (a server on the trainer's GPU; the group is gloo then)
+    payload: Literal["group", "cuda_ipc"] = "group"
     init_timeout_s: float = Field(300.0, gt=0, le=MAX_TRANSFER_TIMEOUT_S)
     timeout_s: float = Field(300.0, gt=0, le=MAX_TRANSFER_TIMEOUT_S)
 

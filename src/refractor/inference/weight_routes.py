@@ -85,6 +85,10 @@ def weight_update_router(engine) -> APIRouter:
             raise BadRequest(
                 f"invalid init_info: backend 'nccl' needs a CUDA engine, this one runs on {device}"
             )
+        if info.payload == "cuda_ipc" and device.type != "cuda":
+            raise BadRequest(
+                f"invalid init_info: payload 'cuda_ipc' needs a CUDA engine, this one runs on {device}"
+            )
 
         def join() -> TransferGroup:
             return TransferGroup.create(
@@ -109,7 +113,9 @@ def weight_update_router(engine) -> APIRouter:
         previous = state.receivers.pop(info.group, None)
         if previous is not None:
             previous.group.shutdown()
-        state.receivers[info.group] = BucketReceiver(group)
+        state.receivers[info.group] = BucketReceiver(
+            group, ipc_device=device if info.payload == "cuda_ipc" else None
+        )
         return {"message": "Weight transfer initialized"}
 
     @router.post("/shutdown_weight_transfer_engine")

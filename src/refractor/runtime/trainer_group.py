@@ -64,11 +64,12 @@ class TrainerGroupSettings:
     ) -> TrainerGroupSettings:
         """``control_token``: the run's secret for the servers' control routes (not a config key).
         ``colocated``: servers share the ranks' GPUs; NCCL refuses two members of one communicator on
-        the same GPU ("Duplicate GPU detected"), so weight updates travel through host memory (gloo)."""
+        the same GPU ("Duplicate GPU detected"), so weight updates go over gloo: as CUDA IPC handles
+        when the run's one server shares trainer rank 0's GPU, else through host memory."""
         loopback_transfer = single_node and cfg.ray_broadcast_prefer_loopback_if_single_node
         weight_sync = WeightSyncSettings.from_config(cfg, control_token)
         if colocated:
-            weight_sync = replace(weight_sync, cpu_staging=True)
+            weight_sync = replace(weight_sync, cpu_staging=True, cuda_ipc=cfg.num_inference_servers == 1)
         return cls(
             trainer=TrainerSettings.from_config(cfg),
             weight_sync=weight_sync,

@@ -11,6 +11,12 @@ their cached copy (so the metadata travels once per group for a fixed model). Th
 one flat byte buffer (``flattened_bucket``) or one broadcast per tensor (``per_tensor``). A header
 of kind END closes the stream, after which every worker gathers a ``WorkerReport`` onto rank 0.
 
+A sender made with an ``ipc_device`` (a GPU every worker of the group shares: a colocated run's one
+server) packs each bucket there and broadcasts a CUDA IPC handle instead of the bytes (kind IPC:
+the handle's length, then the handle, :mod:`.cuda_ipc`); each worker copies the bucket out of the
+mapped memory, lets the mapping go, and gathers an acknowledgement, after which the sender reuses
+that memory. The group itself (gloo) then carries only headers, metadata, handles and reports.
+
 The canary checksum is computed by both sides on the bytes as they travel (the worker before any
 loader transforms them), so it is independent of how an engine stores weights (vLLM's CPU
 kernels repack them). It is an order-weighted sum of the bytes read as 64-bit words, modulo 2**64
@@ -30,6 +36,7 @@ from typing import Literal
 import torch
 
 from refractor.errors import one_line
+from refractor.weight_sync import cuda_ipc
 from refractor.weight_sync.buckets import TensorMeta, dtype_from_name, split_by_dtype
 from refractor.weight_sync.process_group import TransferGroup
 
@@ -37,6 +44,7 @@ BroadcastMode = Literal["flattened_bucket", "per_tensor"]
 KIND_END = 0
 KIND_FLAT = 1
 KIND_PER_TENSOR = 2
+KIND_IPC = 3  # a flattened bucket left in the sender's GPU memory; the payload is a CUDA IPC handle
 _MODE_KIND = {"flattened_bucket": KIND_FLAT, "per_tensor": KIND_PER_TENSOR}
 _MAX_IN_FLIGHT = 2  # payload broadcasts the sender keeps in flight (double buffering)
 # Metadata takes about 100 bytes a tensor; a header announcing more than this is garbage, and the
@@ -134,11 +142,21 @@ class SendStats:
 class BucketSender:
     """Trainer side of one group: streams buckets and remembers the metadata the group has."""
 
-    def __init__(self, group: TransferGroup, mode: BroadcastMode = "flattened_bucket"):
+    def __init__(
+        self,
+        group: TransferGroup,
+        mode: BroadcastMode = "flattened_bucket",
+        ipc_device: torch.device | None = None,
+    ):
+        """``ipc_device``: the GPU every worker shares with this rank; buckets are then packed there
+        and sent as CUDA IPC handles (always flattened, whatever ``mode`` says)."""
         if mode not in _MODE_KIND:
             raise ValueError(f"weight_broadcast_mode must be one of {sorted(_MODE_KIND)}, got {mode!r}")
+        if ipc_device is not None and ipc_device.type != "cuda":
+            raise ValueError(f"CUDA IPC buckets need a CUDA device, got {ipc_device}")
         self.group = group
         self.mode = mode
+        self.ipc_device = ipc_device
         self._known_metadata: list[list[TensorMeta]] = []
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], corrupt: bool = False) -> SendStats:
@@ -146,7 +164,9 @@ class BucketSender:
         checksumming; it exists only so tests can prove that the canary catches transport damage."""
         start = time.perf_counter()
         g = self.group
-        checksum = RunningChecksum(g.device)
+        ipc = self.ipc_device
+        checksum = RunningChecksum(g.device if ipc is None else ipc)
+        kind = KIND_IPC if ipc is not None else _MODE_KIND[self.mode]
         in_flight: list = []  # (work, tensors kept alive until the work completes)
         tensors = 0
         nbytes = 0
@@ -175,18 +195,22 @@ class BucketSender:
                     bucket_bytes = sum(m.nbytes for m in metas)
                     issue(
                         torch.tensor(
-                            [_MODE_KIND[self.mode], bucket_bytes, len(meta_blob), len(metas)],
+                            [kind, bucket_bytes, len(meta_blob), len(metas)],
                             dtype=torch.int64,
                             device=g.device,
                         )
                     )
                     if meta_blob:
                         issue(torch.frombuffer(bytearray(meta_blob), dtype=torch.uint8).to(g.device))
-                    payloads = (
-                        [_pack([t for _, t in bucket], g.device)]
-                        if self.mode == "flattened_bucket"
-                        else [t.detach().to(g.device).contiguous() for _, t in bucket]
-                    )
+                    if ipc is not None:
+                        corrupt = self._send_handle([t for _, t in bucket], checksum, issue, drain, corrupt)
+                        payloads = []
+                    else:
+                        payloads = (
+                            [_pack([t for _, t in bucket], g.device)]
+                            if self.mode == "flattened_bucket"
+                            else [t.detach().to(g.device).contiguous() for _, t in bucket]
+                        )
                     for payload in payloads:
                         drain(2 * _MAX_IN_FLIGHT)
                         if corrupt:
@@ -222,6 +246,28 @@ class BucketSender:
             finished,
         )
 
+    def _send_handle(
+        self, tensors: list[torch.Tensor], checksum: RunningChecksum, issue, drain, corrupt: bool
+    ) -> bool:
+        """One bucket as a CUDA IPC handle; returns after every worker has copied it out (the
+        acknowledgement gather), so the memory may be reused. Returns whether ``corrupt`` is still
+        pending (it applies to the first bucket)."""
+        payload = _pack(tensors, self.ipc_device)
+        checksum.add(payload)
+        if corrupt:
+            payload = payload.clone()
+            payload.view(-1)[0] ^= 0xFF
+            corrupt = False
+        handle = cuda_ipc.export_bucket(payload)
+        issue(torch.tensor([len(handle)], dtype=torch.int64, device=self.group.device))
+        issue(torch.frombuffer(bytearray(handle), dtype=torch.uint8).to(self.group.device))
+        drain(0)
+        acks = self.group.gather(torch.zeros(1, dtype=torch.int64, device=self.group.device))
+        failed = [rank for rank, ack in enumerate(acks or []) if rank > 0 and int(ack.item())]
+        if failed:
+            raise RuntimeError(f"weight transfer: worker rank(s) {failed} could not map a CUDA IPC bucket")
+        return corrupt
+
     def _record_metadata(self, index: int, metas: list[TensorMeta]) -> None:
         if index < len(self._known_metadata):
             self._known_metadata[index] = metas
@@ -249,13 +295,16 @@ class BucketReceiver:
     with them; the caller loads each bucket before asking for the next one.
     """
 
-    def __init__(self, group: TransferGroup):
+    def __init__(self, group: TransferGroup, ipc_device: torch.device | None = None):
+        """``ipc_device``: this worker's GPU, where buckets sent as CUDA IPC handles are mapped and
+        copied to (None: a bucket sent that way is a ``MalformedStream``)."""
         self.group = group
+        self.ipc_device = ipc_device
         self._known_metadata: list[list[TensorMeta]] = []
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.checksum = RunningChecksum(self.group.device)
+        self.checksum = RunningChecksum(self.group.device if self.ipc_device is None else self.ipc_device)
         self.tensors = 0
         self.bytes = 0
         self.buckets = 0
@@ -305,9 +354,13 @@ class BucketReceiver:
 
     def _receive_payload(self, kind: int, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
         g = self.group
-        if kind == KIND_FLAT:
-            buffer = _allocate((sum(m.nbytes for m in metas),), torch.uint8, g.device)
-            g.broadcast(buffer)
+        if kind in (KIND_FLAT, KIND_IPC):
+            nbytes = sum(m.nbytes for m in metas)
+            if kind == KIND_IPC:
+                buffer = self._copy_mapped(nbytes)
+            else:
+                buffer = _allocate((nbytes,), torch.uint8, g.device)
+                g.broadcast(buffer)
             self.checksum.add(buffer)
             out = []
             offset = 0
@@ -323,6 +376,40 @@ class BucketReceiver:
             self.checksum.add(tensor)
             out.append((m.name, tensor))
         return out
+
+    def _copy_mapped(self, nbytes: int) -> torch.Tensor:
+        """Receive a bucket's CUDA IPC handle, copy the bucket out of the sender's memory, let the
+        mapping go, and acknowledge (the sender may reuse the memory from then on)."""
+        g = self.group
+        if self.ipc_device is None:
+            raise MalformedStream(
+                "weight transfer: a bucket came as a CUDA IPC handle, but this worker joined the group "
+                "without a GPU to map it on"
+            )
+        length = torch.empty(1, dtype=torch.int64, device=g.device)
+        g.broadcast(length)
+        size = int(length.item())
+        if not 0 < size <= cuda_ipc.MAX_HANDLE_BYTES:
+            raise MalformedStream(
+                f"weight transfer: a CUDA IPC handle of {size} bytes (at most {cuda_ipc.MAX_HANDLE_BYTES})"
+            )
+        blob = torch.empty(size, dtype=torch.uint8, device=g.device)
+        g.broadcast(blob)
+        error: Exception | None = None
+        buffer = None
+        try:
+            mapped = cuda_ipc.open_bucket(blob.cpu().numpy().tobytes(), nbytes, self.ipc_device)
+            buffer = _allocate((nbytes,), torch.uint8, self.ipc_device)
+            buffer.copy_(mapped)
+            torch.cuda.synchronize(self.ipc_device)  # the copy has read the sender's memory
+            del mapped
+        except (cuda_ipc.BadHandle, MalformedStream, RuntimeError) as err:
+            error = err
+        # acknowledged either way, so the sender learns of a failure instead of waiting it out
+        g.gather(torch.tensor([int(error is not None)], dtype=torch.int64, device=g.device))
+        if error is not None or buffer is None:
+            raise MalformedStream(f"weight transfer: cannot map a CUDA IPC bucket: {one_line(error)}")
+        return buffer
 
     def send_report(self, params_loaded: int, params_total: int, load_s: float) -> WorkerReport:
         report = WorkerReport(
@@ -341,7 +428,7 @@ class BucketReceiver:
 
 
 def _check_header(index: int, kind: int, payload_bytes: int, meta_bytes: int, n_tensors: int) -> None:
-    if kind not in (KIND_FLAT, KIND_PER_TENSOR):
+    if kind not in (KIND_FLAT, KIND_PER_TENSOR, KIND_IPC):
         raise MalformedStream(f"weight transfer: bucket {index} has unknown kind {kind}")
     if payload_bytes < 0 or n_tensors < 0 or not 0 <= meta_bytes <= MAX_METADATA_BYTES:
         raise MalformedStream(

@@ -66,8 +66,11 @@ class WeightSender:
         self.eval_servers = frozenset(eval_servers)
         self.master_address = master_address
         device = torch.device(device) if device is not None else torch.device("cpu")
-        # CPU staging: buckets are assembled in host memory and travel over gloo, even from a GPU
-        self.backend = "nccl" if device.type == "cuda" and not settings.cpu_staging else "gloo"
+        # CPU staging: buckets are assembled in host memory and travel over gloo, even from a GPU;
+        # CUDA IPC: they stay in this GPU's memory and only their handles travel over gloo
+        self.ipc_device = device if settings.cuda_ipc and device.type == "cuda" else None
+        use_gloo = settings.cpu_staging or self.ipc_device is not None
+        self.backend = "nccl" if device.type == "cuda" and not use_gloo else "gloo"
         self.device = device if self.backend == "nccl" else torch.device("cpu")
         self.timeout_s = settings.timeout_s
         self._groups: dict[UpdateTarget, _Group] = {}
@@ -157,6 +160,7 @@ class WeightSender:
                     "rank_offset": offset,
                     "group": target.value,
                     "backend": self.backend,
+                    "payload": "group" if self.ipc_device is None else "cuda_ipc",
                     "init_timeout_s": init_timeout_s,
                     "timeout_s": self.timeout_s,
                 },
@@ -188,7 +192,7 @@ class WeightSender:
             offsets,
             world_sizes,
             transfer,
-            BucketSender(transfer, self.settings.broadcast_mode),
+            BucketSender(transfer, self.settings.broadcast_mode, ipc_device=self.ipc_device),
         )
 
     # --- one update --------------------------------------------------------------------------

@@ -18,6 +18,9 @@ InflightKv = Literal["recompute", "keep"]
 class WeightSyncSettings:
     broadcast_mode: BroadcastMode = "flattened_bucket"  # weight_broadcast_mode
     cpu_staging: bool = False  # weight_broadcast_cpu_staging: buckets travel over gloo, even from a GPU
+    # every server of the group shares the sender's GPU (a colocated run's one server): buckets stay
+    # in GPU memory and travel as CUDA IPC handles over gloo (cpu_staging's group); ignored on CPU
+    cuda_ipc: bool = False
     init_timeout_s: float = 300.0  # creating a transfer group (rendezvous of trainer and workers)
     timeout_s: float = 300.0  # every collective and HTTP call of an update
     gather_before_pause_bytes: int = 4096 * 2**20  # weight_sync_gather_before_pause_mb, in bytes

@@ -40,6 +40,7 @@ class RefractorInitInfo(WeightTransferInitInfo):
     rank_offset: int
     group: str = "full"
     backend: str = "gloo"
+    payload: str = "group"  # or "cuda_ipc": buckets are handles of the trainer's GPU memory
     init_timeout_s: float = 300.0
     timeout_s: float = 300.0
 
@@ -71,6 +72,13 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
             init_info.master_port,
             init_info.backend,
         )
+        if init_info.payload not in ("group", "cuda_ipc") or (
+            init_info.payload == "cuda_ipc" and self.device.type != "cuda"
+        ):
+            raise ValueError(
+                f"invalid init_info: payload {init_info.payload!r} (expected 'group', or 'cuda_ipc' "
+                f"on a CUDA worker; this one runs on {self.device})"
+            )
         device = self.device if init_info.backend == "nccl" else torch.device("cpu")
         group = TransferGroup.create(
             master_address=init_info.master_address,
@@ -86,7 +94,9 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
         previous = self.receivers.pop(init_info.group, None)
         if previous is not None:
             previous.group.shutdown()
-        self.receivers[init_info.group] = BucketReceiver(group)
+        self.receivers[init_info.group] = BucketReceiver(
+            group, ipc_device=self.device if init_info.payload == "cuda_ipc" else None
+        )
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the layerwise reload starts only once the whole update has arrived
