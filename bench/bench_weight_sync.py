@@ -8,6 +8,7 @@ External anchors: TRL 0.18 s (0.6B), verl 0.02 s (7B); refractor's goal: <= 30 m
 
     python bench/bench_weight_sync.py cpu --engines native,vllm --sizes tiny,100m --bucket-mb 16,64,256
     PYTHONPATH=src python bench/bench_weight_sync.py gpu --bucket-mb 64,256,1024    # 2 GPUs, native
+    PYTHONPATH=src python bench/bench_weight_sync.py colocated --bucket-mb 64,256  # 1 GPU, both paths
 
 GPU: trainer on GPU 0 holding fp32 master weights of a Qwen2.5-0.5B-shaped model; a native-engine
 server process on GPU 1 (bf16); NCCL group. Split: gather (fp32 -> bf16 cast into buckets, what a
@@ -341,6 +342,85 @@ def run_gpu(args) -> None:
         process.wait()
 
 
+# --- colocated: the native engine on the trainer's GPU, host staging against CUDA IPC ---------------
+def run_colocated(args) -> None:
+    """One GPU holds the trainer's fp32 master weights and a native-engine server process (bf16), as
+    in a colocated run. The same pushes through host memory over gloo (the baseline: what colocated
+    runs did first) and as CUDA IPC handles over gloo, one after the other against the same server."""
+    from refractor.models import build_model, read_hf_config
+
+    print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    model_dir = build_tiny_model(QWEN25_05B_SHAPE, with_weights=False)
+    process, url = start_native(model_dir, "cuda", random_weights=True, env={"CUDA_VISIBLE_DEVICES": "0"})
+    device = torch.device("cuda:0")
+    try:
+        master = build_model(read_hf_config(model_dir), dtype=torch.float32, device=device)
+        params = list(master.named_parameters())
+        print(
+            f"model: Qwen2.5-0.5B shape, {sum(p.numel() for _, p in params) / 1e6:.0f}M params, "
+            f"{sum(p.numel() for _, p in params) * 2 / 2**20:.0f} MiB in bf16; server on the same GPU"
+        )
+        print(
+            row(
+                [
+                    "path",
+                    "bucket",
+                    "buckets",
+                    "transfer",
+                    "load",
+                    "push (best)",
+                    "push (median)",
+                    "vs host staging",
+                ]
+            )
+        )
+        print(row(["---"] * 8))
+        version = 1
+        best: dict[int, float] = {}
+        for path, ipc in (("host staging (gloo)", False), ("CUDA IPC handles", True)):
+            sender = WeightSender(
+                [ServerRef("native-gpu0", url)],
+                WeightSyncSettings(
+                    cpu_staging=True,
+                    cuda_ipc=ipc,
+                    control_token=TEST_CONTROL_TOKEN,
+                    init_timeout_s=120,
+                    timeout_s=120,
+                    gather_before_pause_bytes=0,
+                ),
+                device=device,
+            )
+            sender.init()
+            for bucket_mb in (int(b) for b in args.bucket_mb.split(",")):
+                buckets = list(
+                    iter_buckets(((n, p.detach().to(torch.bfloat16)) for n, p in params), bucket_mb << 20)
+                )
+                r = time_pushes(
+                    sender, [pair for b in buckets for pair in b], bucket_mb << 20, args.repeats, version
+                )
+                version += args.repeats + 1
+                ratio = "1.0x (baseline)" if not ipc else f"{best[bucket_mb] / r['push_s']:.1f}x faster"
+                best.setdefault(bucket_mb, r["push_s"])
+                print(
+                    row(
+                        [
+                            path,
+                            f"{bucket_mb} MiB",
+                            r["buckets"],
+                            ms(r["transfer_s"]),
+                            ms(r["load_s"]),
+                            ms(r["push_s"]),
+                            ms(r["median_push_s"]),
+                            ratio,
+                        ]
+                    ),
+                    flush=True,
+                )
+            sender.close()
+    finally:
+        process.kill()
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve-native":
         model_dir, port, device, random_weights = sys.argv[2:6]
@@ -358,8 +438,11 @@ def main() -> None:
     gpu = sub.add_parser("gpu")
     gpu.add_argument("--bucket-mb", default="64,256,1024")
     gpu.add_argument("--repeats", type=int, default=5)
+    colocated = sub.add_parser("colocated")
+    colocated.add_argument("--bucket-mb", default="64,256")
+    colocated.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    run_cpu(args) if args.where == "cpu" else run_gpu(args)
+    {"cpu": run_cpu, "gpu": run_gpu, "colocated": run_colocated}[args.where](args)
 
 
 if __name__ == "__main__":
