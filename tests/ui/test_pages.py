@@ -14,6 +14,7 @@ import pytest
 
 from refractor.records import Rollout, RolloutStatus
 from refractor.records.rollout import Turn
+from refractor.records.training import TimelineEvent
 from refractor.runtime.run_lock import RunLock
 from refractor.telemetry.log_capture import LogLine
 from refractor.telemetry.store import RunStore
@@ -369,3 +370,39 @@ def test_logs_page_filters_and_follows_real_log_lines(page, live_runs, tmp_path_
         assert len(_expected(more, component="trainer", level="ERROR")) > 0
     finally:
         store.close()
+
+
+def test_timeline_draws_nested_trainer_spans_and_picks_each_level(page, live_runs, tmp_path_factory):
+    """A 3-level span tree under a step: each level is drawn inside its parent, and a click picks
+    the deepest span drawn at that point, so scanning down the row meets every level in order."""
+    t0 = 1_700_000_000.0
+    tree = ["step", "checkpoint", "checkpoint/dcp_save", "checkpoint/dcp_save/write"]
+    store = RunStore(live_runs / "spans", config={"model": "m"})
+    try:
+        store.log_events(
+            [
+                TimelineEvent(n, t0 + i, t0 + 10 - i, "trainer", {"rank": 0, "level": i})
+                for i, n in enumerate(tree)
+            ],
+            step=0,
+        )
+        store.flush()
+    finally:
+        store.close()
+    go(page, f"timeline?runs=spans&start={t0}&end={t0 + 10}")
+    page.locator("[data-testid='gantt'][data-drawn='1']").wait_for()
+    box = page.get_by_test_id("gantt").bounding_box()
+    label, axis, row = 150, 22, 18  # timeline.js: label column, time axis, rows above the trainer's
+    x = box["x"] + label + (box["width"] - label) * 0.5  # t0 + 5 s: inside every span
+    picked = []
+    for dy in range(0, 30):
+        page.mouse.click(x, box["y"] + axis + 2 * row + dy)
+        details = page.get_by_test_id("timeline-details")
+        if details.count() == 0:
+            continue
+        name = details.locator("b").inner_text()
+        assert f'"level": {tree.index(name)}' in details.locator("pre").inner_text()
+        if not picked or picked[-1] != name:
+            picked.append(name)
+    assert picked == tree
+    shot(page, "timeline-nested", tmp_path_factory)

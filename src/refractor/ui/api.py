@@ -308,7 +308,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             out = {
                 "events": {"id": []},
                 "truncated": False,
-                "lanes": {"rollouts": {"rollout_id": []}, "truncated": False},
+                "lanes": {"rollouts": {"rollout_id": []}, "turns": {"rollout_id": []}, "truncated": False},
             }
             if r.has_table("events"):  # columns: {"id": [...], "name": [...], ..., "attrs": [JSON text]}
                 out |= series.events_window(r, start, end, longest_event, limit, min_duration)
