@@ -222,6 +222,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     evals = load_evals(cfg, envs)
     envs_ready = time.time()
     store = RunStore(paths.root, config=cfg.model_dump(mode="json"), run_name=cfg.run_name)
+    store.set_meta({"environments": [env.describe() for env in envs]})  # ranges for the dashboard
     startup = StartupEvents(store)
     startup.mark("orchestrator_start", started)
     startup.mark("environments_prepare_start", started)

@@ -125,6 +125,9 @@ def test_metrics_page_draws_the_overview_for_two_runs_with_every_option(page, tm
     page.get_by_test_id("env-filter").select_option("math")
     page.wait_for_url("**env=math**")
     page.locator("[data-testid='chart-reward_sum_mean'] .chart[data-drawn='1']").wait_for()
+    page.get_by_test_id("normalise").check()
+    page.wait_for_url("**norm=1**")
+    page.locator("[data-testid='chart-reward_sum_mean'] .chart[data-drawn='1']").wait_for()
     page.get_by_test_id("metric-filter").fill("extra/metric_00")
     page.locator("[data-testid='chart-trainer/extra/metric_001'] .chart[data-drawn='1']").wait_for()
     page.locator("canvas.hist[data-drawn='1']").nth(1).wait_for()  # histogram and heatmap

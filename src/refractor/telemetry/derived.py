@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from refractor.telemetry.metrics import gini
@@ -32,6 +34,32 @@ _STATS = {
     "length_completion": "completion_tokens",
     "length_sum": "(prompt_tokens + completion_tokens)",
 }
+
+
+@dataclass(frozen=True)
+class MetricRange:
+    """An environment's range of one sample metric (its ``metrics_ranges`` entry): a value ``v``
+    normalises to ``(v - lo) / (hi - lo)``, or to ``1`` minus that when ``invert`` (lower is better),
+    not clipped, so 0 is the worst end and 1 the best (the Rollouts page's colours)."""
+
+    lo: float = 0.0
+    hi: float = 1.0
+    invert: bool = False
+
+
+def metric_ranges(meta: Mapping[str, Any]) -> dict[str, dict[str, MetricRange]]:
+    """{environment: {sample metric: range}} from the run's ``environments`` meta record. A metric
+    without a usable range (none, or ``max`` not above ``min``) keeps [0, 1], the Rollouts page's
+    default, which leaves its values as they are."""
+    out: dict[str, dict[str, MetricRange]] = {}
+    for env in meta.get("environments") or []:
+        ranges = {}
+        for name, r in (env.get("metrics_ranges") or {}).items():
+            lo, hi = r.get("min"), r.get("max")
+            if isinstance(lo, int | float) and isinstance(hi, int | float) and hi > lo:
+                ranges[name] = MetricRange(float(lo), float(hi), bool(r.get("invert", False)))
+        out[env["name"]] = ranges
+    return out
 
 
 def _where(envs: list[str] | None, status: str = "'kept'", since: int | None = None) -> tuple[str, list[Any]]:
@@ -56,11 +84,15 @@ def _std(n: int, total: float, squares: float) -> float:
 
 
 def derived_step_metrics(
-    reader: RunReader, envs: list[str] | None = None, since: int | None = None
+    reader: RunReader,
+    envs: list[str] | None = None,
+    since: int | None = None,
+    ranges: dict[str, dict[str, MetricRange]] | None = None,
 ) -> dict[int, dict[str, float]]:
     """{step: {name: value}} over the kept rollouts of ``envs`` (all when None) of the steps after
     ``since`` (all when None), plus the counts of discarded and cancelled rollouts by reason
-    (``discarded_<reason>_count``)."""
+    (``discarded_<reason>_count``). With ``ranges`` the sample metrics' statistics (``reward_<name>_*``)
+    are of each value normalised by its environment's range (:class:`MetricRange`)."""
     where, args = _where(envs, since=since)
     columns = ", ".join(
         f"AVG({e}) AS {k}_mean, MIN({e}) AS {k}_min, MAX({e}) AS {k}_max, "
@@ -84,7 +116,7 @@ def derived_step_metrics(
             m[f"{k}_max"] = r[f"{k}_max"]
         m["stop_reason_length_pct"] = r["stop_reason_length_pct"]
         m["off_policy_steps_mean"] = r["off_policy_steps_mean"]
-    for r in _sample_metric_stats(reader, envs, since):
+    for r in _sample_metric_stats(reader, envs, since, ranges):
         m = out[r["step"]]
         prefix = f"reward_{r['name']}"
         m[f"{prefix}_mean"] = r["mean"]
@@ -112,24 +144,37 @@ def derived_step_metrics(
 
 
 def _sample_metric_stats(
-    reader: RunReader, envs: list[str] | None, since: int | None
+    reader: RunReader,
+    envs: list[str] | None,
+    since: int | None,
+    ranges: dict[str, dict[str, MetricRange]] | None = None,
 ) -> list[dict[str, Any]]:
     """Per step and sample metric of the kept rollouts (of ``envs``): count, mean, sum, sum of
     squares, min and max (the ``sample_metrics`` table; joined to the rollouts for their
-    environment only when filtered)."""
+    environment only when filtered or normalised). With ``ranges``, of the normalised values: each
+    row's range is looked up by (environment, metric) in a VALUES table, [0, 1] when it has none."""
     clauses = ["m.status = 'kept'"]
     args: list[Any] = []
     join = ""
-    if envs:
+    value = "m.value"
+    if envs or ranges is not None:
         join = "JOIN rollouts AS r ON r.rollout_id = m.rollout_id"
+    if ranges is not None:
+        rows = [(e, n, r.lo, r.hi - r.lo, int(r.invert)) for e, by in ranges.items() for n, r in by.items()]
+        values = ", ".join(["(NULL, NULL, 0.0, 1.0, 0)"] + ["(?, ?, ?, ?, ?)"] * len(rows))
+        join = f"{join} LEFT JOIN (VALUES {values}) AS g ON g.column1 = r.env AND g.column2 = m.name"
+        args += [x for row in rows for x in row]
+        t = "(m.value - COALESCE(g.column3, 0.0)) / COALESCE(g.column4, 1.0)"
+        value = f"(CASE WHEN g.column5 THEN 1.0 - {t} ELSE {t} END)"
+    if envs:
         clauses.append(f"r.env IN ({','.join('?' * len(envs))})")
         args += envs
     if since is not None:
         clauses.append("m.step > ?")
         args.append(since)
     return reader.rows(
-        "SELECT m.step AS step, m.name AS name, COUNT(m.value) AS n, AVG(m.value) AS mean, "
-        "SUM(m.value) AS total, SUM(m.value * m.value) AS sq, MIN(m.value) AS lo, MAX(m.value) AS hi "
+        f"SELECT m.step AS step, m.name AS name, COUNT(m.value) AS n, AVG({value}) AS mean, "
+        f"SUM({value}) AS total, SUM({value} * {value}) AS sq, MIN({value}) AS lo, MAX({value}) AS hi "
         f"FROM sample_metrics AS m {join} WHERE {' AND '.join(clauses)} GROUP BY m.step, m.name",
         args,
     )

@@ -93,6 +93,11 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             )
             return summary | {
                 "config": meta.get("config", {}),
+                # {env: {sample metric: {lo, hi, invert}}}: the Rollouts page's colours
+                "metric_ranges": {
+                    env: {name: dataclasses.asdict(x) for name, x in by_name.items()}
+                    for env, by_name in derived.metric_ranges(meta).items()
+                },
                 "servers": meta.get("servers"),
                 "has": has,
                 "envs": sorted(envs),
@@ -157,17 +162,19 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
 
     @api.get("/runs/{run_id}/derived")
     @json_reply
-    def derived_metrics(run_id: str, envs: str | None = None) -> dict[str, Any]:
+    def derived_metrics(run_id: str, envs: str | None = None, normalise: bool = False) -> dict[str, Any]:
+        """``normalise``: the sample metrics' statistics of values normalised by each environment's
+        ``metrics_ranges`` (derived.MetricRange), as the Rollouts page colours them."""
         entry = registry.get(run_id)
         chosen = sorted(split(envs)) or None
+        key = f"{chosen}:{normalise}"
         with reader(run_id) as r:
+            ranges = derived.metric_ranges(r.meta()) if normalise else None
             by_step = registry.cached_steps(
-                entry, f"derived:{chosen}", lambda since: derived.derived_step_metrics(r, chosen, since)
+                entry, f"derived:{key}", lambda since: derived.derived_step_metrics(r, chosen, since, ranges)
             )
         # kept encoded: a large answer read again at every live refresh
-        return registry.cached(
-            entry, f"derived-series:{chosen}", lambda: encode({"series": as_series(by_step)})
-        )
+        return registry.cached(entry, f"derived-series:{key}", lambda: encode({"series": as_series(by_step)}))
 
     @api.get("/runs/{run_id}/time-shares")
     @json_reply
