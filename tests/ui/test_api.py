@@ -82,38 +82,37 @@ def test_metric_catalogue_and_series(client):
 
 
 def test_derived_metrics_match_the_python_reference_per_environment(client, runs_dir):
-    derived = ok(client, "/api/runs/syn/derived", envs="math,countdown")["series"]
-    with RunReader(runs_dir / "syn") as reader:
-        for step in (0, 7, 19):
-            rows = [r for r in reader.rollout_summaries(step) if r.status != "eval"]
-            envs = {r["rollout_id"]: r["env"] for r in reader.rollouts(step=step)}
-            ids = [r["rollout_id"] for r in reader.rollouts(step=step) if r["status"] != "eval"]
-            picked = [s for s, i in zip(rows, ids, strict=True) if envs[i] in ("math", "countdown")]
-            expected = rollout_step_metrics(picked)
-            for name in (
-                "reward_sum_mean",
-                "reward_sum_std",
-                "reward_correct_mean",
-                "reward_format_std",
-                "reward_format_min",
-                "length_completion_max",
-                "advantage_std",
-                "stop_reason_length_pct",
-                "reward_gini_mean",
-                "group_length_gini_mean",
-                "discarded_count",
-                "canceled_count",
-            ):
-                got = dict(zip(derived[name]["steps"], derived[name]["values"], strict=True)).get(step)
-                want = expected.get(name)
-                assert (got is None and want is None) or math.isclose(
-                    got, want, rel_tol=1e-9, abs_tol=1e-9
-                ), (
-                    step,
-                    name,
-                    got,
-                    want,
-                )
+    for chosen in (("math", "countdown"), ("code_tools",), None):  # None: every environment
+        derived = ok(client, "/api/runs/syn/derived", envs=",".join(chosen or ()))["series"]
+        with RunReader(runs_dir / "syn") as reader:
+            for step in (0, 7, 19):
+                rows = [r for r in reader.rollout_summaries(step) if r.status != "eval"]
+                envs = {r["rollout_id"]: r["env"] for r in reader.rollouts(step=step)}
+                ids = [r["rollout_id"] for r in reader.rollouts(step=step) if r["status"] != "eval"]
+                picked = [s for s, i in zip(rows, ids, strict=True) if chosen is None or envs[i] in chosen]
+                expected = rollout_step_metrics(picked)
+                for name in (
+                    "reward_sum_mean",
+                    "reward_sum_std",
+                    "reward_correct_mean",
+                    "reward_format_std",
+                    "reward_format_min",
+                    "length_completion_max",
+                    "length_sum_mean",
+                    "advantage_std",
+                    "stop_reason_length_pct",
+                    "off_policy_steps_mean",
+                    "reward_gini_mean",
+                    "group_length_gini_mean",
+                    "discarded_count",
+                    "discarded_zero_advantage_count",
+                    "canceled_count",
+                ):
+                    got = dict(zip(derived[name]["steps"], derived[name]["values"], strict=True)).get(step)
+                    want = expected.get(name)
+                    assert (got is None and want is None) or math.isclose(
+                        got, want, rel_tol=1e-9, abs_tol=1e-9
+                    ), (chosen, step, name, got, want)
 
 
 def test_trainer_time_shares_add_up_to_the_step(client):
