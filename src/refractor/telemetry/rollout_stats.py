@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,16 +143,26 @@ def step_partials(
     moments are of each value normalised by its environment's range."""
     after, args = _filter(envs, since)
     out: dict[int, dict[str, EnvStep]] = defaultdict(lambda: defaultdict(EnvStep))
-    _kept_partials(reader, after, args, out, together=envs is None)
-    for r in _sample_metric_moments(reader, envs, since, ranges):
-        out[r["step"]][r["env"]].moments[f"reward_{r['name']}"] = _moments(r, "v")
-    env, by_env = ("env", "env, ") if envs is not None else (f"'{EVERY}'", "")
-    sql = (
-        f"SELECT step, {env} AS env, status, reason, COUNT(*) AS n FROM rollouts "
-        f"WHERE status IN ('discarded', 'cancelled'){after} GROUP BY step, {by_env}status, reason"
-    )
-    for r in reader.rows(sql, args):
-        out[r["step"]][r["env"]].dropped[(_DROPPED[r["status"]], r["reason"] or "unknown")] = r["n"]
+
+    def sample_metrics() -> list[dict[str, Any]]:
+        with RunReader(reader.path.parent) as own:
+            return _sample_metric_moments(own, envs, since, ranges)
+
+    # The sample metrics' query runs meanwhile on a connection of its own: SQLite works without the
+    # GIL, so the two reads share two cores. A commit between the two reads of a live run can only
+    # touch its newest steps, which its next refresh reads again.
+    with ThreadPoolExecutor(1) as pool:
+        sampled = pool.submit(sample_metrics)
+        _kept_partials(reader, after, args, out, together=envs is None)
+        env, by_env = ("env", "env, ") if envs is not None else (f"'{EVERY}'", "")
+        sql = (
+            f"SELECT step, {env} AS env, status, reason, COUNT(*) AS n FROM rollouts "
+            f"WHERE status IN ('discarded', 'cancelled'){after} GROUP BY step, {by_env}status, reason"
+        )
+        for r in reader.rows(sql, args):
+            out[r["step"]][r["env"]].dropped[(_DROPPED[r["status"]], r["reason"] or "unknown")] = r["n"]
+        for r in sampled.result():
+            out[r["step"]][r["env"]].moments[f"reward_{r['name']}"] = _moments(r, "v")
     return {step: dict(by_env) for step, by_env in sorted(out.items())}
 
 
