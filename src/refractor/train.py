@@ -227,6 +227,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         run_name=cfg.run_name,
         record_telemetry=cfg.record_telemetry,
     )
+    store.set_meta({"environments": [env.describe() for env in envs]})  # ranges for the dashboard
     startup = StartupEvents(store)
     startup.mark("orchestrator_start", started)
     startup.mark("environments_prepare_start", started)

@@ -82,38 +82,37 @@ def test_metric_catalogue_and_series(client):
 
 
 def test_derived_metrics_match_the_python_reference_per_environment(client, runs_dir):
-    derived = ok(client, "/api/runs/syn/derived", envs="math,countdown")["series"]
-    with RunReader(runs_dir / "syn") as reader:
-        for step in (0, 7, 19):
-            rows = [r for r in reader.rollout_summaries(step) if r.status != "eval"]
-            envs = {r["rollout_id"]: r["env"] for r in reader.rollouts(step=step)}
-            ids = [r["rollout_id"] for r in reader.rollouts(step=step) if r["status"] != "eval"]
-            picked = [s for s, i in zip(rows, ids, strict=True) if envs[i] in ("math", "countdown")]
-            expected = rollout_step_metrics(picked)
-            for name in (
-                "reward_sum_mean",
-                "reward_sum_std",
-                "reward_correct_mean",
-                "reward_format_std",
-                "reward_format_min",
-                "length_completion_max",
-                "advantage_std",
-                "stop_reason_length_pct",
-                "reward_gini_mean",
-                "group_length_gini_mean",
-                "discarded_count",
-                "canceled_count",
-            ):
-                got = dict(zip(derived[name]["steps"], derived[name]["values"], strict=True)).get(step)
-                want = expected.get(name)
-                assert (got is None and want is None) or math.isclose(
-                    got, want, rel_tol=1e-9, abs_tol=1e-9
-                ), (
-                    step,
-                    name,
-                    got,
-                    want,
-                )
+    for chosen in (("math", "countdown"), ("code_tools",), None):  # None: every environment
+        derived = ok(client, "/api/runs/syn/derived", envs=",".join(chosen or ()))["series"]
+        with RunReader(runs_dir / "syn") as reader:
+            for step in (0, 7, 19):
+                rows = [r for r in reader.rollout_summaries(step) if r.status != "eval"]
+                envs = {r["rollout_id"]: r["env"] for r in reader.rollouts(step=step)}
+                ids = [r["rollout_id"] for r in reader.rollouts(step=step) if r["status"] != "eval"]
+                picked = [s for s, i in zip(rows, ids, strict=True) if chosen is None or envs[i] in chosen]
+                expected = rollout_step_metrics(picked)
+                for name in (
+                    "reward_sum_mean",
+                    "reward_sum_std",
+                    "reward_correct_mean",
+                    "reward_format_std",
+                    "reward_format_min",
+                    "length_completion_max",
+                    "length_sum_mean",
+                    "advantage_std",
+                    "stop_reason_length_pct",
+                    "off_policy_steps_mean",
+                    "reward_gini_mean",
+                    "group_length_gini_mean",
+                    "discarded_count",
+                    "discarded_zero_advantage_count",
+                    "canceled_count",
+                ):
+                    got = dict(zip(derived[name]["steps"], derived[name]["values"], strict=True)).get(step)
+                    want = expected.get(name)
+                    assert (got is None and want is None) or math.isclose(
+                        got, want, rel_tol=1e-9, abs_tol=1e-9
+                    ), (chosen, step, name, got, want)
 
 
 def test_trainer_time_shares_add_up_to_the_step(client):
@@ -367,3 +366,77 @@ def test_logs_are_listed_with_filters_when_the_store_has_them(tmp_path):
         ]
         resp = c.get("/api/runs/logged/logs", params={"level": "LOUD"})
         assert resp.status_code == 400 and "level must be one of" in resp.json()["error"]
+
+
+def test_normalised_sample_metrics_match_a_float64_reference(tmp_path):
+    """Each kept rollout's sample metric normalised by its environment's ``metrics_ranges`` entry
+    ((v - min) / (max - min), 1 minus that when inverted; [0, 1] without one), then per step: mean,
+    sample std, min, max, computed here in plain Python float64 from the values written."""
+    import itertools
+    import random
+    import statistics
+
+    from refractor.records import Rollout, RolloutStatus
+    from refractor.records.rollout import Turn
+    from refractor.telemetry.store import RunStore
+
+    envs = [
+        {"name": "alpha", "metrics_ranges": {"score": {"min": -2.0, "max": 6.0, "invert": False}}},
+        {
+            "name": "beta",
+            "metrics_ranges": {"score": {"min": 10, "max": 20, "invert": True}, "bad": {"min": 1}},
+        },
+    ]
+    ranges = {("alpha", "score"): (-2.0, 6.0, False), ("beta", "score"): (10.0, 20.0, True)}
+    rng = random.Random(7)
+    store = RunStore(tmp_path / "runs" / "norm", config={"model": "m"})
+    store.set_meta({"environments": envs})
+    written: list[tuple[int, str, str, float]] = []  # step, env, metric, value of the kept rollouts
+    rid = 0
+    for step in range(3):
+        batch = []
+        for i in range(24):
+            env = ("alpha", "beta")[i % 2]
+            metrics = {"score": rng.uniform(-3, 25), "bad": rng.uniform(0, 2), "plain": rng.gauss(5, 3)}
+            turn = Turn(
+                index=0, prompt_ids=[1], completion_ids=[2], completion_text="x", start_time=1.0, end_time=2.0
+            )
+            r = Rollout(
+                rid, group_id=i // 4, sample_idx=i % 4, env_name=env, turns=[turn], sample_metrics=metrics
+            )
+            r.mark(RolloutStatus.DISCARDED if i % 5 == 0 else RolloutStatus.KEPT)
+            if i % 5:
+                written += [(step, env, k, v) for k, v in metrics.items()]
+            batch.append(r)
+            rid += 1
+        store.log_rollouts(batch, step, step)
+    store.close()
+
+    def normalised(env: str, metric: str, v: float) -> float:
+        lo, hi, invert = ranges.get((env, metric), (0.0, 1.0, False))
+        t = (v - lo) / (hi - lo)
+        return 1.0 - t if invert else t
+
+    def at(series: dict, name: str, step: int) -> float:
+        return dict(zip(series[name]["steps"], series[name]["values"], strict=True))[step]
+
+    with TestClient(create_app([tmp_path / "runs"], tmp_path / "state")) as c:
+        beta = ok(c, "/api/runs/norm")["metric_ranges"]["beta"]
+        assert beta == {"score": {"lo": 10.0, "hi": 20.0, "invert": True}}  # "bad" has no max
+        for chosen in ("", "beta"):
+            normal = ok(c, "/api/runs/norm/derived", envs=chosen, normalise="1")["series"]
+            raw = ok(c, "/api/runs/norm/derived", envs=chosen)["series"]
+            for step, metric in itertools.product(range(3), ("score", "bad", "plain")):
+                picked = [(e, v) for s, e, k, v in written if (s, k) == (step, metric) and chosen in ("", e)]
+                values = [normalised(e, metric, v) for e, v in picked]
+                want = {
+                    "mean": math.fsum(values) / len(values),
+                    "std": statistics.stdev(values),
+                    "min": min(values),
+                    "max": max(values),
+                }
+                for stat, expected in want.items():
+                    got = at(normal, f"reward_{metric}_{stat}", step)
+                    assert math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12), (metric, stat, step)
+                raw_mean = math.fsum(v for _, v in picked) / len(picked)  # without the option: as written
+                assert math.isclose(at(raw, f"reward_{metric}_mean", step), raw_mean, rel_tol=1e-12)

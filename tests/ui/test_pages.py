@@ -14,7 +14,9 @@ import pytest
 
 from refractor.records import Rollout, RolloutStatus
 from refractor.records.rollout import Turn
+from refractor.records.training import TimelineEvent
 from refractor.runtime.run_lock import RunLock
+from refractor.telemetry.log_capture import LogLine
 from refractor.telemetry.store import RunStore
 from refractor.ui.local import chromium_path
 from refractor.ui.local import serve_in_thread as serve
@@ -122,6 +124,9 @@ def test_metrics_page_draws_the_overview_for_two_runs_with_every_option(page, tm
     ).wait_for()  # first left out
     page.get_by_test_id("env-filter").select_option("math")
     page.wait_for_url("**env=math**")
+    page.locator("[data-testid='chart-reward_sum_mean'] .chart[data-drawn='1']").wait_for()
+    page.get_by_test_id("normalise").check()
+    page.wait_for_url("**norm=1**")
     page.locator("[data-testid='chart-reward_sum_mean'] .chart[data-drawn='1']").wait_for()
     page.get_by_test_id("metric-filter").fill("extra/metric_00")
     page.locator("[data-testid='chart-trainer/extra/metric_001'] .chart[data-drawn='1']").wait_for()
@@ -275,3 +280,132 @@ def test_live_updates_appear_while_a_run_writes(page, live_runs):
     finally:
         store.close()
         lock.release()
+
+
+LEVEL_ORDER = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# bytes a process may print that are not clean UTF-8 text, decoded as log_capture decodes them
+ODD = b"bad \xff\xfe bytes, tab\there, escape \x1b[31mred\x1b[0m".decode("utf-8", "replace")
+UNICODE = "naïve café — 日本語 — emoji 🚀 — RTL שלום — combining e\u0301"
+
+
+def _log_lines(first: int, count: int) -> list[LogLine]:
+    """Lines of several components and ranks, every level, one long line and odd characters."""
+    sources = [("driver", None, "log"), ("orchestrator", None, "log"), ("trainer", 0, "stdout"),
+               ("trainer", 1, "stderr"), ("server", 0, "file")]  # fmt: skip
+    lines = []
+    for i in range(first, first + count):
+        component, rank, source = sources[i % len(sources)]
+        message = f"line {i} of {component} step={i // 7}"
+        if i == 3:
+            message = "LONG " + "x" * 3_990
+        elif i == 8:
+            message = ODD
+        elif i == 11:
+            message = UNICODE
+        elif i % 4 == 0:
+            message += " Loss Spike"
+        level = LEVEL_ORDER[(i * 3) % len(LEVEL_ORDER)]
+        lines.append(LogLine(1_700_000_000.0 + i, level, component, rank, "10.0.0.1", source, message))
+    return lines
+
+
+def _shown(page) -> list[tuple[str, str, str, str]]:
+    """The logs table's rows as (component-rank, level, source, message), read from the DOM text."""
+    return [
+        tuple(r)
+        for r in page.evaluate(
+            "[...document.querySelectorAll('[data-testid=logs-table] tbody tr')]"
+            ".map(tr => [...tr.cells].slice(1).map(td => td.textContent))"
+        )
+    ]
+
+
+def _expected(lines: list[LogLine], component=None, rank=None, level=None, text=None):
+    def keep(x: LogLine) -> bool:
+        return (
+            (component is None or x.component == component)
+            and (rank is None or x.rank == rank)
+            and (level is None or LEVEL_ORDER.index(x.level) >= LEVEL_ORDER.index(level))
+            and (text is None or text.lower() in x.message.lower())
+        )
+
+    who = lambda x: x.component if x.rank is None else f"{x.component}-{x.rank}"  # noqa: E731
+    return [(who(x), x.level, x.source, x.message) for x in lines if keep(x)]
+
+
+def _wait_rows(page, want: list) -> None:
+    page.wait_for_function(
+        f"document.querySelectorAll('[data-testid=logs-table] tbody tr').length === {len(want)}"
+    )
+    assert _shown(page) == want
+
+
+def test_logs_page_filters_and_follows_real_log_lines(page, live_runs, tmp_path_factory):
+    store = RunStore(live_runs / "logs", config={"model": "m"})
+    written = _log_lines(0, 40)
+    try:
+        store.log_lines(written)
+        store.flush()
+        go(page, "logs?runs=logs")
+        _wait_rows(page, _expected(written))  # every line, long and odd ones unchanged
+        assert len(_shown(page)[3][3]) == 3_995
+        shot(page, "logs", tmp_path_factory)
+        form = page.get_by_test_id("logs-filter")
+        form.locator("select[name=level]").select_option("WARNING")
+        form.get_by_role("button", name="filter").click()
+        page.wait_for_url("**level=WARNING**")
+        _wait_rows(page, _expected(written, level="WARNING"))
+        form.locator("select[name=level]").select_option("")
+        form.locator("input[name=component]").fill("trainer")
+        form.locator("input[name=rank]").fill("1")
+        form.get_by_role("button", name="filter").click()
+        _wait_rows(page, _expected(written, component="trainer", rank=1))
+        go(page, "logs?runs=logs&q=loss%20spike")  # text search ignores ASCII case
+        _wait_rows(page, _expected(written, text="loss spike"))
+        go(page, f"logs?runs=logs&q={UNICODE[6:10]}")
+        _wait_rows(page, _expected(written, text=UNICODE[6:10]))
+        go(page, "logs?runs=logs&component=trainer&level=ERROR")
+        _wait_rows(page, _expected(written, component="trainer", level="ERROR"))
+        more = _log_lines(40, 60)  # appended while the page is open: shown without a reload
+        store.log_lines(more)
+        store.flush()
+        _wait_rows(page, _expected(written + more, component="trainer", level="ERROR"))
+        assert len(_expected(more, component="trainer", level="ERROR")) > 0
+    finally:
+        store.close()
+
+
+def test_timeline_draws_nested_trainer_spans_and_picks_each_level(page, live_runs, tmp_path_factory):
+    """A 3-level span tree under a step: each level is drawn inside its parent, and a click picks
+    the deepest span drawn at that point, so scanning down the row meets every level in order."""
+    t0 = 1_700_000_000.0
+    tree = ["step", "checkpoint", "checkpoint/dcp_save", "checkpoint/dcp_save/write"]
+    store = RunStore(live_runs / "spans", config={"model": "m"})
+    try:
+        store.log_events(
+            [
+                TimelineEvent(n, t0 + i, t0 + 10 - i, "trainer", {"rank": 0, "level": i})
+                for i, n in enumerate(tree)
+            ],
+            step=0,
+        )
+        store.flush()
+    finally:
+        store.close()
+    go(page, f"timeline?runs=spans&start={t0}&end={t0 + 10}")
+    page.locator("[data-testid='gantt'][data-drawn='1']").wait_for()
+    box = page.get_by_test_id("gantt").bounding_box()
+    label, axis, row = 150, 22, 18  # timeline.js: label column, time axis, rows above the trainer's
+    x = box["x"] + label + (box["width"] - label) * 0.5  # t0 + 5 s: inside every span
+    picked = []
+    for dy in range(0, 30):
+        page.mouse.click(x, box["y"] + axis + 2 * row + dy)
+        details = page.get_by_test_id("timeline-details")
+        if details.count() == 0:
+            continue
+        name = details.locator("b").inner_text()
+        assert f'"level": {tree.index(name)}' in details.locator("pre").inner_text()
+        if not picked or picked[-1] != name:
+            picked.append(name)
+    assert picked == tree
+    shot(page, "timeline-nested", tmp_path_factory)

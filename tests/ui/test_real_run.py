@@ -48,6 +48,7 @@ def test_every_api_route_answers_on_a_quickstart_run(quick_runs, tmp_path):
         ] == [0, 1, 2]
         derived = ok("/api/runs/quick/derived", envs="repeat_letter")["series"]
         assert derived["reward_sum_mean"]["steps"] == [0, 1, 2]
+        assert "repeat_letter" in run["metric_ranges"]  # the run recorded its environments' records
         page = ok("/api/runs/quick/steps/1/rollouts")
         assert page["total"] == 4 * 16
         detail = ok(f"/api/runs/quick/rollouts/{page['rollouts'][0]['rollout_id']}")

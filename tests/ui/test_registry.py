@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from refractor.records import Rollout, RolloutStatus
 from refractor.records.rollout import Turn
-from refractor.telemetry import derived, series
+from refractor.telemetry import rollout_stats, series
 from refractor.telemetry.query import RunReader
 from refractor.telemetry.store import RunStore
 from refractor.telemetry.synthetic import SyntheticSpec, write_synthetic_run
@@ -29,7 +29,7 @@ def test_live_run_recomputed_metrics_match_a_full_read(tmp_path):
     def compute(since):
         reads.append(since)
         with RunReader(run_dir) as r:
-            return derived.derived_step_metrics(r, None, since)
+            return rollout_stats.derived_step_metrics(r, None, since)
 
     first = registry.cached_steps(entry, "d", compute)
     assert reads == [None] and sorted(first) == list(range(20))
@@ -41,7 +41,7 @@ def test_live_run_recomputed_metrics_match_a_full_read(tmp_path):
     again = registry.cached_steps(entry, "d", compute)
     assert reads == [None, 3]  # only the newest 16 steps seen (4..19) and later ones were read
     with RunReader(run_dir) as r:
-        assert again == derived.derived_step_metrics(r)
+        assert again == rollout_stats.derived_step_metrics(r)
     store.close()
 
 

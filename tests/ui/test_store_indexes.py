@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from refractor.telemetry import derived, series
+from refractor.telemetry import derived, rollout_stats, series
 from refractor.telemetry.query import RunReader
 from refractor.telemetry.store import SCHEMA_VERSION, RunStore
 from refractor.telemetry.synthetic import SyntheticSpec, write_synthetic_run
@@ -24,7 +24,7 @@ def answers(run_dir):
     with RunReader(run_dir) as r:
         return (
             series.metric_names(r),
-            derived.derived_step_metrics(r, ["math"]),
+            rollout_stats.derived_step_metrics(r, ["math"]),
             derived.distribution_over_steps(r, "reward"),
             series.lanes_window(r, 1_750_000_010.0, 1_750_000_020.0, 10.0),
             series.events_window(r, 1_750_000_000.0, 1_750_000_030.0, 10.0, min_duration=0.5, wide=1.0),

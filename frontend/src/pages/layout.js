@@ -20,7 +20,7 @@ export function CustomView({ runs, catalogue, params, opts }) {
     put("state/layout", next).then(() => setError(null), setError);
   };
   const names = layout ? [...new Set(layout.sections.flatMap((s) => s.metrics))] : [];
-  const { data, error: dataError } = useSeries(runs, names, params.env || "");
+  const { data, error: dataError } = useSeries(runs, names, params.env || "", opts.normalise);
   const [drag, setDrag] = useState(null);
   if (!layout) return error ? html`<${ErrorBox} error=${error} />` : html`<${Loading} what="layout" />`;
   const move = (to) => {

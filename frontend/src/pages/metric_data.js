@@ -13,20 +13,21 @@ export const OVERVIEW = [
 ];
 
 // Series of `names` for every run: {run: {name: {steps, values}}}; refreshed when the first run
-// writes a new step. With `env`, rollout-derived metrics come from the server's recomputation.
-export function useSeries(runs, names, env) {
+// writes a new step. With `env` or `normalise`, rollout-derived metrics come from the server's
+// recomputation (`normalise`: sample metrics normalised by their environments' ranges).
+export function useSeries(runs, names, env, normalise = false) {
   const [data, setData] = useState({});
   const [error, setError] = useState(null);
   const live = useLiveKey(runs[0], (c) => c.step);
-  const key = `${runs.join(",")}|${names.join(",")}|${env}|${live}`;
+  const key = `${runs.join(",")}|${names.join(",")}|${env}|${normalise}|${live}`;
   useEffect(() => {
     if (!runs.length || !names.length) return;
     let live = true;
     Promise.all(
       runs.map(async (run) => {
         const got = (await api(`runs/${enc(run)}/metrics`, { names: names.join(",") })).series;
-        if (env) {
-          const derived = (await api(`runs/${enc(run)}/derived`, { envs: env })).series;
+        if (env || normalise) {
+          const derived = (await api(`runs/${enc(run)}/derived`, { envs: env, normalise: normalise ? 1 : undefined })).series;
           for (const n of names) if (derived[n]) got[n] = derived[n];
         }
         return [run, got];
@@ -52,6 +53,7 @@ export function chartOpts(params) {
     log: params.log === "1",
     skipFirst: params.skip === "1",
     outliers: params.outliers === "1",
+    normalise: params.norm === "1",
   };
 }
 

@@ -55,6 +55,7 @@ export function MetricsPage({ params, runs }) {
       <label><input type="checkbox" checked=${opts.log} onChange=${(e) => setParams({ log: e.target.checked || undefined })} data-testid="log-scale" /> log scale</label>
       <label><input type="checkbox" checked=${opts.skipFirst} onChange=${(e) => setParams({ skip: e.target.checked || undefined })} /> ignore first step</label>
       <label><input type="checkbox" checked=${opts.outliers} onChange=${(e) => setParams({ outliers: e.target.checked || undefined })} /> ignore outliers</label>
+      <label title="sample metrics (reward_<name>_*) of values normalised by each environment's metrics_ranges, as the Rollouts page colours them"><input type="checkbox" checked=${opts.normalise} onChange=${(e) => setParams({ norm: e.target.checked || undefined })} data-testid="normalise" /> normalise sample metrics</label>
       <label>environment <select value=${params.env || ""} onChange=${(e) => setParams({ env: e.target.value || undefined })} data-testid="env-filter">
         <option value="">all</option>${envs.map((e) => html`<option value=${e}>${e}</option>`)}</select></label>
       <label>find <input type="text" value=${params.q || ""} placeholder="metric name" onInput=${(e) => setParams({ q: e.target.value || undefined })} data-testid="metric-filter" /></label>
@@ -87,7 +88,7 @@ function AllMetrics({ runs, catalogue, params, opts, lastStep }) {
     if (hits.length) shown.push([k, hits, filter ? true : open.has(k)]);
   }
   const wanted = [...new Set(shown.filter(([, , o]) => o).flatMap(([, l]) => l))];
-  const { data, error } = useSeries(runs, wanted, params.env || "");
+  const { data, error } = useSeries(runs, wanted, params.env || "", opts.normalise);
   const toggle = (k, isOpen) => {
     const next = new Set(open);
     if (isOpen) next.add(k);

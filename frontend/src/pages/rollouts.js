@@ -61,7 +61,7 @@ export function RolloutBrowser({ run, runs, params, tabs, evalSteps }) {
         ${!page.data ? (page.loading ? html`<${Loading} what="rollouts" />` : html`<${Message} kind="empty">Pick a step.<//>`) : html`<${RolloutTable} data=${page.data} params=${params} />`}
       </div>
       <div class="panel">
-        ${params.rollout ? html`<${RolloutDetail} run=${run} id=${params.rollout} raw=${params.raw === "1"} config=${meta.data && meta.data.config} />` : html`<span class="muted">Click a rollout to read it.</span>`}
+        ${params.rollout ? html`<${RolloutDetail} run=${run} id=${params.rollout} raw=${params.raw === "1"} config=${meta.data && meta.data.config} metricRanges=${meta.data && meta.data.metric_ranges} />` : html`<span class="muted">Click a rollout to read it.</span>`}
       </div>
     </div>`;
 }
@@ -125,16 +125,18 @@ function RolloutTable({ data, params }) {
     </tbody></table>`;
 }
 
-function envRanges(config, env) {
+// the reward's range from the config's environment entry; the sample metrics' from the server
+// (each environment's metrics_ranges, [0, 1] without one; an inverted range colours low values green)
+function envRanges(config, metricRanges, env) {
   const entry = ((config && config.environments) || []).find((e) => e && e.name === env) || {};
-  return { lo: entry.reward_min ?? 0, hi: entry.reward_max ?? 1, metrics: entry.metrics_ranges || {} };
+  return { lo: entry.reward_min ?? 0, hi: entry.reward_max ?? 1, metrics: (metricRanges && metricRanges[env]) || {} };
 }
 
-function RolloutDetail({ run, id, raw, config }) {
+function RolloutDetail({ run, id, raw, config, metricRanges }) {
   const { data, error } = useApi(`runs/${enc(run)}/rollouts/${enc(id)}`);
   if (error) return html`<${ErrorBox} error=${error} />`;
   if (!data) return html`<${Loading} what="rollout" />`;
-  const ranges = envRanges(config, data.env);
+  const ranges = envRanges(config, metricRanges, data.env);
   return html`<div data-testid="rollout-detail">
     <div class="toolbar">
       <b>rollout ${data.rollout_id}</b> group ${data.group_id} · sample ${data.sample_idx} · ${data.env}
@@ -147,8 +149,8 @@ function RolloutDetail({ run, id, raw, config }) {
       <dt>reward</dt><dd><span style=${{ background: rangeColor(data.reward, ranges.lo, ranges.hi), padding: "0 4px" }}>${fmt(data.reward)}</span></dd>
       <dt>advantage</dt><dd>${fmt(data.advantage)}</dd>
       <dt>sample metrics</dt><dd>${Object.entries(data.sample_metrics).map(([k, v]) => {
-        const [lo, hi] = ranges.metrics[k] || [0, 1];
-        return html`<span class="badge" style=${{ background: rangeColor(v, lo, hi) }}>${k} ${fmt(v)}</span> `;
+        const { lo, hi, invert } = ranges.metrics[k] || { lo: 0, hi: 1, invert: false };
+        return html`<span class="badge" style=${{ background: invert ? rangeColor(v, hi, lo) : rangeColor(v, lo, hi) }}>${k} ${fmt(v)}</span> `;
       })}</dd>
       <dt>golden answers</dt><dd>${Object.entries(data.golden_answers).map(([k, v]) => html`<code>${k}: ${JSON.stringify(v)}</code> `)}</dd>
       <dt>stop reason</dt><dd>${data.stop_reason || "—"}</dd>

@@ -12,10 +12,30 @@ import { NoRun, pickRun, RunPicker } from "./common.js";
 const LABEL = 150;
 const ROW = 18;
 const AXIS = 22;
+// a nested span is drawn inside its parent, its top moved down by INSET per level, so each level
+// keeps a strip of its parent visible (and clickable) above it; a row grows to keep the deepest
+// bar at least MIN_BAR high
+const INSET = 4;
+const MIN_BAR = 6;
 const SPAN_COLORS = {
   step: "#dee2e6", forward: "#4c6ef5", backward: "#f76707", loss_computation: "#ae3ec9", optimizer: "#2b8a3e",
   data_to_device: "#868e96", zero_grad: "#adb5bd", grad_norm: "#e64980", weight_sync: "#fab005",
 };
+
+// Trainer spans nest by "/" in their names (`checkpoint/dcp_save/write` is inside
+// `checkpoint/dcp_save`, inside `checkpoint`); `step` encloses every span of its step.
+function spanDepth(name) {
+  return name === "step" ? 0 : name.split("/").length;
+}
+
+// a span without a colour of its own is a blue, darker for each level, so nested levels stay apart
+function spanColor(name, depth) {
+  return SPAN_COLORS[name] || SPAN_COLORS[name.split("/").pop()] || `hsl(207, 80%, ${Math.max(30, 82 - 12 * depth)}%)`;
+}
+
+function rowHeight(row) {
+  return Math.max(ROW, 4 + row.depth * INSET + MIN_BAR);
+}
 
 function groupColor(id) {
   const h = (Math.abs(Number(id) * 2654435761) % 360) | 0;
@@ -87,7 +107,7 @@ function Gantt({ run, runs, start, end, bounds, live }) {
     <${ErrorBox} error=${win.error} />
     ${!win.data ? html`<${Loading} what="events" />` : html`
       <div class="timeline-wrap">
-        <canvas class="gantt" ref=${canvas} data-testid="gantt" style=${{ height: `${AXIS + rows.length * ROW + 4}px` }}
+        <canvas class="gantt" ref=${canvas} data-testid="gantt" style=${{ height: `${canvasHeight(rows)}px` }}
           onWheel=${(e) => {
             e.preventDefault();
             zoom(e.deltaY > 0 ? 1.25 : 0.8, toTime(e.offsetX, e.currentTarget));
@@ -143,7 +163,10 @@ function rolloutsOf(data) {
 
 function buildRows(data) {
   if (!data) return [];
-  const rows = [{ key: "orchestrator", label: "orchestrator", items: [] }, { key: "sync", label: "weight sync", items: [] }];
+  const rows = [
+    { key: "orchestrator", label: "orchestrator", items: [], depth: 0 },
+    { key: "sync", label: "weight sync", items: [], depth: 0 },
+  ];
   const ranks = new Map();
   const lanes = new Map();
   for (const e of eventsOf(data)) {
@@ -151,22 +174,31 @@ function buildRows(data) {
     else if (e.component === "trainer") {
       const m = /"rank":\s*(\d+)/.exec(e.attrsText);
       const r = m ? Number(m[1]) : 0;
-      if (!ranks.has(r)) ranks.set(r, { key: `rank${r}`, label: `trainer rank ${r}`, items: [] });
-      ranks.get(r).items.push({ kind: "event", e });
+      if (!ranks.has(r)) ranks.set(r, { key: `rank${r}`, label: `trainer rank ${r}`, items: [], depth: 0 });
+      const row = ranks.get(r);
+      const depth = spanDepth(e.name);
+      row.items.push({ kind: "event", e, depth });
+      row.depth = Math.max(row.depth, depth);
     } else rows[0].items.push({ kind: "event", e });
   }
   for (const r of rolloutsOf(data)) {
     const k = `${r.server} lane ${r.lane}`;
-    if (!lanes.has(k)) lanes.set(k, { key: k, label: k, items: [] });
+    if (!lanes.has(k)) lanes.set(k, { key: k, label: k, items: [], depth: 0 });
     lanes.get(k).items.push({ kind: "rollout", r });
   }
   const byName = (a, b) => a.label.localeCompare(b.label, undefined, { numeric: true });
+  // parents first, so a child is drawn over its parent and a click inside the child picks it
+  for (const row of ranks.values()) row.items.sort((a, b) => a.depth - b.depth);
   return [...rows, ...[...ranks.values()].sort(byName), ...[...lanes.values()].sort(byName)];
+}
+
+function canvasHeight(rows) {
+  return AXIS + rows.reduce((sum, row) => sum + rowHeight(row), 0) + 4;
 }
 
 function draw(c, rows, t0, t1) {
   const w = (c.width = c.clientWidth);
-  const hgt = (c.height = AXIS + rows.length * ROW + 4);
+  const hgt = (c.height = canvasHeight(rows));
   const ctx = c.getContext("2d");
   const x = (t) => LABEL + ((t - t0) / (t1 - t0)) * (w - LABEL);
   const hits = [];
@@ -187,27 +219,32 @@ function draw(c, rows, t0, t1) {
     ctx.fillRect(px, AXIS - 5, 1, 5);
     ctx.fillText(`${(t - t0).toFixed(step < 1 ? 2 : 0)} s`, px + 2, 12);
   }
+  let y = AXIS;
   rows.forEach((row, i) => {
-    const y = AXIS + i * ROW;
+    const h = rowHeight(row);
     ctx.fillStyle = i % 2 ? "#fafbfc" : "#fff";
-    ctx.fillRect(0, y, w, ROW);
+    ctx.fillRect(0, y, w, h);
     ctx.fillStyle = "#333";
     ctx.fillText(row.label, 4, y + 13);
     for (const it of row.items) {
       if (it.kind === "event") {
         const e = it.e;
-        const depth = e.name === "step" ? 0 : 1;
         if (e.start === e.end) {
           ctx.fillStyle = e.name.startsWith("rollout_discarded") ? "#e03131" : "#495057";
-          ctx.fillRect(x(e.start), y + 2, 1.5, ROW - 4);
-          hits.push([x(e.start) - 2, y, 5, ROW, it]);
+          ctx.fillRect(x(e.start), y + 2, 1.5, h - 4);
+          hits.push([x(e.start) - 2, y, 5, h, it]);
           continue;
         }
-        ctx.fillStyle = SPAN_COLORS[e.name] || "#74c0fc";
+        const top = y + 2 + (it.depth ?? 0) * INSET;
+        ctx.fillStyle = spanColor(e.name, it.depth ?? 0);
         const x0 = Math.max(LABEL, x(e.start));
         const bw = Math.max(1, Math.min(w, x(e.end)) - x0);
-        ctx.fillRect(x0, y + 2 + depth * 3, bw, ROW - 4 - depth * 3);
-        hits.push([x0, y, bw, ROW, it]);
+        ctx.fillRect(x0, top, bw, y + h - 2 - top);
+        if (it.depth > 1 && bw > 3) {
+          ctx.strokeStyle = "rgba(0, 0, 0, 0.25)";
+          ctx.strokeRect(x0 + 0.5, top + 0.5, bw - 1, y + h - 3 - top);
+        }
+        hits.push([x0, it.depth ? top : y, bw, it.depth ? y + h - top : h, it]);
       } else {
         const r = it.r;
         let t = r.dispatch_time;
@@ -227,9 +264,10 @@ function draw(c, rows, t0, t1) {
           ctx.fillRect(a, y + 6, Math.max(1, x(r.finish_time) - a), ROW - 12);
         }
         const a = Math.max(LABEL, x(r.dispatch_time));
-        hits.push([a, y, Math.max(2, x(r.finish_time) - a), ROW, it]);
+        hits.push([a, y, Math.max(2, x(r.finish_time) - a), h, it]);
       }
     }
+    y += h;
   });
   ctx.fillStyle = "#fff";
   ctx.fillRect(0, 0, LABEL - 2, AXIS);

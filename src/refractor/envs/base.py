@@ -180,6 +180,8 @@ class Environment(ABC):
         }
         if self.is_multi_turn:
             info["max_turns"] = self.max_turns
+        if self.reward_min is not None and self.reward_max is not None:
+            info["reward_min"], info["reward_max"] = self.reward_min, self.reward_max
         if self.metrics_ranges:
             info["metrics_ranges"] = dict(self.metrics_ranges)
         if self.tags_options:

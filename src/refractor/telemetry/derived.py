@@ -1,11 +1,7 @@
-"""Per-step metrics derived from the stored rollouts, in SQL, for the dashboard.
-
-The orchestrator already stores the derived rollout metrics of every step (docs/metrics.md,
-:func:`refractor.telemetry.metrics.rollout_step_metrics`); these queries recompute a subset of
-them over any selection of environments (the dashboard's environment filter), plus the
-distributions the stored metrics cannot give (histograms, distribution over steps). Definitions
-match :mod:`refractor.telemetry.metrics`: sample std (ddof 1, 0 for one value), percentages 0..100,
-rank Gini per group averaged over the groups where it is defined.
+"""What the dashboard derives from the stored rollouts and step metrics that the orchestrator does
+not store: histograms and distributions over steps of rollout fields, a step's zero-advantage
+breakdown, the trainer's time shares. The per-step rollout metrics recomputed over a choice of
+environments are in :mod:`refractor.telemetry.rollout_stats`.
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from refractor.telemetry.metrics import gini
 from refractor.telemetry.query import RunReader
 
 # what a histogram may be taken of: name -> SQL expression over the rollouts table
@@ -24,13 +19,6 @@ DISTRIBUTION_FIELDS = {
     "completion_tokens": "completion_tokens",
     "prompt_tokens": "prompt_tokens",
     "off_policy_steps": "off_policy_steps",
-}
-_STATS = {
-    "reward_sum": "reward",
-    "advantage": "advantage",
-    "length_prompt": "prompt_tokens",
-    "length_completion": "completion_tokens",
-    "length_sum": "(prompt_tokens + completion_tokens)",
 }
 
 
@@ -46,118 +34,6 @@ def _where(envs: list[str] | None, status: str = "'kept'", since: int | None = N
         clause += " AND step > ?"
         args.append(since)
     return clause, args
-
-
-def _std(n: int, total: float, squares: float) -> float:
-    if n < 2:
-        return 0.0
-    mean = total / n
-    return math.sqrt(max(0.0, (squares - n * mean * mean) / (n - 1)))
-
-
-def derived_step_metrics(
-    reader: RunReader, envs: list[str] | None = None, since: int | None = None
-) -> dict[int, dict[str, float]]:
-    """{step: {name: value}} over the kept rollouts of ``envs`` (all when None) of the steps after
-    ``since`` (all when None), plus the counts of discarded and cancelled rollouts by reason
-    (``discarded_<reason>_count``)."""
-    where, args = _where(envs, since=since)
-    columns = ", ".join(
-        f"AVG({e}) AS {k}_mean, MIN({e}) AS {k}_min, MAX({e}) AS {k}_max, "
-        f"SUM({e}) AS {k}_sum, SUM({e} * {e}) AS {k}_sq"
-        for k, e in _STATS.items()
-    )
-    out: dict[int, dict[str, float]] = defaultdict(dict)
-    sql = (
-        f"SELECT step, COUNT(*) AS n, {columns}, "
-        "100.0 * SUM(stop_reason = 'length') / COUNT(*) AS stop_reason_length_pct, "
-        "AVG(off_policy_steps) AS off_policy_steps_mean "
-        f"FROM rollouts WHERE {where} GROUP BY step"
-    )
-    for r in reader.rows(sql, args):
-        m = out[r["step"]]
-        m["kept_count"] = float(r["n"])
-        for k in _STATS:
-            m[f"{k}_mean"] = r[f"{k}_mean"]
-            m[f"{k}_std"] = _std(r["n"], r[f"{k}_sum"], r[f"{k}_sq"])
-            m[f"{k}_min"] = r[f"{k}_min"]
-            m[f"{k}_max"] = r[f"{k}_max"]
-        m["stop_reason_length_pct"] = r["stop_reason_length_pct"]
-        m["off_policy_steps_mean"] = r["off_policy_steps_mean"]
-    for r in _sample_metric_stats(reader, envs, since):
-        m = out[r["step"]]
-        prefix = f"reward_{r['name']}"
-        m[f"{prefix}_mean"] = r["mean"]
-        m[f"{prefix}_std"] = _std(r["n"], r["total"], r["sq"])
-        m[f"{prefix}_min"] = r["lo"]
-        m[f"{prefix}_max"] = r["hi"]
-    for name, by_step in _group_ginis(reader, where, args).items():
-        for step, value in by_step.items():
-            out[step][name] = value
-    drop_where, drop_args = _where(envs, "?", since)
-    for status, prefix in (("discarded", "discarded"), ("cancelled", "canceled")):
-        sql = f"SELECT step, reason, COUNT(*) AS n FROM rollouts WHERE {drop_where} GROUP BY step, reason"
-        for r in reader.rows(sql, [status, *drop_args]):
-            m = out[r["step"]]
-            m[f"{prefix}_{r['reason'] or 'unknown'}_count"] = float(r["n"])
-            m[f"{prefix}_count"] = m.get(f"{prefix}_count", 0.0) + r["n"]
-    for m in out.values():
-        for prefix in ("discarded", "canceled"):
-            m.setdefault(f"{prefix}_count", 0.0)
-        dropped = m["discarded_count"]
-        if dropped:
-            m["discarded_zero_advantage_pct"] = 100.0 * m.get("discarded_zero_advantage_count", 0.0) / dropped
-            m["discarded_max_async_pct"] = 100.0 * m.get("discarded_max_async_count", 0.0) / dropped
-    return dict(sorted(out.items()))
-
-
-def _sample_metric_stats(
-    reader: RunReader, envs: list[str] | None, since: int | None
-) -> list[dict[str, Any]]:
-    """Per step and sample metric of the kept rollouts (of ``envs``): count, mean, sum, sum of
-    squares, min and max (the ``sample_metrics`` table; joined to the rollouts for their
-    environment only when filtered)."""
-    clauses = ["m.status = 'kept'"]
-    args: list[Any] = []
-    join = ""
-    if envs:
-        join = "JOIN rollouts AS r ON r.rollout_id = m.rollout_id"
-        clauses.append(f"r.env IN ({','.join('?' * len(envs))})")
-        args += envs
-    if since is not None:
-        clauses.append("m.step > ?")
-        args.append(since)
-    return reader.rows(
-        "SELECT m.step AS step, m.name AS name, COUNT(m.value) AS n, AVG(m.value) AS mean, "
-        "SUM(m.value) AS total, SUM(m.value * m.value) AS sq, MIN(m.value) AS lo, MAX(m.value) AS hi "
-        f"FROM sample_metrics AS m {join} WHERE {' AND '.join(clauses)} GROUP BY m.step, m.name",
-        args,
-    )
-
-
-def _group_ginis(reader: RunReader, where: str, args: list[Any]) -> dict[str, dict[int, float]]:
-    """Per step, the mean over its groups of the rank Gini (:func:`refractor.telemetry.metrics.gini`,
-    the orchestrator's own definition) of the rewards and of the completion lengths. One pass over
-    the covering index, in its order (a group's rows are contiguous: one step, one environment);
-    sorting each small group in Python is far cheaper than SQL window functions here."""
-    rows = reader.columns(
-        f"SELECT step, group_id, reward, completion_tokens FROM rollouts WHERE {where} "
-        "ORDER BY step, env, group_id",
-        args,
-    )
-    steps, groups = rows["step"], rows["group_id"]
-    found: dict[str, dict[int, list[float]]] = {"reward_gini_mean": {}, "group_length_gini_mean": {}}
-    begin = 0
-    while begin < len(steps):
-        end = begin
-        while end < len(steps) and steps[end] == steps[begin] and groups[end] == groups[begin]:
-            end += 1
-        for name, column in (("reward_gini_mean", "reward"), ("group_length_gini_mean", "completion_tokens")):
-            g = gini([float(v) for v in rows[column][begin:end] if v is not None])
-            if g is not None:
-                found[name].setdefault(steps[begin], []).append(g)
-        begin = end
-    return {name: {step: sum(v) / len(v) for step, v in by_step.items()} for name, by_step in found.items()}
 
 
 def zero_advantage_breakdown(reader: RunReader, step: int) -> dict[str, float]:

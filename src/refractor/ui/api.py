@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query
 
-from refractor.telemetry import derived, rollout_query, series
+from refractor.telemetry import derived, rollout_query, rollout_stats, series
 from refractor.telemetry.log_capture import LEVELS
 from refractor.telemetry.query import RunReader, diff_code
 from refractor.telemetry.run_configs import ConfigQuery, config_diff
@@ -93,6 +93,11 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             )
             return summary | {
                 "config": meta.get("config", {}),
+                # {env: {sample metric: {lo, hi, invert}}}: the Rollouts page's colours
+                "metric_ranges": {
+                    env: {name: dataclasses.asdict(x) for name, x in by_name.items()}
+                    for env, by_name in rollout_stats.metric_ranges(meta).items()
+                },
                 "servers": meta.get("servers"),
                 "has": has,
                 "envs": sorted(envs),
@@ -157,16 +162,37 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
 
     @api.get("/runs/{run_id}/derived")
     @json_reply
-    def derived_metrics(run_id: str, envs: str | None = None) -> dict[str, Any]:
+    def derived_metrics(run_id: str, envs: str | None = None, normalise: bool = False) -> dict[str, Any]:
+        """``normalise``: the sample metrics' statistics of values normalised by each environment's
+        ``metrics_ranges`` (rollout_stats.MetricRange), as the Rollouts page colours them. Each
+        chosen environment's partial sums per step are read once and kept (every environment's in
+        one read when none is chosen), so a choice of several environments read before is a merge."""
         entry = registry.get(run_id)
         chosen = sorted(split(envs)) or None
         with reader(run_id) as r:
-            by_step = registry.cached_steps(
-                entry, f"derived:{chosen}", lambda since: derived.derived_step_metrics(r, chosen, since)
-            )
+            ranges = rollout_stats.metric_ranges(r.meta()) if normalise else None
+            parts = [
+                registry.cached_steps(
+                    entry,
+                    f"rollout-partials:{env}:{normalise}",
+                    lambda since, env=env: rollout_stats.step_partials(r, since, ranges, env and [env]),
+                )
+                for env in chosen or [None]
+            ]
+
+        def merged(since: int | None) -> dict[int, dict[str, float]]:
+            steps: dict[int, dict[str, rollout_stats.EnvStep]] = {}
+            for part in parts:
+                for step, by_env in part.items():
+                    if since is None or step > since:
+                        steps.setdefault(step, {}).update(by_env)
+            return rollout_stats.merge(dict(sorted(steps.items())), chosen)
+
+        # the merged steps before a live run's newest ones stay as they are, like their partial sums
+        by_step = registry.cached_steps(entry, f"derived:{chosen}:{normalise}", merged)
         # kept encoded: a large answer read again at every live refresh
         return registry.cached(
-            entry, f"derived-series:{chosen}", lambda: encode({"series": as_series(by_step)})
+            entry, f"derived-series:{chosen}:{normalise}", lambda: encode({"series": as_series(by_step)})
         )
 
     @api.get("/runs/{run_id}/time-shares")
@@ -308,7 +334,7 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             out = {
                 "events": {"id": []},
                 "truncated": False,
-                "lanes": {"rollouts": {"rollout_id": []}, "truncated": False},
+                "lanes": {"rollouts": {"rollout_id": []}, "turns": {"rollout_id": []}, "truncated": False},
             }
             if r.has_table("events"):  # columns: {"id": [...], "name": [...], ..., "attrs": [JSON text]}
                 out |= series.events_window(r, start, end, longest_event, limit, min_duration)

@@ -57,7 +57,13 @@ class RunRegistry:
         return out
 
     def get(self, run_id: str) -> RunEntry:
+        """The run of that id; an id not in the shared listing is looked up again on disk, so a run
+        created less than a second ago is found too."""
         for entry in self.entries():
+            if entry.id == run_id:
+                return entry
+        self._listed = (time.monotonic(), self._find())
+        for entry in self._listed[1]:
             if entry.id == run_id:
                 return entry
         raise UnknownRunError(f"no run {run_id!r} under {', '.join(str(d) for d in self.runs_dirs)}")
