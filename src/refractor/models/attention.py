@@ -5,14 +5,20 @@ forward (rope already applied) and returns ``[T, H, D]``. The decoder never know
 runs: training passes a ``PackedAttention`` (packed samples, block-causal), the inference engine
 passes its KV-cache backend (``refractor.inference.engine.attention``).
 
-Packed samples never attend to each other on either ``PackedAttention`` path: FlexAttention with a
-document ``mask_mod`` (CUDA by default) and SDPA with the explicit ``block_causal_mask`` (CPU, and
-the fallback). Both apply one rule: causal inside a sample, nothing across samples, and padding
-(document id -1) attends only to itself so no row is fully masked (no NaN).
+Packed samples never attend to each other on any ``PackedAttention`` path: torch's FlashAttention
+varlen kernel over ``cu_seqlens`` (CUDA in bf16/fp16 by default: nothing to compile, so a cold start
+pays no kernel compilation for attention), FlexAttention with a document ``mask_mod`` (CUDA
+otherwise), and SDPA with the explicit ``block_causal_mask`` (CPU, and the last fallback). All apply
+one rule: causal inside a sample, nothing across samples. Padding (document id -1) attends only to
+itself on the mask paths and causally within the trailing padding span on the varlen path (it is
+one more sequence of ``cu_seqlens``); either way no row is fully masked (no NaN), and padding
+carries no loss.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +37,39 @@ class AttentionBackend(Protocol):
 
 _compiled_flex: Any = None
 _flex_broken = False
+_varlen_broken = False
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Any, frozenset[str]] | None:
+    """torch's varlen FlashAttention and its keyword names (they changed across torch releases),
+    or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    names = frozenset(inspect.signature(varlen_attn).parameters)
+    if not {"window_size", "is_causal"} & names:
+        return None  # no way to ask for causal attention
+    return varlen_attn, names
+
+
+def _varlen_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> torch.Tensor:
+    """[T, H, D] tensors, causal within each ``cu_seqlens`` span -> [T, H, D]."""
+    kernel = _varlen_kernel()
+    assert kernel is not None
+    fn, names = kernel
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in names:
+            kwargs["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 def _flex_attention():
@@ -59,24 +98,42 @@ class PackedAttention:
     """Causal attention over samples packed in one row; samples never see each other.
 
     ``document_ids[t]`` is the sample index of token t (-1 on padding). On CUDA the default
-    backend is FlexAttention with a document mask (built when this object is made, by a compiled
-    kernel, and shared by all layers);
-    ``backend="sdpa"`` (or a FlexAttention failure) uses SDPA with an explicit block-causal mask,
-    which is also the CPU path. ``cu_seqlens`` / ``max_seqlen`` are kept for varlen kernels.
+    backend is the varlen FlashAttention kernel over ``cu_seqlens`` (bf16/fp16 inputs; it needs
+    ``cu_seqlens`` and ``max_seqlen``), else FlexAttention with a document mask (built when this
+    object is made, by a compiled kernel, and shared by all layers); ``backend="sdpa"`` (or a
+    failure of the others) uses SDPA with an explicit block-causal mask, which is also the CPU path.
     """
 
     document_ids: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
-    backend: str = "auto"  # auto | flex | sdpa
+    backend: str = "auto"  # auto | varlen | flex | sdpa
     _block_mask: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Build the block mask now, with a compiled kernel: eager create_block_mask costs more than
         # the whole forward on long rows, and a mask made lazily inside the first (checkpointed)
-        # layer would not be recomputed by activation checkpointing.
-        if self._block_mask is None and self.document_ids.is_cuda and self._wants_flex():
+        # layer would not be recomputed by activation checkpointing. Not when the varlen kernel will
+        # run: it needs no mask (a fallback from it builds one then, uncompiled).
+        if (
+            self._block_mask is None
+            and self.document_ids.is_cuda
+            and self._wants_flex()
+            and not self._varlen_ready()
+        ):
             self._block_mask = self._build_block_mask(compiled=True)
+
+    def _varlen_ready(self) -> bool:
+        if self.backend == "varlen":
+            return True
+        return (
+            self.backend == "auto"
+            and self.document_ids.is_cuda
+            and self.cu_seqlens is not None
+            and bool(self.max_seqlen)
+            and not _varlen_broken
+            and _varlen_kernel() is not None
+        )
 
     def _wants_flex(self) -> bool:
         return self.backend == "flex" or (self.backend == "auto" and not _flex_broken)
@@ -105,7 +162,17 @@ class PackedAttention:
             return None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
-        global _flex_broken
+        global _flex_broken, _varlen_broken
+        if self._varlen_ready() and (self.backend == "varlen" or q.dtype in (torch.bfloat16, torch.float16)):
+            if self.cu_seqlens is None or not self.max_seqlen:
+                raise ValueError("the varlen attention backend needs cu_seqlens and max_seqlen")
+            if self.backend == "varlen" or torch.compiler.is_compiling():
+                return _varlen_call(q, k, v, self.cu_seqlens, self.max_seqlen)
+            try:
+                return _varlen_call(q, k, v, self.cu_seqlens, self.max_seqlen)
+            except Exception as err:  # an old GPU or an unsupported head size: the others are exact too
+                _varlen_broken = True
+                log.warning("varlen FlashAttention failed (%s); falling back to FlexAttention", err)
         if self._block_mask is not None and torch.compiler.is_compiling():
             # Inside a compiled decoder layer: FlexAttention is traced into the layer's graph
             # (no nested compiled call, no Python fallback logic for Dynamo to trace).
