@@ -17,7 +17,6 @@ carries no loss.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -40,18 +39,24 @@ _flex_broken = False
 _varlen_broken = False
 
 
-@functools.cache
+_varlen_found: tuple[Any, frozenset[str]] | None | bool = False  # False: not looked up yet
+
+
 def _varlen_kernel() -> tuple[Any, frozenset[str]] | None:
     """torch's varlen FlashAttention and its keyword names (they changed across torch releases),
-    or None where this torch has none."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    names = frozenset(inspect.signature(varlen_attn).parameters)
-    if not {"window_size", "is_causal"} & names:
-        return None  # no way to ask for causal attention
-    return varlen_attn, names
+    or None where this torch has none. Looked up once, outside any compiled region (a
+    ``PackedAttention`` asks when it is made), so a traced call only reads the global."""
+    global _varlen_found
+    if _varlen_found is False:
+        _varlen_found = None
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            return None
+        names = frozenset(inspect.signature(varlen_attn).parameters)
+        if {"window_size", "is_causal"} & names:  # else no way to ask for causal attention
+            _varlen_found = (varlen_attn, names)
+    return _varlen_found  # type: ignore[return-value]
 
 
 def _varlen_call(
