@@ -61,7 +61,7 @@ export function RolloutBrowser({ run, runs, params, tabs, evalSteps }) {
         ${!page.data ? (page.loading ? html`<${Loading} what="rollouts" />` : html`<${Message} kind="empty">Pick a step.<//>`) : html`<${RolloutTable} data=${page.data} params=${params} />`}
       </div>
       <div class="panel">
-        ${params.rollout ? html`<${RolloutDetail} run=${run} id=${params.rollout} raw=${params.raw === "1"} config=${meta.data && meta.data.config} metricRanges=${meta.data && meta.data.metric_ranges} />` : html`<span class="muted">Click a rollout to read it.</span>`}
+        ${params.rollout ? html`<${RolloutDetail} run=${run} id=${params.rollout} raw=${params.raw === "1"} tokens=${params.tokens === "1"} config=${meta.data && meta.data.config} metricRanges=${meta.data && meta.data.metric_ranges} />` : html`<span class="muted">Click a rollout to read it.</span>`}
       </div>
     </div>`;
 }
@@ -132,7 +132,7 @@ function envRanges(config, metricRanges, env) {
   return { lo: entry.reward_min ?? 0, hi: entry.reward_max ?? 1, metrics: (metricRanges && metricRanges[env]) || {} };
 }
 
-function RolloutDetail({ run, id, raw, config, metricRanges }) {
+function RolloutDetail({ run, id, raw, tokens, config, metricRanges }) {
   const { data, error } = useApi(`runs/${enc(run)}/rollouts/${enc(id)}`);
   if (error) return html`<${ErrorBox} error=${error} />`;
   if (!data) return html`<${Loading} what="rollout" />`;
@@ -142,6 +142,7 @@ function RolloutDetail({ run, id, raw, config, metricRanges }) {
       <b>rollout ${data.rollout_id}</b> group ${data.group_id} · sample ${data.sample_idx} · ${data.env}
       <span class="badge">${data.status}${data.reason ? ": " + data.reason : ""}</span>
       <label><input type="checkbox" checked=${raw} onChange=${(e) => setParams({ raw: e.target.checked || undefined })} data-testid="raw-toggle" /> raw text</label>
+      <label title="the stored token ids decoded with the run's tokenizer, special tokens kept"><input type="checkbox" checked=${tokens} onChange=${(e) => setParams({ tokens: e.target.checked || undefined })} data-testid="tokens-toggle" /> tokens</label>
       <a href=${href("timeline", { runs: run, at: data.dispatch_time })}>on the timeline</a>
     </div>
     ${data.error && html`<${Message} kind="error">${data.error}<//>`}
@@ -159,6 +160,7 @@ function RolloutDetail({ run, id, raw, config, metricRanges }) {
       <dt>server / lane</dt><dd>${data.server || "—"} / ${data.lane}</dd>
       <dt>timings</dt><dd>dispatched ${fmtTime(data.dispatch_time)} · generation ${fmtDuration(data.generation_end_time - data.dispatch_time)} · reward ${fmtDuration(data.reward_time)}</dd>
     </dl>
+    ${tokens && html`<${TokenView} run=${run} id=${id} />`}
     ${data.system_prompt && html`<div class="turn system"><div class="who">system</div><${ModelText} text=${data.system_prompt} raw=${raw} /></div>`}
     <div class="turn"><div class="who">user</div><${ModelText} text=${data.prompt_text} raw=${raw} /></div>
     ${data.turns.map((t) => html`
@@ -174,5 +176,21 @@ function RolloutDetail({ run, id, raw, config, metricRanges }) {
       </div>
       ${t.env_messages.map((m) => html`<div class="turn env"><div class="who">${m.role || "environment"}${t.env_time ? ` · ${fmtDuration(t.env_time)}` : ""}</div>
         <${ModelText} text=${typeof m.content === "string" ? m.content : JSON.stringify(m.content)} raw=${raw} /></div>`)}`)}
+  </div>`;
+}
+
+// The rollout's stored token ids decoded with special tokens kept (text nodes in <pre>, never
+// parsed as HTML). Turn 0's prompt ids are not in the run store, so its input is not shown.
+function TokenView({ run, id }) {
+  const { data, error } = useApi(`runs/${enc(run)}/rollouts/${enc(id)}/tokens`);
+  if (error) return html`<div data-testid="tokens-view"><${ErrorBox} error=${error} /></div>`;
+  if (!data) return html`<${Loading} what="tokens" />`;
+  return html`<div data-testid="tokens-view">
+    <div class="muted">decoded with ${data.tokenizer} · turn 0's ${data.prompt_tokens} prompt tokens are not stored${data.split ? "" : " · turns could not be told apart (retokenized), whole sequence shown"}</div>
+    ${data.turns.map((t) => html`<div class="turn" data-turn=${t.turn_idx ?? ""}>
+      ${t.input_text !== null && html`<div class="who">input · turn ${t.turn_idx} · ${t.input_ids.length} tokens</div><pre data-testid="tokens-input">${t.input_text}</pre>`}
+      <div class="who">${t.turn_idx === null ? "completion" : `completion · turn ${t.turn_idx}`} · ${t.completion_ids.length} tokens</div>
+      <pre data-testid="tokens-completion">${t.completion_text}</pre>
+    </div>`)}
   </div>`;
 }

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from refractor.telemetry.query import RunReader
+from refractor.telemetry.store import tokens_from_blob
 
 # columns of a rollout listing: everything but the token blob (the full text comes with one rollout)
 LIST_COLUMNS = (
@@ -143,3 +144,44 @@ def _decode(row: dict[str, Any]) -> dict[str, Any]:
     row["sample_metrics"] = json.loads(row["sample_metrics"])
     row["golden_answers"] = json.loads(row["golden_answers"])
     return row
+
+
+def rollout_token_segments(reader: RunReader, rollout_id: int) -> dict[str, Any] | None:
+    """A rollout's stored token ids cut into per-turn segments (None: no such rollout).
+
+    The run store keeps ``completion_ids`` only (turn 0's prompt ids are not stored, just their
+    count): turn 0's completion, then per later turn its new input tokens (env response and
+    template glue) followed by its completion. Each turn's ``input_ids`` is None for turn 0; when
+    the rollout was ``retokenized`` (or the counts do not add up) the whole sequence comes back as
+    a single segment with ``split`` False."""
+    rows = reader.rows(
+        "SELECT prompt_tokens, retokenized, completion_ids FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+    )
+    if not rows:
+        return None
+    row = rows[0]
+    ids = tokens_from_blob(row["completion_ids"])
+    turns = reader.rows(
+        "SELECT turn_idx, prompt_tokens, completion_tokens FROM turns WHERE rollout_id = ? ORDER BY turn_idx",
+        (rollout_id,),
+    )
+    segments: list[dict[str, Any]] = []
+    pos = 0
+    ok = not row["retokenized"] and bool(turns)
+    for t in turns if ok else []:
+        if t["turn_idx"] == 0:
+            glue = None
+        else:
+            n = t["prompt_tokens"] - (row["prompt_tokens"] + pos)
+            if n < 0:
+                ok = False
+                break
+            glue = ids[pos : pos + n]
+            pos += n
+        comp = ids[pos : pos + t["completion_tokens"]]
+        pos += t["completion_tokens"]
+        segments.append({"turn_idx": t["turn_idx"], "input_ids": glue, "completion_ids": comp})
+    if not ok or pos != len(ids):
+        segments = [{"turn_idx": None, "input_ids": None, "completion_ids": ids}]
+        ok = False
+    return {"prompt_tokens": row["prompt_tokens"], "split": ok, "turns": segments}

@@ -30,6 +30,7 @@ from refractor.ui.replies import (
     split,
 )
 from refractor.ui.state import UiState
+from refractor.ui.tokenizers import TokenizerUnavailable, load_tokenizer
 
 
 def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
@@ -264,6 +265,36 @@ def build_router(registry: RunRegistry, state: UiState) -> APIRouter:
             found = rollout_query.rollout_detail(r, rollout_id)
         if found is None:
             raise HTTPException(404, f"run {run_id!r} has no rollout {rollout_id}")
+        return found
+
+    @api.get("/runs/{run_id}/rollouts/{rollout_id}/tokens")
+    @json_reply
+    def rollout_tokens(run_id: str, rollout_id: int) -> dict[str, Any]:
+        # a plain (sync) route: FastAPI runs it in its thread pool, so loading a tokenizer
+        # never blocks the event loop
+        with reader(run_id) as r:
+            require_table(r, "rollouts", "rollouts")
+            found = rollout_query.rollout_token_segments(r, rollout_id)
+            model = r.config().get("model")
+        if found is None:
+            raise HTTPException(404, f"run {run_id!r} has no rollout {rollout_id}")
+        path = str(model or "")
+        try:
+            tok = load_tokenizer(path)
+        except TokenizerUnavailable:
+            raise HTTPException(
+                404,
+                f"the run's tokenizer at {path or '(no model in the run config)'} "
+                "is not available on this machine",
+            ) from None
+
+        def text(ids: list[int] | None) -> str | None:
+            return None if ids is None else tok.decode(ids, skip_special_tokens=False)
+
+        for seg in found["turns"]:
+            seg["input_text"] = text(seg["input_ids"])
+            seg["completion_text"] = text(seg["completion_ids"])
+        found["tokenizer"] = path
         return found
 
     @api.get("/runs/{run_id}/evals")
