@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,17 +101,17 @@ def _ray_stop(proc: subprocess.Popen) -> None:
 @dataclass(frozen=True)
 class TwoNodeCluster:
     address: str  # the head's GCS address, for `ray_address`
-    second_node: str  # the second node's address
     env: dict[str, str]  # the environment a driver of this cluster runs with
 
 
-@pytest.fixture(scope="session")
-def two_node_ray(tmp_path_factory):
-    """A real two-node Ray cluster on this machine: a head node (where the driver runs; custom
-    resource ``node_a``) and a second node at ``SECOND_NODE_ADDRESS`` (``node_b``), each started by
-    ``ray start`` with its own temp dir and 2 CPUs. Token authentication is off for this throwaway
-    cluster (the driver runs in a subprocess with the same environment)."""
-    root = tmp_path_factory.mktemp("ray-nodes")
+@contextmanager
+def two_node_ray(root: Path) -> Iterator[TwoNodeCluster]:
+    """A real two-node Ray cluster on this machine while the block runs: a head node (where the
+    driver runs; custom resource ``node_a``) and a second node at ``SECOND_NODE_ADDRESS``
+    (``node_b``), each started by ``ray start`` with its own temp dir and 2 CPUs. Token
+    authentication is off for this throwaway cluster (its driver runs in a subprocess with the same
+    environment). Keep the block short: while the cluster runs, ``ray_address: auto`` anywhere on
+    the machine finds it (Ray looks for running GCS processes)."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,14 +154,19 @@ def two_node_ray(tmp_path_factory):
         _ray_stop(head)
         raise
     try:
-        yield TwoNodeCluster(address=f"127.0.0.1:{port}", second_node=SECOND_NODE_ADDRESS, env=env)
+        yield TwoNodeCluster(address=f"127.0.0.1:{port}", env=env)
     finally:
         _ray_stop(second)
         _ray_stop(head)
 
 
 @pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory, two_node_ray):
+def second_node_address() -> str:
+    return SECOND_NODE_ADDRESS
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
     """The README's quick start, 3 steps on CPU (asynchronous, zero-advantage groups discarded,
     metrics scraped every 0.5 s), run once by ``refractor train`` for every test that only reads what
     a run leaves behind, on the two-node cluster: the inference server on the second node, the
@@ -172,25 +179,27 @@ def quickstart_run(tmp_path_factory, two_node_ray):
         "run_dir": str(runs),
         "run_name": "quick",
         "number_of_steps": 3,
-        "ray_address": two_node_ray.address,
         "ray_inference_resources": "{node_b: 1}",
         "ray_trainer_resources": "{node_a: 1}",
         "max_async_rollout": 1,
         "discard_group_zero_advantage": True,
         "metrics_logger_interval_seconds": 0.5,
     }
-    flags = [part for key, value in overrides.items() for part in (f"--{key}", str(value))]
-    env = {
-        **two_node_ray.env,
-        "REFRACTOR_ENV_PATH": str(root / "environments"),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "src"), os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "refractor.cli", "train", "--config", str(quickstart), "--quiet", *flags],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # the cluster lives only for the run: other tests' `ray_address: auto` must not find it
+    with two_node_ray(tmp_path_factory.mktemp("ray-nodes")) as cluster:
+        overrides["ray_address"] = cluster.address
+        flags = [part for key, value in overrides.items() for part in (f"--{key}", str(value))]
+        env = {
+            **cluster.env,
+            "REFRACTOR_ENV_PATH": str(root / "environments"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(root / "src"), os.environ.get("PYTHONPATH")])),
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "refractor.cli", "train", "--config", str(quickstart), "--quiet", *flags],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return runs / "quick"
