@@ -329,22 +329,23 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
                 )
             }
         )
-        recorders = [
-            node_metrics,
-            ServerMetricsScraper(
-                clients,
-                store.log_system_metrics,
-                cfg.metrics_logger_interval_seconds,
-                nodes={place["name"]: place["node"] for place in server_places},
-            ),
-            TrainerMemoryLoop(
-                trainers,
-                store.log_system_metrics,
-                store.log_event,
-                cfg.ray_torch_memory_drain_interval_seconds,
-            ),
-        ]
-        telemetry = [logs, *recorders] if cfg.record_telemetry else [logs]
+        telemetry: list = [logs]
+        if cfg.record_telemetry:
+            telemetry += [
+                node_metrics,
+                ServerMetricsScraper(
+                    clients,
+                    store.log_system_metrics,
+                    cfg.metrics_logger_interval_seconds,
+                    nodes={place["name"]: place["node"] for place in server_places},
+                ),
+                TrainerMemoryLoop(
+                    trainers,
+                    store.log_system_metrics,
+                    store.log_event,
+                    cfg.ray_torch_memory_drain_interval_seconds,
+                ),
+            ]
         orchestrator = Orchestrator(
             OrchestratorSettings.from_config(cfg),
             envs,

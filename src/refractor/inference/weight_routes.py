@@ -29,7 +29,12 @@ from refractor.errors import one_line
 from refractor.inference.request_schemas import InitInfo, UpdateInfo, UpdateWeightsBody
 from refractor.inference.server_state import BadRequest, invalid_request
 from refractor.weight_sync.data_plane import BucketReceiver, MalformedStream
-from refractor.weight_sync.process_group import CollectiveTimeout, TransferGroup, check_worker_join
+from refractor.weight_sync.process_group import (
+    CollectiveTimeout,
+    TransferGroup,
+    check_worker_device,
+    check_worker_join,
+)
 
 
 async def _call(fn, *args, **kwargs) -> Any:
@@ -76,19 +81,12 @@ def weight_update_router(engine) -> APIRouter:
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(init_info: InitInfo = Body(..., embed=True)):
         info = init_info  # the body key names the parameter
+        device = state.engine_device()
         try:
             check_worker_join(info.rank_offset, info.world_size, info.master_port, info.backend)
+            check_worker_device(info.backend, info.payload, device)
         except ValueError as err:
             raise BadRequest(f"invalid init_info: {err}") from None
-        device = state.engine_device()
-        if info.backend == "nccl" and device.type != "cuda":
-            raise BadRequest(
-                f"invalid init_info: backend 'nccl' needs a CUDA engine, this one runs on {device}"
-            )
-        if info.payload == "cuda_ipc" and device.type != "cuda":
-            raise BadRequest(
-                f"invalid init_info: payload 'cuda_ipc' needs a CUDA engine, this one runs on {device}"
-            )
 
         def join() -> TransferGroup:
             return TransferGroup.create(

@@ -65,8 +65,8 @@ class Demand:
             (index < self.servers, self.server_resources),
             (index < self.ranks, self.trainer_resources),
         ):
-            for name, amount in asks.items():
-                if holds:
+            if holds:
+                for name, amount in asks.items():
                     out[name] = out.get(name, 0.0) + amount
         return out
 

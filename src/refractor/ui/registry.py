@@ -39,10 +39,11 @@ class RunRegistry:
         self._maxima: dict[tuple[Path, str], tuple[float | None, int]] = {}
         self._listed: tuple[float, list[RunEntry]] | None = None
 
-    def entries(self) -> list[RunEntry]:
-        """Every run, found again at most once a second (a page's requests share one listing)."""
+    def entries(self, fresh: bool = False) -> list[RunEntry]:
+        """Every run, found again at most once a second (a page's requests share one listing), or
+        now when ``fresh``."""
         now = time.monotonic()
-        if self._listed is None or now - self._listed[0] > 1.0:
+        if fresh or self._listed is None or now - self._listed[0] > 1.0:
             self._listed = (now, self._find())
         return self._listed[1]
 
@@ -59,13 +60,10 @@ class RunRegistry:
     def get(self, run_id: str) -> RunEntry:
         """The run of that id; an id not in the shared listing is looked up again on disk, so a run
         created less than a second ago is found too."""
-        for entry in self.entries():
-            if entry.id == run_id:
-                return entry
-        self._listed = (time.monotonic(), self._find())
-        for entry in self._listed[1]:
-            if entry.id == run_id:
-                return entry
+        for fresh in (False, True):
+            for entry in self.entries(fresh):
+                if entry.id == run_id:
+                    return entry
         raise UnknownRunError(f"no run {run_id!r} under {', '.join(str(d) for d in self.runs_dirs)}")
 
     def cached(self, entry: RunEntry, key: str, compute: Callable[[], Any]) -> Any:

@@ -215,8 +215,7 @@ class BucketSender:
                         drain(2 * _MAX_IN_FLIGHT)
                         if corrupt:
                             checksum.add(payload)
-                            payload = payload.clone()
-                            payload.view(-1).view(torch.uint8)[0] ^= 0xFF
+                            payload = _damaged(payload)
                             corrupt = False
                             issue(payload)
                         else:
@@ -255,8 +254,7 @@ class BucketSender:
         payload = _pack(tensors, self.ipc_device)
         checksum.add(payload)
         if corrupt:
-            payload = payload.clone()
-            payload.view(-1)[0] ^= 0xFF
+            payload = _damaged(payload)
             corrupt = False
         handle = cuda_ipc.export_bucket(payload)
         issue(torch.tensor([len(handle)], dtype=torch.int64, device=self.group.device))
@@ -280,6 +278,13 @@ class BucketSender:
         rows = g.gather(WorkerReport.empty_tensor(g.device))
         assert rows is not None
         return [WorkerReport.from_tensor(row.cpu()) for row in rows[1:]]
+
+
+def _damaged(payload: torch.Tensor) -> torch.Tensor:
+    """A copy of ``payload`` with its first byte flipped (``send(corrupt=True)``, for tests)."""
+    out = payload.clone()
+    out.view(-1).view(torch.uint8)[0] ^= 0xFF
+    return out
 
 
 def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

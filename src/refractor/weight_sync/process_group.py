@@ -173,6 +173,16 @@ def check_worker_join(rank: int, world_size: int, master_port: int, backend: str
         )
 
 
+def check_worker_device(backend: str, payload: str, device: torch.device) -> None:
+    """Validate that a worker on ``device`` can take part as asked (ValueError naming the field):
+    NCCL and CUDA IPC payloads need a CUDA worker."""
+    if payload not in ("group", "cuda_ipc"):
+        raise ValueError(f"payload must be 'group' or 'cuda_ipc', got {payload!r}")
+    for name, value, cuda_only in (("backend", backend, "nccl"), ("payload", payload, "cuda_ipc")):
+        if value == cuda_only and device.type != "cuda":
+            raise ValueError(f"{name} {value!r} needs a CUDA engine, this one runs on {device}")
+
+
 def host_store(master_address: str, world_size: int, init_timeout_s: float, port: int = 0) -> dist.TCPStore:
     """Rank 0's store, listening on ``master_address`` only; ``port=0`` lets the OS pick a free port
     (read it back from ``store.port``).

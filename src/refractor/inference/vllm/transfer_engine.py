@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import (
 from refractor.inference.vllm.cpu_kernels import refresh_cpu_kernels
 from refractor.inference.vllm.update_check import ExpectedTensor, expected_update_tensors, update_problems
 from refractor.weight_sync.data_plane import BucketReceiver
-from refractor.weight_sync.process_group import TransferGroup, check_worker_join
+from refractor.weight_sync.process_group import TransferGroup, check_worker_device, check_worker_join
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,7 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
             init_info.master_port,
             init_info.backend,
         )
-        if init_info.payload not in ("group", "cuda_ipc") or (
-            init_info.payload == "cuda_ipc" and self.device.type != "cuda"
-        ):
-            raise ValueError(
-                f"invalid init_info: payload {init_info.payload!r} (expected 'group', or 'cuda_ipc' "
-                f"on a CUDA worker; this one runs on {self.device})"
-            )
+        check_worker_device(init_info.backend, init_info.payload, self.device)
         device = self.device if init_info.backend == "nccl" else torch.device("cpu")
         group = TransferGroup.create(
             master_address=init_info.master_address,
