@@ -276,6 +276,14 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         placement = place(cfg, run_tag)
         if placement.colocated:
             log.info("servers and trainer ranks share GPUs (colocate: %s)", cfg.colocate)
+        servers_sleep = cfg.sleeps_during_training(placement.colocated)
+        if servers_sleep:
+            log.info("servers sleep while the trainer steps (level %d)", cfg.inference_sleep_level)
+            if not placement.colocated:
+                log.warning(
+                    "inference_sleep_during_training is on but no server shares a GPU with a trainer "
+                    "rank: sleeping frees memory nobody else uses"
+                )
         if cfg.record_telemetry:
             trace_receiver = start_trace_receiver(cfg, engine, single_node=connection.nodes == 1)
         servers = RayServerGroup(
@@ -286,6 +294,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             control_token,
             gpu_memory_utilization=cfg.engine_memory_share(placement.colocated),
             otlp_traces_endpoint=None if trace_receiver is None else trace_receiver.endpoint,
+            enable_sleep_mode=servers_sleep,
         )
         trainer_settings = TrainerGroupSettings.from_config(
             cfg,
@@ -293,6 +302,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             control_token=control_token,
             single_node=connection.nodes == 1,
             colocated=placement.colocated,
+            servers_sleep=servers_sleep,
         )
         trainers = RayTrainerGroup(trainer_settings, placement.trainers)
         for rank, actor in enumerate(trainers.actors):
@@ -347,7 +357,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
                 ),
             ]
         orchestrator = Orchestrator(
-            OrchestratorSettings.from_config(cfg),
+            OrchestratorSettings.from_config(cfg, colocated=placement.colocated),
             envs,
             servers=clients,
             trainer=trainers,

@@ -32,9 +32,9 @@ ENGINE_CONFIG = EngineConfig(
 class ThreadServer:
     """A native engine behind uvicorn, served from a thread of the test process."""
 
-    def __init__(self, name: str, model_path):
+    def __init__(self, name: str, model_path, config: EngineConfig = ENGINE_CONFIG):
         self.name = name
-        self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, ENGINE_CONFIG))
+        self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, config))
         app = create_app(
             self.engine, AutoTokenizer.from_pretrained(model_path), name, control_token=TEST_CONTROL_TOKEN
         )

@@ -374,3 +374,53 @@ def test_dispatch_only_needed_groups_removes_stale_over_dispatch(tok, cap):
     stale = [r for r in store.by_status("discarded") if r.reason == "max_async"]
     assert bool(stale) == (not cap)
     assert orch.lanes.in_use() == 0 and not orch.in_flight
+
+
+class SleepyServer(FakeServer):
+    """Logs its sleeps and wakes into the trainer's log; generating while any part sleeps is a bug."""
+
+    def __init__(self, name, tok, log):
+        super().__init__(name, tok, answer=alternating)
+        self.log = log
+        self.asleep: set[str] = set()
+
+    async def sleep(self, level=1, mode="keep"):
+        self.log.append(f"sleep {level} {mode}")
+        self.asleep = {"weights", "kv_cache"}
+
+    async def wake_up(self, tags=None):
+        self.log.append("wake " + ",".join(tags))
+        self.asleep -= set(tags)
+
+    async def generate(self, token_ids, sampling, *, priority=0):
+        assert not self.asleep, f"generation while {self.asleep} sleep"
+        return await super().generate(token_ids, sampling, priority=priority)
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_colocated_synchronous_servers_sleep_while_the_trainer_steps(tok, colocated):
+    """Each step: sleep -> train -> wake the weights -> weight update -> wake the KV cache, and no
+    generation in between; not colocated (auto), nobody sleeps."""
+    cfg = make_config(number_of_steps=3, max_async_rollout=0, inference_sleep_level=2)
+    trainer = FakeTrainer()
+    server = SleepyServer("s0", tok, trainer.log)
+    orch = Orchestrator(
+        OrchestratorSettings.from_config(cfg, colocated=colocated),
+        [ToyEnv()],
+        [server],
+        trainer,
+        store := MemoryStore(),
+        tok,
+        clock=FakeClock(),
+    )
+    asyncio.run(orch.run())
+    per_step = ["sleep 2 keep", "train {s}", "wake weights", "update {v}", "wake kv_cache"]
+    expected = [e.format(s=s, v=s + 1) for s in range(3) for e in per_step]
+    if not colocated:
+        expected = [e for e in expected if not e.startswith(("sleep", "wake"))]
+    assert trainer.log == expected
+    spans = [
+        (e.name, e.attrs["step"]) for e in store.events if e.name in ("inference_sleep", "inference_wake")
+    ]
+    per_step = ["inference_sleep", "inference_wake", "inference_wake"]
+    assert spans == ([(name, s) for s in range(3) for name in per_step] if colocated else [])

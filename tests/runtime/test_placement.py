@@ -52,6 +52,28 @@ def test_engine_memory_share_follows_the_placement_unless_set():
 
 
 @pytest.mark.parametrize(
+    ("setting", "max_async", "colocate", "expected"),
+    [
+        ("auto", 0, True, True),  # colocated and synchronous: the trainer gets the servers' memory
+        ("auto", 2, True, False),  # generation overlaps training: nothing may sleep
+        ("auto", 0, False, False),  # a GPU of its own: nobody to give memory to
+        (True, 0, False, True),
+        (False, 0, True, False),
+    ],
+)
+def test_servers_sleep_in_colocated_synchronous_runs(setting, max_async, colocate, expected):
+    cfg = config(inference_sleep_during_training=setting, max_async_rollout=max_async)
+    assert cfg.sleeps_during_training(colocate) is expected
+
+
+def test_sleeping_servers_and_async_generation_are_refused_together():
+    with pytest.raises(
+        ValueError, match=r"`inference_sleep_during_training: true` needs `max_async_rollout: 0`"
+    ):
+        config(inference_sleep_during_training=True, max_async_rollout=1)
+
+
+@pytest.mark.parametrize(
     ("demand", "colocate", "cpus", "gpus", "message"),
     [
         (ONE_SERVER_ONE_RANK, False, 8, 1, r"needs 2 GPUs .* has 1\. Set `colocate: true`"),

@@ -177,7 +177,8 @@ def test_grpo_learns_and_a_zero_learning_rate_does_not(tmp_path):
 
 @pytest.mark.slow
 def test_a_raising_reward_discards_with_a_reason_and_the_run_goes_on(tmp_path):
-    """Also the colocated layout end to end: server and trainer rank in one placement group."""
+    """Also the colocated synchronous layout end to end: server and trainer rank in one placement
+    group, the server asleep while the trainer steps."""
     run_dir = run_training(
         quick_cfg(
             tmp_path,
@@ -186,11 +187,19 @@ def test_a_raising_reward_discards_with_a_reason_and_the_run_goes_on(tmp_path):
             group_size=4,
             max_tokens=12,
             colocate=True,
+            max_async_rollout=0,
         ),
         quiet=True,
     )
     with RunReader(run_dir) as reader:
         assert len(reader.step_metrics()) == 2
+        sleeps = [
+            (e["step"], e["name"], e["attrs"].get("tags"))
+            for e in reader.timeline()
+            if e["name"] in ("inference_sleep", "inference_wake")
+        ]
+        per_step = [("inference_sleep", None), ("inference_wake", "weights"), ("inference_wake", "kv_cache")]
+        assert sleeps == [(step, name, tags) for step in (0, 1) for name, tags in per_step]
         (group,) = reader.topology()["placement_groups"]
         assert group["name"] == "servers and trainer ranks (colocated)"
         assert [b["resources"] for b in group["bundles"]] == [{"CPU": 2.0}]

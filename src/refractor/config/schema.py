@@ -217,6 +217,18 @@ class WorkerKeys(_Strict):
         description="[refractor] Servers and trainer ranks share GPUs (one server and one rank per GPU). "
         "auto = share when the cluster has fewer GPUs than inference_num_workers + trainer_num_workers.",
     )
+    inference_sleep_during_training: bool | Literal["auto"] = Field(
+        "auto",
+        description="[refractor] Colocated synchronous runs: the servers give their GPU memory back while "
+        "the trainer steps (KV cache freed, weights as inference_sleep_level says) and take it back for "
+        "the weight update and the next generation. auto = on when colocated and max_async_rollout is 0.",
+    )
+    inference_sleep_level: Literal[1, 2] = Field(
+        1,
+        description="[refractor] What a sleeping server does with its weights: 1 = offload them to pinned "
+        "host memory; 2 = discard them (the weight update refills them: less copying, but a failed "
+        "update leaves the server without weights until the next one).",
+    )
 
 
 class OrchestratorKeys(_Strict):
@@ -695,6 +707,12 @@ class RefractorConfig(
     def num_inference_servers(self) -> int:
         return self.inference_num_workers // self.inference_tensor_parallel_size
 
+    def sleeps_during_training(self, colocated: bool) -> bool:
+        """``inference_sleep_during_training`` resolved for the run's placement."""
+        if self.inference_sleep_during_training == "auto":
+            return colocated and self.max_async_rollout == 0
+        return self.inference_sleep_during_training
+
     def engine_memory_share(self, colocated: bool) -> float:
         """``gpu_memory_utilization`` resolved for the run's placement."""
         if self.gpu_memory_utilization is not None:
@@ -730,6 +748,12 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
                 )
             elif not 0 < amount <= MAX_CPUS:
                 e.append(f"`{key}`: {resource!r} must be in (0, {MAX_CPUS:g}], not {amount:g}")
+    if c.inference_sleep_during_training is True and c.max_async_rollout > 0:
+        e.append(
+            f"`inference_sleep_during_training: true` needs `max_async_rollout: 0`: with "
+            f"{c.max_async_rollout}, generation goes on while the trainer steps and a sleeping server "
+            "would stall it"
+        )
     if not c.environments:
         e.append("`environments` must list at least one environment, e.g. environments: [{name: countdown}]")
     if c.use_tis and c.use_ppo_clip and c.ppo_clip_ref_logprobs == "rollout":

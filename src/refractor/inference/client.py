@@ -241,6 +241,17 @@ class InferenceClient:
     async def is_paused(self) -> bool:
         return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
 
+    async def sleep(self, level: int = 1, mode: str = "keep") -> None:
+        """Give the server's GPU memory back (vLLM's sleep mode); requests wait until ``wake_up``."""
+        await self._post_json("/sleep", None, level=level, mode=mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of ``tags`` (``weights``, ``kv_cache``; None: all of it)."""
+        await self._post_json("/wake_up", None, **({"tags": tags} if tags else {}))
+
+    async def is_sleeping(self) -> bool:
+        return bool((await self._request("GET", "/is_sleeping")).json()["is_sleeping"])
+
     async def abort(self, request_ids: list[str] | None = None) -> int:
         """Abort requests by the ids given at generate time (None: everything in flight)."""
         data = await self._post_json("/abort_requests", {"request_ids": request_ids or []})

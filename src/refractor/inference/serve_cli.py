@@ -32,6 +32,11 @@ def serve(
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
     block_size: int = typer.Option(32, "--block-size", help="Native engine: tokens per KV block."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager/--no-enforce-eager", help="No CUDA graphs."),
+    enable_sleep_mode: bool = typer.Option(
+        False,
+        "--enable-sleep-mode/--no-enable-sleep-mode",
+        help="/sleep gives the KV cache and the weights' GPU memory back, /wake_up takes it again.",
+    ),
     seed: int = typer.Option(0, "--seed"),
     served_model_name: str | None = typer.Option(None, "--served-model-name"),
     chat_template: str | None = typer.Option(
@@ -83,6 +88,7 @@ def serve(
             dtype=dtype,
             served_model_name=served_model_name,
             enforce_eager=enforce_eager or None,
+            enable_sleep_mode=enable_sleep_mode,
         )
         serve_vllm(
             model,
@@ -111,6 +117,7 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization,
         dtype=dtype,
         enforce_eager=enforce_eager,
+        enable_sleep_mode=enable_sleep_mode,
         seed=seed,
     )
     run_native_server(

@@ -2,11 +2,12 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/inference/v1/generate``, ``/v1/models``,
 ``/tokenize`` (``routes_openai.py``); ``/health``, ``/metrics``, ``/pause``, ``/resume``,
-``/is_paused``, ``/abort_requests`` (here), all sharing one ``ServerState`` (``server_state.py``);
-the weight-update routes (``refractor.inference.weight_routes``), plus any ``extra_routers`` given to
-``create_app``. Metrics keep vLLM's ``vllm:`` names so one scraper reads both engines
-(``server_metrics.py``). Malformed bodies get a 400 naming the field; a client that disconnects has
-its request aborted (KV freed at once).
+``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/abort_requests`` (here), all sharing
+one ``ServerState`` (``server_state.py``); the weight-update routes
+(``refractor.inference.weight_routes``), plus any ``extra_routers`` given to ``create_app``.
+Metrics keep vLLM's ``vllm:`` names so one scraper reads both engines (``server_metrics.py``).
+Malformed bodies get a 400 naming the field; a client that disconnects has its request aborted (KV
+freed at once).
 
 Access (``refractor.inference.access``): the control routes (pause, resume, abort, weight updates)
 exist only on a server given a control token and need it on every call; an API key, when set,
@@ -27,7 +28,8 @@ from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+import torch
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -41,6 +43,7 @@ from refractor.inference.engine.async_engine import (
     EngineDeadError,
     RequestFailedError,
 )
+from refractor.inference.engine.llm_engine import SleepModeOffError
 from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.request_schemas import AbortRequest
 from refractor.inference.routes_openai import router as openai_router
@@ -112,7 +115,8 @@ def create_app(
 
 
 def _control_router(engine: AsyncLLMEngine, state: ServerState) -> APIRouter:
-    """/pause, /resume, /is_paused, /abort_requests: mounted only on servers with a control token."""
+    """/pause, /resume, /is_paused, /sleep, /wake_up, /is_sleeping, /abort_requests: mounted only on
+    servers with a control token."""
     router = APIRouter()
 
     @router.post("/pause")
@@ -132,6 +136,28 @@ def _control_router(engine: AsyncLLMEngine, state: ServerState) -> APIRouter:
     @router.get("/is_paused")
     async def is_paused() -> JSONResponse:
         return JSONResponse({"is_paused": engine.is_paused})
+
+    @router.post("/sleep")
+    async def sleep(level: int = 1, mode: str = "abort") -> Response:
+        try:
+            await engine.sleep(level, mode)
+        except (ValueError, SleepModeOffError) as err:
+            raise BadRequest(str(err)) from None
+        return Response(status_code=200)
+
+    @router.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)) -> Response:
+        try:
+            await engine.wake_up(tags)
+        except (ValueError, SleepModeOffError) as err:
+            raise BadRequest(str(err)) from None
+        except torch.OutOfMemoryError as err:  # the memory is taken: the caller may free some and retry
+            raise BadRequest(str(err), HTTPStatus.SERVICE_UNAVAILABLE) from None
+        return Response(status_code=200)
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": engine.is_sleeping})
 
     @router.post("/abort_requests")
     @router.post("/inference/v1/abort_requests")

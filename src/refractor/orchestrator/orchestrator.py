@@ -36,7 +36,7 @@ from refractor.orchestrator.inflight import InFlightGroup
 from refractor.orchestrator.lanes import LaneManager
 from refractor.orchestrator.lifecycle import InflightSnapshots, RolloutEvents
 from refractor.orchestrator.prompts import PromptPrefetcher, PromptStream
-from refractor.orchestrator.protocols import LatencySource, StepSink, TelemetryLoop, Trainer
+from refractor.orchestrator.protocols import LatencySource, SleepingServer, StepSink, TelemetryLoop, Trainer
 from refractor.orchestrator.rollout import InferenceServer, PreparedPrompt, SerialServer, prepare_prompt
 from refractor.orchestrator.settings import OrchestratorSettings
 from refractor.orchestrator.stall import ZeroAdvantageWatch
@@ -73,6 +73,8 @@ class Orchestrator:
         self.servers = {s.name: SerialServer(s) if settings.serialize_generation else s for s in servers}
         if not self.servers:
             raise ValueError("the orchestrator needs at least one inference server")
+        # a colocated synchronous run: the servers sleep while the trainer steps
+        self.sleepers: list[SleepingServer] = list(servers) if settings.inference_sleep_level else []
         self.trainer = trainer
         self.store = store
         self.sinks = list(sinks)
@@ -322,12 +324,16 @@ class Orchestrator:
     async def _train_one(self, step: int, batch: Batch, waited: float) -> None:
         t0 = self.clock()
         samples, filtered = train_samples(batch.rollouts, self.settings.advantages, self.settings.filters)
+        events = await self._sleep_servers(step)
         result = await self.trainer.train_step(step, samples)
         t1 = self.clock()
-        events = list(result.timeline)
+        events += result.timeline
         version = step + 1
         held = await self._hold_weights(version)
+        # the weights first, so the update lands in GPU memory; the KV cache once the trainer let go
+        events += await self._wake_servers(step, ["weights"])
         events += await self._update_weights(version)
+        events += await self._wake_servers(step, ["kv_cache"])
         t2 = self.clock()
         self.counters.trainer_step = version
         self.on_weights_updated(version)
@@ -376,6 +382,29 @@ class Orchestrator:
                 if self.server_recovery is None or not await self.server_recovery(err):
                     raise
                 log.warning("the weight update to version %d runs again after a server restart", version)
+
+    async def _sleep_servers(self, step: int) -> list[TimelineEvent]:
+        if not self.sleepers:
+            return []
+        level = self.settings.inference_sleep_level
+        start = self.clock()
+        await asyncio.gather(*(server.sleep(level, "keep") for server in self.sleepers))
+        return [
+            TimelineEvent(
+                "inference_sleep", start, self.clock(), "orchestrator", {"step": step, "level": level}
+            )
+        ]
+
+    async def _wake_servers(self, step: int, tags: list[str]) -> list[TimelineEvent]:
+        if not self.sleepers:
+            return []
+        start = self.clock()
+        await asyncio.gather(*(server.wake_up(tags) for server in self.sleepers))
+        return [
+            TimelineEvent(
+                "inference_wake", start, self.clock(), "orchestrator", {"step": step, "tags": ",".join(tags)}
+            )
+        ]
 
     async def _hold_weights(self, version: int) -> float:
         """deterministic_rollouts: wait until no batch being filled needs older weights; the seconds held."""

@@ -23,6 +23,16 @@ class Trainer(Protocol):
         """Save on every rank; return the ranks' ``checkpoint`` spans (or None)."""
 
 
+class SleepingServer(Protocol):
+    """A server that gives its GPU memory back while the trainer steps (colocated synchronous runs)."""
+
+    async def sleep(self, level: int = 1, mode: str = "keep") -> None:
+        """Release the memory; ``keep``: requests in flight resume after the wake."""
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of ``tags`` (``weights``, ``kv_cache``; None: all of it)."""
+
+
 class StepSink(Protocol):
     """A consumer of training progress (console, W&B)."""
 

@@ -31,11 +31,14 @@ class OrchestratorSettings:
     rollout: RolloutSettings  # its eos_token is the tokenizer's, filled in by the orchestrator
     advantages: AdvantageSettings
     filters: FilterSettings
+    # servers sleep while the trainer steps, at this level (inference_sleep_during_training); None: never
+    inference_sleep_level: int | None = None
     env_weights: dict[str, float] = field(default_factory=dict)  # environment -> sampling weight
     reward_ranges: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> OrchestratorSettings:
+    def from_config(cls, cfg: Any, colocated: bool = False) -> OrchestratorSettings:
+        """``colocated``: the run's placement shares GPUs (it decides whether servers sleep)."""
         return cls(
             number_of_steps=cfg.number_of_steps,
             group_size=cfg.group_size,
@@ -56,6 +59,9 @@ class OrchestratorSettings:
             rollout=RolloutSettings.from_config(cfg, eos_token=""),
             advantages=AdvantageSettings.from_config(cfg),
             filters=FilterSettings.from_config(cfg),
+            inference_sleep_level=cfg.inference_sleep_level
+            if cfg.sleeps_during_training(colocated)
+            else None,
             env_weights={e.name: e.weight for e in cfg.environments},
             reward_ranges={e.name: (e.reward_min, e.reward_max) for e in cfg.environments},
         )

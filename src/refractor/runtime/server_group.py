@@ -64,6 +64,7 @@ class NativeEngineArgs:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     seed: int
+    enable_sleep_mode: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,16 @@ class ServerGroupSettings:
 
     @classmethod
     def from_config(
-        cls, cfg: Any, gpu_memory_utilization: float, otlp_traces_endpoint: str | None = None
+        cls,
+        cfg: Any,
+        gpu_memory_utilization: float,
+        otlp_traces_endpoint: str | None = None,
+        enable_sleep_mode: bool = False,
     ) -> ServerGroupSettings:
         """``gpu_memory_utilization``: the engine's share of its GPU, resolved for the run's placement
         (``cfg.gpu_memory_utilization`` may leave it to the placement). ``otlp_traces_endpoint``:
-        where vLLM servers export their request spans (None: nowhere)."""
+        where vLLM servers export their request spans (None: nowhere). ``enable_sleep_mode``: the
+        servers can sleep (``inference_sleep_during_training`` resolved for the placement)."""
         return cls(
             model=cfg.model,
             host=cfg.inference_host,
@@ -96,12 +102,14 @@ class ServerGroupSettings:
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 seed=cfg.seed,
+                enable_sleep_mode=enable_sleep_mode,
             ),
             vllm=VllmServerSettings.from_config(
                 cfg,
                 served_model_name=cfg.model,
                 otlp_traces_endpoint=otlp_traces_endpoint,
                 gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=enable_sleep_mode,
             ),
         )
 
@@ -234,8 +242,11 @@ class RayServerGroup:
         control_token: str,
         gpu_memory_utilization: float,
         otlp_traces_endpoint: str | None = None,
+        enable_sleep_mode: bool = False,
     ) -> None:
-        self.settings = ServerGroupSettings.from_config(cfg, gpu_memory_utilization, otlp_traces_endpoint)
+        self.settings = ServerGroupSettings.from_config(
+            cfg, gpu_memory_utilization, otlp_traces_endpoint, enable_sleep_mode
+        )
         self.engine = engine
         self.reservation = reservation
         self.log_dir = log_dir

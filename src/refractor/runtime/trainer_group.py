@@ -51,6 +51,9 @@ class TrainerGroupSettings:
     rendezvous_host: str | None = None
     weight_transfer_host: str | None = None
     torch_memory_interval_s: float = 0.1  # torch_memory_sample_interval_seconds (CUDA ranks only)
+    # colocated servers sleep while the ranks step: each rank hands its cached GPU memory back to the
+    # driver after a step and after a push, so the waking servers find it free
+    release_gpu_cache: bool = False
 
     @classmethod
     def from_config(
@@ -61,11 +64,13 @@ class TrainerGroupSettings:
         control_token: str | None = None,
         single_node: bool = False,
         colocated: bool = False,
+        servers_sleep: bool = False,
     ) -> TrainerGroupSettings:
         """``control_token``: the run's secret for the servers' control routes (not a config key).
         ``colocated``: servers share the ranks' GPUs; NCCL refuses two members of one communicator on
         the same GPU ("Duplicate GPU detected"), so weight updates go over gloo: as CUDA IPC handles
-        when the run's one server shares trainer rank 0's GPU, else through host memory."""
+        when the run's one server shares trainer rank 0's GPU, else through host memory.
+        ``servers_sleep``: the servers sleep while the ranks step (the ranks free their cached memory)."""
         loopback_transfer = single_node and cfg.ray_broadcast_prefer_loopback_if_single_node
         weight_sync = WeightSyncSettings.from_config(cfg, control_token)
         if colocated:
@@ -78,6 +83,7 @@ class TrainerGroupSettings:
             torch_memory_interval_s=float(cfg.torch_memory_sample_interval_seconds),
             rendezvous_host=LOOPBACK if single_node else None,
             weight_transfer_host=LOOPBACK if loopback_transfer else None,
+            release_gpu_cache=servers_sleep,
         )
 
 
@@ -99,6 +105,7 @@ class TrainerActor:
         self.sender = None
         self.memory: TorchMemoryRecorder | None = None
         self.torch_memory_interval_s = group.torch_memory_interval_s
+        self.release_gpu_cache = group.release_gpu_cache
         # the version the trainer's weights are: the servers' label for them (a step trains version
         # `step` into `step + 1`; a resume pushes the checkpoint's version)
         self.version = 0
@@ -155,7 +162,12 @@ class TrainerActor:
     def train_step(self, batch) -> StepResult:
         result = self.trainer.train_step(batch)
         self.version = batch.step + 1
+        self._release_gpu_cache()
         return result
+
+    def _release_gpu_cache(self) -> None:
+        if self.release_gpu_cache and self.trainer.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def sync_weights(self, version: int, target: UpdateTarget) -> SyncReport | None:
         """Every rank gathers the buckets; rank 0 pushes them and reports (the others return None)."""
@@ -181,6 +193,7 @@ class TrainerActor:
                 pass
             return None
         result = push(buckets)
+        self._release_gpu_cache()
         return SyncReport.of_push(start, time.time(), result, {"rank": 0, **self.trainer.timeline_attrs})
 
     def save_checkpoint(self, step: int, orchestrator_state: dict[str, Any]) -> list[TimelineEvent]:

@@ -55,7 +55,7 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while self._running:
             self._drain_commands()
-            if self.engine.paused or not self.engine.scheduler.has_work:
+            if self.engine.paused or self.engine.is_sleeping or not self.engine.scheduler.has_work:
                 self._stats = self.engine.stats()
                 self._wakeup.wait()
                 self._wakeup.clear()
@@ -174,15 +174,22 @@ class AsyncLLMEngine:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if mode == "wait":
-            if not await self._call_async(self._hold_unless_paused):
-                return  # already paused: nothing runs, nothing to wait for
-            while await self._call_async(self._draining):
-                await asyncio.sleep(0.01)
-            await self._call_async(self._pause_if_held)
+            if await self._drained():
+                await self._call_async(self._pause_if_held)
+            # else already paused: nothing runs, nothing to wait for
         elif mode == "keep":
             await self._call_async(lambda: self._pause_now("keep"))
         else:
             await self._call_async(lambda: self._deliver(self._pause_now("abort")))
+
+    async def _drained(self) -> bool:
+        """Hold new requests and wait until the ones in flight finished; False (at once) when the
+        engine is paused, as nothing would finish then."""
+        if not await self._call_async(self._hold_unless_paused):
+            return False
+        while await self._call_async(self._draining):
+            await asyncio.sleep(0.01)
+        return True
 
     def _hold_unless_paused(self) -> bool:
         """Engine thread: start holding new requests for a wait-pause; False when already paused."""
@@ -222,6 +229,32 @@ class AsyncLLMEngine:
     @property
     def is_paused(self) -> bool:
         return self.engine.paused or self._hold_new
+
+    # ---- sleep mode (mirrors vLLM's /sleep, /wake_up) -----------------------------------------
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Release the engine's memory (``LLMEngine.sleep``) once in-flight requests are dealt with as
+        ``mode`` says: abort them, keep them (they re-prefill after the wake) or wait for them. New
+        requests wait until the engine is awake; a ``/pause`` in effect stays in effect."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.engine.check_sleep(level)  # before any request is aborted or held
+        if mode == "wait" and await self._drained():
+            await self._call_async(lambda: self._sleep_now(level, "keep"))
+        else:
+            await self._call_async(lambda: self._sleep_now(level, mode))
+
+    def _sleep_now(self, level: int, mode: str) -> None:
+        if mode == "abort":
+            self._deliver(self.engine.abort())
+        self.engine.sleep(level)
+        self._admit_held()  # requests held while draining queue up behind the sleep
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call_async(lambda: self.engine.wake_up(tags))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
 
     # ---- weights -----------------------------------------------------------------------------
     @property

@@ -27,6 +27,8 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     enforce_eager: bool = False  # no CUDA graphs for decode
     compile_ops: bool = True  # CUDA only: fuse the decoder's elementwise glue with torch.compile
+    # weights and KV cache in memory that sleep() gives back (engine/sleep.py); off: plain tensors
+    enable_sleep_mode: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

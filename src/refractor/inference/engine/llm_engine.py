@@ -23,6 +23,7 @@ from refractor.inference.engine.sampler import Sampler, SamplerOutput, SamplingB
 from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.scheduler import Scheduler
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, Sequence
+from refractor.inference.engine.sleep import EngineMemory, ParameterArena
 from refractor.models import CausalLM, load_model, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ def sequence_seed(seed: int, index: int) -> int:
 
 class PromptTooLongError(ValueError):
     """A prompt leaves no room to generate within ``max_model_len``."""
+
+
+class SleepModeOffError(RuntimeError):
+    """sleep / wake_up on an engine built without ``enable_sleep_mode``."""
 
 
 class EngineStepError(RuntimeError):
@@ -78,7 +83,12 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.eos_token_ids = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.detokenize = detokenize  # only needed for stop strings
+        # sleep mode: the parameters move to sleepable memory before the CUDA graphs capture them
+        arena = (
+            ParameterArena(self.model.parameters(), self.device) if self.config.enable_sleep_mode else None
+        )
         self.runner = ModelRunner(self.model, self.config, self.device)
+        self.memory = None if arena is None else EngineMemory(arena, self.runner.kv_memory)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_num_seqs, self.config.prefill_token_budget
@@ -166,7 +176,7 @@ class LLMEngine:
         ``error`` set and its KV freed, and the step's other requests go on (see ``_sample_isolating``).
         Raises ``EngineStepError`` when the step fails for every one of two or more requests.
         """
-        if self.paused or not self.scheduler.has_work:
+        if self.paused or self.is_sleeping or not self.scheduler.has_work:
             return []
         started = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
@@ -330,6 +340,33 @@ class LLMEngine:
     def resume(self) -> None:
         self.paused = False
 
+    # ---- sleep mode (vLLM's semantics; engine/sleep.py) ---------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.memory is not None and bool(self.memory.asleep)
+
+    def sleep(self, level: int = 1) -> None:
+        """Give back the KV cache (running sequences re-prefill after the wake) and the weights:
+        offloaded to host memory at level 1, discarded at level 2. No step runs until every part is
+        awake again; requests keep arriving and wait."""
+        self.check_sleep(level)
+        self.scheduler.preempt_all()
+        self.memory.sleep(level)
+
+    def check_sleep(self, level: int = 1) -> None:
+        """Raise unless ``sleep(level)`` can be done."""
+        if self.memory is None:
+            raise SleepModeOffError(
+                "sleep mode is off: start the engine with enable_sleep_mode (--enable-sleep-mode)"
+            )
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload the weights) or 2 (discard them), got {level}")
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Take back the memory of ``tags`` (``weights``, ``kv_cache``; None: both)."""
+        self.check_sleep()
+        self.memory.wake_up(tags)
+
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The live parameters by HF name (read-only use: checksums, debugging)."""
         return self.model.named_parameters()
@@ -354,7 +391,8 @@ class LLMEngine:
         """
         updates = self._checked_update(named_tensors)
         for param, tensor in updates:
-            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            target = param if self.memory is None else self.memory.write_target(param)
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         copied = len(updates)
         if version is not None:
             self.weight_version = version
@@ -389,6 +427,10 @@ class LLMEngine:
             non_finite = [repr(n) for n, ok in zip(names, finite, strict=True) if not ok]
             if non_finite:
                 errors.append(f"non-finite values (NaN or Inf) in {', '.join(non_finite)}")
+        if updates and self.memory is not None and self.memory.weights_discarded:
+            errors.append(
+                "the weights were discarded by sleep(level=2): wake_up(['weights']) before updating them"
+            )
         if errors:
             raise ValueError("update_weights: " + "; ".join(errors) + "; nothing was written")
         return updates

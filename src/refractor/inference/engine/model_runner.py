@@ -10,6 +10,7 @@ import torch
 from refractor.inference.engine.attention import DecodeAttention, PrefillAttention, triton_decode_available
 from refractor.inference.engine.config import EngineConfig
 from refractor.inference.engine.sequence import Sequence
+from refractor.inference.engine.sleep import ReleasableBuffer
 from refractor.models import CausalLM
 from refractor.models.ops import enable_compiled_ops
 
@@ -44,16 +45,15 @@ class ModelRunner:
         self.num_blocks = self._plan_num_blocks()
         # One extra block at the end absorbs the writes of padded CUDA-graph rows.
         self.pad_block = self.num_blocks
-        self.kv_cache = torch.zeros(
-            2,
-            mc.num_hidden_layers,
-            self.num_blocks + 1,
-            config.block_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            dtype=self.dtype,
-            device=device,
-        )
+        shape = (2, mc.num_hidden_layers, self.num_blocks + 1, config.block_size, mc.num_key_value_heads)
+        shape += (mc.head_dim,)
+        # sleep mode: the cache lives in memory that a sleep gives back at a fixed address
+        self.kv_memory = None
+        if config.enable_sleep_mode:
+            self.kv_memory = ReleasableBuffer((self.num_blocks + 1) * self.block_bytes, device)
+            self.kv_cache = self.kv_memory.view(0, self.dtype, shape)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         self.use_triton = triton_decode_available(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not config.enforce_eager and not model.model.rotary.dynamic:

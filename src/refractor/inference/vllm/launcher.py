@@ -69,6 +69,7 @@ class VllmServerSettings:
     dtype: str = "auto"
     served_model_name: str | None = None
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
+    enable_sleep_mode: bool = False  # /sleep and /wake_up free and retake GPU memory
     startup_timeout_s: float = 900.0
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -81,6 +82,7 @@ class VllmServerSettings:
         served_model_name: str | None = None,
         otlp_traces_endpoint: str | None = None,
         gpu_memory_utilization: float | None = None,
+        enable_sleep_mode: bool = False,
     ) -> VllmServerSettings:
         """``otlp_traces_endpoint``: the run's OTLP receiver (``enable_vllm_tracing``), None: no export.
         ``gpu_memory_utilization``: the engine's share resolved for the run's placement (None: the
@@ -99,6 +101,7 @@ class VllmServerSettings:
             seed=cfg.seed,
             served_model_name=served_model_name,
             startup_timeout_s=float(cfg.ray_placement_timeout_s),
+            enable_sleep_mode=enable_sleep_mode,
         )
 
 
@@ -182,6 +185,8 @@ def vllm_command(
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.enforce_eager if s.enforce_eager is not None else on_cpu:
         argv.append("--enforce-eager")
+    if s.enable_sleep_mode:
+        argv.append("--enable-sleep-mode")
     # always set, so secrets exported in the launching shell never leak into a server not meant to
     # have them
     env = {
