@@ -15,6 +15,8 @@ from pathlib import Path
 from refractor.telemetry.query import RunReader
 
 STARTUP = (
+    "orchestrator_start",
+    "ray_init_start",
     "ray_init_done",
     "trainer_ready",
     "inference_servers_ready",

@@ -24,10 +24,12 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
+import psutil
 import torch
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -197,9 +199,12 @@ def run_native_server(
     from refractor.inference.engine import EngineConfig, LLMEngine
 
     path = resolve_model_path(str(model))
+    started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer_s = time.perf_counter() - started
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     core = LLMEngine.from_pretrained(path, engine_config or EngineConfig(), detokenize=tokenizer.decode)
+    engine_s = time.perf_counter() - started - tokenizer_s
     core.eos_token_ids |= eos
     engine = AsyncLLMEngine(core)
     app = create_app(
@@ -219,6 +224,13 @@ def run_native_server(
         f"serving http://{host}:{port}",
         flush=True,
     )  # the first line of the server's log
+    since_start = time.time() - psutil.Process().create_time()
+    phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in core.runner.startup_s.items())
+    print(
+        f"started in {since_start:.1f} s: imports {since_start - tokenizer_s - engine_s:.1f} s, "
+        f"tokenizer {tokenizer_s:.1f} s, engine {engine_s:.1f} s ({phases})",
+        flush=True,
+    )
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -42,7 +43,10 @@ class ModelRunner:
             and not config.enforce_eager
             and enable_compiled_ops(device)
         )
+        started = time.perf_counter()
         self.num_blocks = self._plan_num_blocks()
+        # seconds of each start-up phase, for the server's first lines
+        self.startup_s = {"kv_plan": time.perf_counter() - started}
         # One extra block at the end absorbs the writes of padded CUDA-graph rows.
         self.pad_block = self.num_blocks
         shape = (2, mc.num_hidden_layers, self.num_blocks + 1, config.block_size, mc.num_key_value_heads)
@@ -57,7 +61,9 @@ class ModelRunner:
         self.use_triton = triton_decode_available(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not config.enforce_eager and not model.model.rotary.dynamic:
+            started = time.perf_counter()
             self._capture_decode_graphs()
+            self.startup_s["cuda_graphs"] = time.perf_counter() - started
 
     @property
     def kv_capacity_tokens(self) -> int:
