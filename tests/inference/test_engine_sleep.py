@@ -185,16 +185,15 @@ def test_the_server_sleeps_takes_a_weight_update_and_wakes(tiny_qwen2_path, tiny
         response = httpx.post(server.url + "/sleep", params={"level": 1, "mode": "nap"}, headers=CONTROL)
         assert response.status_code == 400 and "nap" in response.text
         response = httpx.post(server.url + "/sleep", params={"level": 1, "mode": "keep"}, headers=CONTROL)
-        assert response.status_code == 200
+        assert response.json() == {"status": "sleeping", "level": 1}  # vLLM's answers
         assert httpx.get(server.url + "/is_sleeping", headers=CONTROL).json() == {"is_sleeping": True}
         result = sender.push(iter_buckets(hf_models[1].named_parameters(), 300 << 10), version=4)  # canary
         assert all(r.params_loaded == r.params_total > 0 for rs in result.reports.values() for r in rs)
         response = httpx.post(server.url + "/wake_up", params={"tags": ["weights", "kv"]}, headers=CONTROL)
         assert response.status_code == 400 and "['kv']" in response.text
-        for tag in ("weights", "kv_cache"):
-            assert (
-                httpx.post(server.url + "/wake_up", params={"tags": tag}, headers=CONTROL).status_code == 200
-            )
+        for tag, status in (("weights", "sleeping"), ("kv_cache", "awake")):
+            response = httpx.post(server.url + "/wake_up", params={"tags": tag}, headers=CONTROL)
+            assert response.json() == {"status": status, "tags": [tag]}
         assert httpx.get(server.url + "/is_sleeping", headers=CONTROL).json() == {"is_sleeping": False}
         outputs = asyncio.run(server.engine.generate(PROMPTS[0], GREEDY)).outputs
         assert [outputs[0].token_ids] == expected and outputs[0].weight_versions[0].version == "4"

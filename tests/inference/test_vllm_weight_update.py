@@ -5,6 +5,7 @@ switches versions mid-way."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import threading
@@ -13,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from refractor.inference.client import InferenceClient
 from refractor.testing import TEST_CONTROL_TOKEN
 from refractor.weight_sync import WeightSyncError
 from refractor.weight_sync.buckets import iter_buckets
@@ -69,6 +71,27 @@ def test_push_switches_the_served_weights_both_ways(vllm_server, vllm_sender, hf
         samples = sample(vllm_server.url, seed=version)
         assert max_error(samples, hf_models[new]) < 1e-4  # exact in fp32, tied lm_head refreshed
         assert max_error(samples, hf_models[old]) > 0.05  # and it is not the previous model
+
+
+def test_the_sleep_cycle_of_a_colocated_run(vllm_server, vllm_sender, hf_models, max_error):
+    """What the driver asks of a sleeping vLLM server each step (refractor's client, vLLM's routes):
+    sleep, wake the weights, a weight update (canary checked), wake the KV cache, generate."""
+    client = InferenceClient(vllm_server.url, control_token=TEST_CONTROL_TOKEN)
+
+    async def asleep_then_awake() -> tuple[bool, bool]:
+        await client.sleep(1, "wait")
+        asleep = await client.is_sleeping()
+        await client.wake_up(["weights"])
+        await asyncio.to_thread(
+            vllm_sender.push, iter_buckets(hf_models[1].named_parameters(), 256 << 10), 30
+        )
+        await client.wake_up(["kv_cache"])
+        awake = not await client.is_sleeping()
+        await client.close()
+        return asleep, awake
+
+    assert asyncio.run(asleep_then_awake()) == (True, True)
+    assert max_error(sample(vllm_server.url, seed=30), hf_models[1]) < 1e-4
 
 
 def test_corrupted_bucket_fails_the_canary(vllm_server, vllm_sender, hf_models, max_error):

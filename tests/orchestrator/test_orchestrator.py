@@ -414,7 +414,7 @@ def test_colocated_synchronous_servers_sleep_while_the_trainer_steps(tok, coloca
         clock=FakeClock(),
     )
     asyncio.run(orch.run())
-    per_step = ["sleep 2 keep", "train {s}", "wake weights", "update {v}", "wake kv_cache"]
+    per_step = ["sleep 2 wait", "train {s}", "wake weights", "update {v}", "wake kv_cache"]
     expected = [e.format(s=s, v=s + 1) for s in range(3) for e in per_step]
     if not colocated:
         expected = [e for e in expected if not e.startswith(("sleep", "wake"))]

@@ -140,22 +140,22 @@ def _control_router(engine: AsyncLLMEngine, state: ServerState) -> APIRouter:
         return JSONResponse({"is_paused": engine.is_paused})
 
     @router.post("/sleep")
-    async def sleep(level: int = 1, mode: str = "abort") -> Response:
+    async def sleep(level: int = 1, mode: str = "abort") -> JSONResponse:
         try:
             await engine.sleep(level, mode)
         except (ValueError, SleepModeOffError) as err:
             raise BadRequest(str(err)) from None
-        return Response(status_code=200)
+        return JSONResponse({"status": "sleeping", "level": level})
 
     @router.post("/wake_up")
-    async def wake_up(tags: list[str] | None = Query(None)) -> Response:
+    async def wake_up(tags: list[str] | None = Query(None)) -> JSONResponse:
         try:
-            await engine.wake_up(tags)
+            awake = await engine.wake_up(tags or None)
         except (ValueError, SleepModeOffError) as err:
             raise BadRequest(str(err)) from None
         except torch.OutOfMemoryError as err:  # the memory is taken: the caller may free some and retry
             raise BadRequest(str(err), HTTPStatus.SERVICE_UNAVAILABLE) from None
-        return Response(status_code=200)
+        return JSONResponse({"status": "awake" if awake else "sleeping", "tags": tags or None})
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:

@@ -388,7 +388,10 @@ class Orchestrator:
             return []
         level = self.settings.inference_sleep_level
         start = self.clock()
-        await asyncio.gather(*(server.sleep(level, "keep") for server in self.sleepers))
+        # wait: requests still in flight (replacements dispatched past the batch) finish first, so
+        # none is left to resume while a server's KV cache sleeps (vLLM's /resume in the weight
+        # update would run it)
+        await asyncio.gather(*(server.sleep(level, "wait") for server in self.sleepers))
         return [
             TimelineEvent(
                 "inference_sleep", start, self.clock(), "orchestrator", {"step": step, "level": level}

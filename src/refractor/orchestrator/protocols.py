@@ -27,7 +27,8 @@ class SleepingServer(Protocol):
     """A server that gives its GPU memory back while the trainer steps (colocated synchronous runs)."""
 
     async def sleep(self, level: int = 1, mode: str = "keep") -> None:
-        """Release the memory; ``keep``: requests in flight resume after the wake."""
+        """Release the memory once the requests in flight are dealt with as ``mode`` says (``abort``,
+        ``keep``: frozen until the wake, ``wait``: finished first)."""
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Take back the memory of ``tags`` (``weights``, ``kv_cache``; None: all of it)."""

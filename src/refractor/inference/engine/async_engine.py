@@ -249,8 +249,14 @@ class AsyncLLMEngine:
         self.engine.sleep(level)
         self._admit_held()  # requests held while draining queue up behind the sleep
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call_async(lambda: self.engine.wake_up(tags))
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Take back the memory of ``tags`` (None: all); True when the engine is fully awake."""
+
+        def wake() -> bool:
+            self.engine.wake_up(tags)
+            return not self.engine.is_sleeping
+
+        return await self._call_async(wake)
 
     @property
     def is_sleeping(self) -> bool:

@@ -185,7 +185,7 @@ def vllm_command(
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.enforce_eager if s.enforce_eager is not None else on_cpu:
         argv.append("--enforce-eager")
-    if s.enable_sleep_mode:
+    if s.enable_sleep_mode and not on_cpu:  # refused on CPU, where /sleep and /wake_up are no-ops anyway
         argv.append("--enable-sleep-mode")
     # always set, so secrets exported in the launching shell never leak into a server not meant to
     # have them
