@@ -202,6 +202,7 @@ def run_training(
 def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str | Path | None) -> Path:
 
     from refractor.inference.access import new_token
+    from refractor.inference.process import raise_open_file_limit
     from refractor.orchestrator import Orchestrator, OrchestratorSettings
     from refractor.orchestrator.eval_schedule import build_eval_schedule, eval_server_names
     from refractor.runtime import stop_signals
@@ -217,6 +218,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     from refractor.telemetry.server_metrics import ServerMetricsScraper
     from refractor.telemetry.store import RunStore
 
+    raise_open_file_limit()  # the driver holds a connection per lane
     started = time.time()
     envs = load_environments(cfg)
     evals = load_evals(cfg, envs)

@@ -119,3 +119,97 @@ def test_unreachable_server_is_named_after_retries():
                 await client.generate([1, 2], Sampling())
 
     asyncio.run(main())
+
+
+class ClosingServer:
+    """A raw HTTP server that reads each request and closes the first ``closes`` connections without
+    answering (what a keep-alive timeout does to a request sent as it fires), then answers."""
+
+    def __init__(self, closes: int):
+        self.closes = closes
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        if self.connections <= self.closes:
+            writer.close()
+            return
+        body = b'{"is_paused": false}'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+        )
+        writer.write(body)
+        await writer.drain()
+        writer.close()
+
+
+@pytest.mark.parametrize(("closes", "expected"), [(1, "answered"), (2, "failed")])
+def test_a_request_on_a_connection_closed_under_it_is_sent_once_more(closes, expected):
+    async def main():
+        closing = ClosingServer(closes)
+        server = await asyncio.start_server(closing.handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with InferenceClient(url, control_token=TEST_CONTROL_TOKEN) as client:
+            try:
+                outcome = "failed" if await client.is_paused() else "answered"
+            except InferenceServerError as err:
+                assert "RemoteProtocolError" in str(err) and "(twice)" in str(err) and url in str(err)
+                outcome = "failed"
+            retries = client.closed_connection_retries
+        server.close()
+        return outcome, retries, closing.connections
+
+    assert asyncio.run(main()) == (expected, 1, 2)  # one retry, never more
+
+
+def test_1024_concurrent_requests_and_256_aborted_leave_the_server_idle(server):
+    """256 long requests fill the engine's 256 slots and are aborted mid-flight while 1,024 more are
+    sent, all of which are answered: no transport error, no retry, and afterwards the server holds no
+    sequence and no KV block."""
+    from refractor.inference.process import raise_open_file_limit
+
+    raise_open_file_limit()  # 1,280 sockets at once
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, 40, (1024,), generator=gen).tolist()
+    budgets = torch.randint(1, 12, (1024,), generator=gen).tolist()
+
+    async def gauges(client) -> list[float]:
+        metrics = await client.metrics()
+        names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        return [metrics[f"vllm:{name}"] for name in names]
+
+    async def main():
+        async with InferenceClient(
+            server.url, control_token=TEST_CONTROL_TOKEN, max_connections=2048
+        ) as client:
+            doomed = [
+                asyncio.create_task(client.generate([5, 6, 7], Sampling(max_tokens=500, ignore_eos=True)))
+                for _ in range(256)
+            ]
+            start = time.monotonic()
+            while (await gauges(client))[0] < 256:  # all of them running: mid-flight from here on
+                assert time.monotonic() - start < 60, "the long requests did not start"
+                await asyncio.sleep(0.02)
+            for task in doomed:  # at once: none can have generated its 500 tokens yet
+                task.cancel()
+            answered = [
+                asyncio.create_task(
+                    client.generate(list(range(3, 3 + n)), Sampling(max_tokens=m, ignore_eos=True, seed=i))
+                )
+                for i, (n, m) in enumerate(zip(lengths, budgets, strict=True))
+            ]
+            aborted = await asyncio.gather(*doomed, return_exceptions=True)
+            results = await asyncio.gather(*answered, return_exceptions=True)
+            start = time.monotonic()
+            while (now := await gauges(client)) != [0, 0, 0]:
+                assert time.monotonic() - start < 30, f"the server is not idle: running, waiting, KV {now}"
+                await asyncio.sleep(0.05)
+            return results, aborted, client.closed_connection_retries
+
+    results, aborted, retries = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert errors == [], errors[:3]
+    assert [len(r.token_ids) for r in results] == budgets
+    assert all(isinstance(a, asyncio.CancelledError) for a in aborted)
+    assert retries == 0

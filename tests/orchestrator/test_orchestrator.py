@@ -15,6 +15,7 @@ from orch_fakes import (
     wait_until,
 )
 
+from refractor.inference.client import InferenceServerError
 from refractor.orchestrator import Orchestrator, OrchestratorSettings
 
 
@@ -424,3 +425,51 @@ def test_colocated_synchronous_servers_sleep_while_the_trainer_steps(tok, coloca
     ]
     per_step = ["inference_sleep", "inference_wake", "inference_wake"]
     assert spans == ([(name, s) for s in range(3) for name in per_step] if colocated else [])
+
+
+class WarningSink:
+    def __init__(self):
+        self.warnings: list[str] = []
+
+    def log_step(self, step, metrics, rollouts):
+        pass
+
+    def log_eval(self, step, metrics):
+        pass
+
+    def warn(self, message):
+        self.warnings.append(message)
+
+    def close(self):
+        pass
+
+
+class FlakyServer(FakeServer):
+    """Its third request fails the way a dropped connection does."""
+
+    async def generate(self, token_ids, sampling, *, priority=0):
+        if len(self.calls) == 2:
+            self.calls.append(None)
+            raise InferenceServerError("inference server s0/inference/v1/generate: ReadError: closed (twice)")
+        return await super().generate(token_ids, sampling, priority=priority)
+
+
+def test_a_generation_failure_is_on_the_console_and_in_the_store(tok):
+    sink = WarningSink()
+    store = MemoryStore()
+    orch = Orchestrator(
+        OrchestratorSettings.from_config(make_config(number_of_steps=2)),
+        [ToyEnv()],
+        [FlakyServer("s0", tok, answer=alternating)],
+        FakeTrainer(),
+        store,
+        tok,
+        sinks=[sink],
+        clock=FakeClock(),
+    )
+    asyncio.run(orch.run())
+    failed = [r for r in store.by_status("discarded") if r.reason == "generation_error"]
+    assert len(failed) == 1 and "ReadError: closed (twice)" in failed[0].error
+    (warning,) = sink.warnings
+    assert "1 of the 2 rollouts of group" in warning and "ReadError: closed (twice)" in warning
+    assert [e.attrs["failed"] for e in store.events if e.name == "generation_error"] == [1]

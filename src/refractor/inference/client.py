@@ -2,8 +2,10 @@
 
 The orchestrator's rollout path is ``generate``: token ids in, sampled token ids + processed
 log-probs + ``weight_versions`` spans out, through ``/inference/v1/generate``. One pooled
-``httpx.AsyncClient`` per server; only connection failures are retried (the request never
-reached the server, so a retry cannot duplicate work); cancelling the awaiting task closes the
+``httpx.AsyncClient`` per server. Retried: connection failures (the request never reached the
+server, so a retry cannot duplicate work), and once, a request whose pooled connection the server
+closed under it (``refractor.inference.keepalive``). Any other transport failure raises
+``InferenceServerError`` naming the server and the failure. Cancelling the awaiting task closes the
 connection, which makes the server abort the request and free its KV cache. Each request carries
 the credential its route needs (``refractor.inference.access``): the control token for control
 routes, the API key for generation routes.
@@ -20,11 +22,14 @@ from typing import Any
 import httpx
 
 from refractor.inference.access import RouteKind, bearer, route_kind
+from refractor.inference.keepalive import KEEPALIVE_EXPIRY_S
 
 log = logging.getLogger(__name__)
 
 # how both engines name a /inference/v1/generate request internally (vLLM 0.32's token-in/token-out route)
 GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
+# what httpx raises when the server closed the connection before answering
+CLOSED_UNDER_US = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class InferenceServerError(RuntimeError):
@@ -149,8 +154,13 @@ class InferenceClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
         )
+        self.closed_connection_retries = 0  # requests sent again after the server closed their connection
 
     def rebase(self, base_url: str) -> None:
         """The server now answers at ``base_url`` (a restart may move it to another port)."""
@@ -168,7 +178,9 @@ class InferenceClient:
 
     async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         headers = self._credentials[route_kind(path)]
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        closed_under_us = False
+        while True:
             try:
                 response = await self._http.request(method, path, headers=headers, **kwargs)
                 break
@@ -178,6 +190,21 @@ class InferenceClient:
                         f"inference server {self.base_url} unreachable after {attempt + 1} attempts: {err!r}"
                     ) from err
                 await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+                attempt += 1
+            except CLOSED_UNDER_US as err:
+                # once: a kept-alive connection the server had just closed (the retry takes another);
+                # twice is the server dropping requests
+                if closed_under_us:
+                    raise InferenceServerError(
+                        f"inference server {self.base_url}{path}: {transport_error_text(err)} (twice)"
+                    ) from err
+                closed_under_us = True
+                self.closed_connection_retries += 1
+                log.info("%s%s: %s; sending it again", self.base_url, path, transport_error_text(err))
+            except httpx.TransportError as err:  # timeouts, protocol errors
+                raise InferenceServerError(
+                    f"inference server {self.base_url}{path}: {transport_error_text(err)}"
+                ) from err
         if response.status_code >= 400:
             raise InferenceServerError(
                 f"inference server {self.base_url}{path} returned {response.status_code}: "
@@ -278,6 +305,13 @@ class InferenceClient:
             for sample in family.samples:
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
         return totals
+
+
+def transport_error_text(err: httpx.TransportError) -> str:
+    """The failure's type and message (httpx leaves many messages empty)."""
+    if isinstance(err, CLOSED_UNDER_US) and not str(err):
+        return f"{type(err).__name__}: the server closed the connection without answering"
+    return f"{type(err).__name__}: {err or 'no detail'}"
 
 
 def _error_text(response: httpx.Response) -> str:

@@ -29,6 +29,21 @@ class ServerStartError(RefractorUserError, RuntimeError):
     """The server exited or never became healthy; the message ends with its last log lines."""
 
 
+def raise_open_file_limit(wanted: int = 65536) -> int:
+    """Lift this process's soft limit on open files toward its hard limit; the new soft limit.
+
+    Every concurrent request holds a socket on both sides: 1,024 lanes would exhaust the common
+    default of 1,024 descriptors, and a server out of descriptors stops accepting connections."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return soft
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

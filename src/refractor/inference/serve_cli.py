@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from refractor.inference.access import API_KEY_ENV, CONTROL_TOKEN_ENV, MIN_SECRET_CHARS
+from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 
 
 def serve(
@@ -65,10 +66,19 @@ def serve(
     max_request_body_mb: float = typer.Option(
         32.0, "--max-request-body-mb", min=0.001, help="Native engine: larger request bodies get HTTP 413."
     ),
+    timeout_keep_alive: int = typer.Option(
+        SERVER_KEEPALIVE_S,
+        "--timeout-keep-alive",
+        min=1,
+        help="Native engine: seconds an idle client connection stays open (longer than clients keep one).",
+    ),
     log_level: str = typer.Option("warning", "--log-level"),
 ) -> None:
     """Serve a model over HTTP with vLLM 0.32's API: completions, chat, generate, and the control
     routes (pause, resume, abort, weight updates) when asked for."""
+    from refractor.inference.process import raise_open_file_limit
+
+    raise_open_file_limit()  # one socket per concurrent request
     control_token = _control_token(enable_weight_updates, control_token)
     if api_key is not None and len(api_key) < MIN_SECRET_CHARS:
         raise typer.BadParameter(f"--api-key must be at least {MIN_SECRET_CHARS} characters")
@@ -131,6 +141,7 @@ def serve(
         api_key=api_key,
         enable_docs=enable_docs,
         max_request_body_bytes=int(max_request_body_mb * 2**20),
+        timeout_keep_alive_s=timeout_keep_alive,
         log_level=log_level,
     )
 

@@ -46,6 +46,7 @@ from refractor.inference.engine.async_engine import (
     RequestFailedError,
 )
 from refractor.inference.engine.llm_engine import SleepModeOffError
+from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.request_schemas import AbortRequest
 from refractor.inference.routes_openai import router as openai_router
@@ -189,6 +190,7 @@ def run_native_server(
     api_key: str | None = None,
     enable_docs: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    timeout_keep_alive_s: int = SERVER_KEEPALIVE_S,
     log_level: str = "warning",
 ) -> None:
     """Load the model, start the engine thread and serve until SIGTERM/SIGINT (foreground)."""
@@ -232,7 +234,14 @@ def run_native_server(
         flush=True,
     )
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=timeout_keep_alive_s,  # outlives the clients' idle connections
+        )
     finally:
         engine.shutdown()
 

@@ -256,6 +256,15 @@ class Orchestrator:
         batches = self.assembler.add(group, self.counters)
         if group.status == RolloutStatus.DISCARDED:
             self._event(f"rollout_discarded_{group.reason}", group_id=group.group_id)
+        failed = [r for r in group.rollouts if r.reason == DiscardReason.GENERATION_ERROR]
+        if failed:  # a server or transport failure costs a whole group: say so, not only in the store
+            self._warn(
+                f"{len(failed)} of the {len(group.rollouts)} rollouts of group {group.group_id} failed in "
+                f"generation, so the group is discarded: {failed[0].error}",
+                "generation_error",
+                group_id=group.group_id,
+                failed=len(failed),
+            )
         if (warning := self.stall_watch.observe(group)) is not None:
             self._warn(warning, "zero_advantage_stall", streak=self.stall_watch.streak)
         for batch in batches:

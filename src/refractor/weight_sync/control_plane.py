@@ -23,9 +23,7 @@ from typing import Any
 import httpx
 
 from refractor.errors import RefractorUserError
-
-# what httpx raises when the server closed the connection before answering
-_CLOSED_UNDER_US = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+from refractor.inference.client import CLOSED_UNDER_US
 
 
 class WeightSyncError(RefractorUserError, RuntimeError):
@@ -74,7 +72,7 @@ class ServerControl:
         try:
             try:
                 response = self._http.request(method, path, **kwargs)
-            except _CLOSED_UNDER_US:
+            except CLOSED_UNDER_US:
                 if not repeatable:
                     raise
                 response = self._http.request(method, path, **kwargs)  # the pool opens a new connection

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refractor.inference.access import API_KEY_ENV, CONTROL_TOKEN_ENV, EnvAccessGuard
+from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 from refractor.inference.process import ServerProcess, ServerStartError, client_host, free_port
 
 __all__ = [
@@ -190,6 +191,7 @@ def vllm_command(
     # always set, so secrets exported in the launching shell never leak into a server not meant to
     # have them
     env = {
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEPALIVE_S),  # outlives the clients' idle connections
         "VLLM_SERVER_DEV_MODE": "1" if control_token else "0",
         CONTROL_TOKEN_ENV: control_token or "",
         API_KEY_ENV: api_key or "",
