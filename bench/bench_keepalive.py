@@ -35,11 +35,13 @@ from refractor.inference.server import start_native_server
 from refractor.testing import TinyModelSpec, build_tiny_model
 
 
-async def lane_loop(send, lane: int, requests: int, max_gap: float, errors: collections.Counter) -> int:
+async def lane_loop(
+    send, lane: int, requests: int, gaps: tuple[float, float], errors: collections.Counter
+) -> int:
     rng = random.Random(lane)
     answered = 0
     for _ in range(requests):
-        await asyncio.sleep(rng.uniform(0, max_gap))
+        await asyncio.sleep(rng.uniform(*gaps))
         try:
             await send([3 + lane % 50, 4, 5, 6], rng.randint(1, 8))
             answered += 1
@@ -48,7 +50,7 @@ async def lane_loop(send, lane: int, requests: int, max_gap: float, errors: coll
     return answered
 
 
-async def run(url: str, lanes: int, requests: int, max_gap: float, refractor_client: bool) -> dict:
+async def run(url: str, lanes: int, requests: int, gaps: tuple[float, float], refractor_client: bool) -> dict:
     errors: collections.Counter = collections.Counter()
     if refractor_client:
         client = InferenceClient(url, max_connections=2 * lanes)
@@ -68,7 +70,7 @@ async def run(url: str, lanes: int, requests: int, max_gap: float, refractor_cli
 
         close = http.aclose
     start = time.monotonic()
-    answered = await asyncio.gather(*(lane_loop(send, i, requests, max_gap, errors) for i in range(lanes)))
+    answered = await asyncio.gather(*(lane_loop(send, i, requests, gaps, errors) for i in range(lanes)))
     seconds = time.monotonic() - start
     resends = client.closed_connection_retries if refractor_client else 0
     await close()
@@ -86,6 +88,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lanes", type=int, default=1024)
     p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--min-gap", type=float, default=0.0)
     p.add_argument("--max-gap", type=float, default=5.0)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -99,7 +102,7 @@ def main() -> None:
         server = start_native_server(str(model), engine_args=engine_args)
         try:
             results[name] = asyncio.run(
-                run(server.url, args.lanes, args.requests, args.max_gap, refractor_client)
+                run(server.url, args.lanes, args.requests, (args.min_gap, args.max_gap), refractor_client)
             )
         finally:
             server.stop()

@@ -156,13 +156,14 @@ def run_http(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict,
                 result = await client.generate(ids, Sampling(max_tokens=max_tokens, ignore_eos=True))
                 return len(result.token_ids)
 
-            return await _closed_loop(generate, jobs, concurrency)
+            return await _closed_loop(generate, jobs, concurrency), client.closed_connection_retries
 
     try:
-        finished = asyncio.run(main())
+        finished, resends = asyncio.run(main())
     finally:
         server.stop()
-    return summarize("http", finished, warmup)
+    # requests sent again after the server closed their connection under them (0: no keep-alive race)
+    return summarize("http", finished, warmup) | {"resends": resends}
 
 
 def main() -> None:
@@ -224,7 +225,7 @@ def main() -> None:
             print(
                 f"c={c:4d} {mode:7s} {row['tok_s']:9.0f} tok/s {row['req_s']:7.1f} req/s "
                 f"({row['requests']} requests in {row['seconds']:.2f} s)  x{row['tok_s'] / base:.2f} vs "
-                f"{rows[0]['mode']}",
+                f"{rows[0]['mode']}" + (f", {row['resends']} resends" if "resends" in row else ""),
                 flush=True,
             )
         results["runs"] += rows
