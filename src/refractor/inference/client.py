@@ -172,7 +172,6 @@ class InferenceClient:
             for _ in range(pools)
         ]
         self._next_pool = itertools.cycle(self._pools)
-        self._http = self._pools[0]  # control calls and probes
         self.closed_connection_retries = 0  # requests sent again after the server closed their connection
 
     def rebase(self, base_url: str) -> None:
@@ -270,7 +269,7 @@ class InferenceClient:
     # ---- control -------------------------------------------------------------------------------
     async def health(self) -> bool:
         try:
-            return (await self._http.get("/health", timeout=5.0)).status_code == 200
+            return (await self._pools[0].get("/health", timeout=5.0)).status_code == 200
         except httpx.HTTPError:
             return False
 

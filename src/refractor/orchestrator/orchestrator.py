@@ -393,30 +393,28 @@ class Orchestrator:
                 log.warning("the weight update to version %d runs again after a server restart", version)
 
     async def _sleep_servers(self, step: int) -> list[TimelineEvent]:
-        if not self.sleepers:
-            return []
         level = self.settings.inference_sleep_level
-        start = self.clock()
         # wait: requests still in flight (replacements dispatched past the batch) finish first, so
         # none is left to resume while a server's KV cache sleeps (vLLM's /resume in the weight
         # update would run it)
-        await asyncio.gather(*(server.sleep(level, "wait") for server in self.sleepers))
-        return [
-            TimelineEvent(
-                "inference_sleep", start, self.clock(), "orchestrator", {"step": step, "level": level}
-            )
-        ]
+        return await self._each_sleeper(
+            "inference_sleep", lambda server: server.sleep(level, "wait"), step=step, level=level
+        )
 
     async def _wake_servers(self, step: int, tags: list[str]) -> list[TimelineEvent]:
+        return await self._each_sleeper(
+            "inference_wake", lambda server: server.wake_up(tags), step=step, tags=",".join(tags)
+        )
+
+    async def _each_sleeper(
+        self, name: str, call: Callable[[SleepingServer], Awaitable[None]], **attrs: Any
+    ) -> list[TimelineEvent]:
+        """``call`` on every sleeping server at once, as one orchestrator span (none: no span)."""
         if not self.sleepers:
             return []
         start = self.clock()
-        await asyncio.gather(*(server.wake_up(tags) for server in self.sleepers))
-        return [
-            TimelineEvent(
-                "inference_wake", start, self.clock(), "orchestrator", {"step": step, "tags": ",".join(tags)}
-            )
-        ]
+        await asyncio.gather(*(call(server) for server in self.sleepers))
+        return [TimelineEvent(name, start, self.clock(), "orchestrator", attrs)]
 
     async def _hold_weights(self, version: int) -> float:
         """deterministic_rollouts: wait until no batch being filled needs older weights; the seconds held."""

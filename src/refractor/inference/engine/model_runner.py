@@ -49,8 +49,14 @@ class ModelRunner:
         self.startup_s = {"kv_plan": time.perf_counter() - started}
         # One extra block at the end absorbs the writes of padded CUDA-graph rows.
         self.pad_block = self.num_blocks
-        shape = (2, mc.num_hidden_layers, self.num_blocks + 1, config.block_size, mc.num_key_value_heads)
-        shape += (mc.head_dim,)
+        shape = (
+            2,
+            mc.num_hidden_layers,
+            self.num_blocks + 1,
+            config.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+        )
         # sleep mode: the cache lives in memory that a sleep gives back at a fixed address
         self.kv_memory = None
         if config.enable_sleep_mode:

@@ -20,12 +20,11 @@ nothing and back (the same storage object, so every view follows it).
 
 from __future__ import annotations
 
-import logging
+import math
 from collections.abc import Iterable
 
 import torch
 
-log = logging.getLogger(__name__)
 TAGS = ("weights", "kv_cache")
 _ALIGN = 256  # bytes: every view starts aligned for any dtype and vectorised kernels
 GiB = 1 << 30
@@ -47,10 +46,7 @@ class ReleasableBuffer:
             self.tensor.zero_()
 
     def view(self, offset: int, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        count = 1
-        for dim in shape:
-            count *= dim
-        return self.tensor[offset : offset + count * dtype.itemsize].view(dtype).view(shape)
+        return _typed_view(self.tensor, offset, dtype, shape)
 
     def release(self) -> None:
         if not self.resident:
@@ -93,9 +89,7 @@ class ParameterArena:
     def host_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """Where an update writes ``param`` while the arena is offloaded."""
         assert self._host is not None, "the arena is not offloaded"
-        count = param.numel() * param.element_size()
-        offset = self.offsets[id(param)]
-        return self._host[offset : offset + count].view(param.dtype).view(param.shape)
+        return _typed_view(self._host, self.offsets[id(param)], param.dtype, param.shape)
 
     def offload(self) -> None:
         if self._host is None:
@@ -238,6 +232,13 @@ class _CudaMapping:
             driver.cuMemAddressFree(self.address, self.size)
         except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone already
             pass
+
+
+def _typed_view(
+    raw: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
+    """``shape`` elements of ``dtype`` in the uint8 tensor ``raw``, from byte ``offset`` on."""
+    return raw[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _check(result: tuple, call: str):
