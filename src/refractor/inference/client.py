@@ -154,9 +154,8 @@ class InferenceClient:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         # Several small pools, not one large one: httpcore's pool scans all its connections and
-        # waiting requests at every request start and end, so one pool of 1,024 connections keeps the
-        # event loop busy with that alone (91% of the client's time at 1,024 requests in flight).
-        # Requests take the pools in turn.
+        # waiting requests at every request start and end, which is quadratic in a pool's size and
+        # can keep the event loop busy with that alone. Requests take the pools in turn.
         pools = -(-max_connections // CONNECTIONS_PER_POOL)
         per_pool = -(-max_connections // pools)
         self._pools = [

@@ -26,8 +26,8 @@ router = APIRouter()
 
 class OrjsonResponse(Response):
     """A JSON answer serialised by orjson, bypassing FastAPI's ``jsonable_encoder``: that walks every
-    element in Python, some 10-30 ms for a 512-token answer with its log-probs, under the GIL the
-    engine thread needs. Non-finite floats become null (standard JSON has no -inf)."""
+    element in Python, which for long answers with per-token log-probs holds the GIL the engine
+    thread needs. Non-finite floats become null (standard JSON has no -inf)."""
 
     media_type = "application/json"
 
