@@ -166,6 +166,17 @@ def run_http(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict,
     return summarize("http", finished, warmup) | {"resends": resends}
 
 
+def parse_mode(mode: str) -> tuple[str, dict]:
+    """``engine+decode_steps_between_prefills=0+enable_prefix_caching=false``: a mode and the
+    EngineConfig fields it overrides (JSON values)."""
+    kind, *pairs = mode.split("+")
+    overrides = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        overrides[key] = json.loads(value)
+    return kind, overrides
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny", help="tiny | 0.5b | 1.5b | a local HF model path")
@@ -177,7 +188,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--jitter", type=float, default=0.5)
-    parser.add_argument("--modes", default="engine,async,http")
+    parser.add_argument(
+        "--modes",
+        default="engine,async,http",
+        help="comma-separated engine | async | http, each optionally +field=value (EngineConfig overrides)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-gb", type=float, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU runs)")
@@ -210,14 +225,17 @@ def main() -> None:
         warmup = args.warmup if args.warmup is not None else min(c, args.requests // 4)
         rows = []
         for mode in args.modes.split(","):
-            if mode == "engine":
-                row = run_engine(path, jobs, c, warmup, engine_args)
-            elif mode == "async":
-                row = run_async(path, jobs, c, warmup, engine_args)
-            elif mode == "http":
-                row = run_http(path, jobs, c, warmup, engine_args, workdir / f"server-c{c}.log")
+            kind, overrides = parse_mode(mode)
+            run_args = {**engine_args, **overrides}
+            if kind == "engine":
+                row = run_engine(path, jobs, c, warmup, run_args)
+            elif kind == "async":
+                row = run_async(path, jobs, c, warmup, run_args)
+            elif kind == "http":
+                row = run_http(path, jobs, c, warmup, run_args, workdir / f"server-c{c}.log")
             else:
-                raise SystemExit(f"unknown mode {mode!r}: choose from engine, async, http")
+                raise SystemExit(f"unknown mode {kind!r}: choose from engine, async, http")
+            row["mode"] = mode
             release_memory()  # the in-process engine is gone with its function: free its KV cache now
             row["concurrency"] = c
             rows.append(row)

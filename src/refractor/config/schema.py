@@ -509,6 +509,12 @@ class InferenceKeys(_Strict):
     max_num_batched_tokens: int | None = Field(
         None, ge=1, le=MAX_TOKENS, description="Per-step token budget."
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="[refractor] Prompts reuse the KV of the full blocks they share with earlier requests (a "
+        "group's prompt is prefilled once, a conversation's next turn only past its last one); every "
+        "weight update drops the cache.",
+    )
     vllm_scheduling_policy: Literal["priority", "fcfs"] = Field(
         "priority", description="Scheduling; priority favours later turns."
     )

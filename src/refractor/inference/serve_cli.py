@@ -38,6 +38,17 @@ def serve(
         "--enable-sleep-mode/--no-enable-sleep-mode",
         help="/sleep gives the KV cache and the weights' GPU memory back, /wake_up takes it again.",
     ),
+    enable_prefix_caching: bool = typer.Option(
+        True,
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Prompts reuse the cached KV of full blocks shared with earlier requests.",
+    ),
+    decode_steps_between_prefills: int = typer.Option(
+        8,
+        "--decode-steps-between-prefills",
+        min=0,
+        help="Native engine: a full decoding batch takes newcomers at most once per this many steps.",
+    ),
     seed: int = typer.Option(0, "--seed"),
     served_model_name: str | None = typer.Option(None, "--served-model-name"),
     chat_template: str | None = typer.Option(
@@ -99,6 +110,7 @@ def serve(
             served_model_name=served_model_name,
             enforce_eager=enforce_eager or None,
             enable_sleep_mode=enable_sleep_mode,
+            enable_prefix_caching=enable_prefix_caching,
         )
         serve_vllm(
             model,
@@ -128,6 +140,8 @@ def serve(
         dtype=dtype,
         enforce_eager=enforce_eager,
         enable_sleep_mode=enable_sleep_mode,
+        enable_prefix_caching=enable_prefix_caching,
+        decode_steps_between_prefills=decode_steps_between_prefills,
         seed=seed,
     )
     run_native_server(

@@ -55,6 +55,18 @@ class _EngineCollector:
             ),
             (
                 CounterMetricFamily,
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_cache_queries_total,
+            ),
+            (
+                CounterMetricFamily,
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (not recomputed).",
+                s.prefix_cache_hits_total,
+            ),
+            (
+                CounterMetricFamily,
                 "refractor:engine_steps",
                 "Engine steps (prefill or decode).",
                 s.steps_total,

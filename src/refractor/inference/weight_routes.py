@@ -63,10 +63,9 @@ def weight_update_router(engine) -> APIRouter:
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = Query(False)):
-        # the engine has no prefix cache to drop; running requests recompute their KV with the new
-        # weights only when asked (vLLM's semantics), else they keep the KV they hold
-        if reset_running_requests:
-            await _call(engine.recompute_running_kv)
+        # running requests recompute their KV with the new weights only when asked (vLLM's
+        # semantics), else they keep the KV they hold
+        await _call(engine.reset_prefix_cache, reset_running_requests)
         return {"success": True}
 
     @router.get("/get_world_size")

@@ -65,6 +65,7 @@ class NativeEngineArgs:
     max_num_batched_tokens: int | None
     seed: int
     enable_sleep_mode: bool = False
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class ServerGroupSettings:
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 seed=cfg.seed,
                 enable_sleep_mode=enable_sleep_mode,
+                enable_prefix_caching=cfg.enable_prefix_caching,
             ),
             vllm=VllmServerSettings.from_config(
                 cfg,

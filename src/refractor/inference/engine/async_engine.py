@@ -293,8 +293,8 @@ class AsyncLLMEngine:
             lambda: self.engine.update_weights(named_tensors, version, recompute_kv)
         )
 
-    async def recompute_running_kv(self) -> None:
-        await self._call_async(self.engine.recompute_running_kv)
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        await self._call_async(lambda: self.engine.reset_prefix_cache(reset_running_requests))
 
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Live parameters by HF name; read them while paused (e.g. for checksums)."""

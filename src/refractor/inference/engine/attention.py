@@ -1,9 +1,10 @@
 """The engine's attention backends: the decoder's attention calls, plus a paged KV cache.
 
 KV cache layout: one tensor ``[2 (k, v), layers, num_blocks, block_size, H_kv, D]``; a token's
-slot is ``block * block_size + offset``. Prefill always recomputes a sequence from position 0
-(no prefix caching), so its attention only needs the fresh q/k/v of the step (padded-batch SDPA,
-causal); the k/v are written to the cache for the decode steps that follow. Decode reads the
+slot is ``block * block_size + offset``. A prefill that starts at position 0 only needs the fresh
+q/k/v of the step (padded-batch SDPA, causal); one that continues a cached prefix reads the whole
+context back from the cache after writing its own k/v. Either way the k/v are written to the cache
+for the decode steps that follow. Decode reads the
 cache through each sequence's block table: a Triton kernel on CUDA, a gather + SDPA elsewhere.
 """
 
@@ -64,6 +65,69 @@ class PrefillAttention:
         if self.num_seqs * self.max_len == q.shape[0]:
             return out.reshape(q.shape)
         return out[self.batch_index, self.position_index]
+
+
+@dataclass
+class CachedPrefixAttention:
+    """Prefill of sequences whose first tokens' KV is cached already (a shared prompt prefix).
+
+    The step's queries are the tokens after that prefix; they attend to the whole context, which
+    is read back from the cache once the step's own k/v are in it.
+    """
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64: the slots of the step's tokens
+    batch_index: torch.Tensor  # [T] which sequence each token belongs to
+    query_index: torch.Tensor  # [T] its index among that sequence's new tokens
+    context_slots: torch.Tensor  # [S, L] int64: the slot of every context position (padding past it)
+    mask: torch.Tensor  # [S, 1, Q, L] bool: what each (padded) query row may see
+    num_seqs: int
+    max_query_len: int
+
+    @classmethod
+    def build(
+        cls,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        starts: list[int],
+        ends: list[int],
+        context_slots: torch.Tensor,
+        device: torch.device,
+    ) -> CachedPrefixAttention:
+        """``starts[i]``/``ends[i]``: sequence i's first new position and its length; the step's
+        tokens are every sequence's ``[start, end)`` back to back."""
+        lens = torch.tensor(ends) - torch.tensor(starts)
+        batch_index = torch.repeat_interleave(torch.arange(len(ends)), lens)
+        query_index = torch.cat([torch.arange(n) for n in lens.tolist()])
+        q_pos = torch.tensor(starts)[:, None] + torch.arange(int(lens.max()))  # [S, Q] absolute
+        k_pos = torch.arange(context_slots.shape[1])
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos < torch.tensor(ends)[:, None])[:, None, :]
+        return cls(
+            kv_cache,
+            slot_mapping,
+            batch_index.to(device),
+            query_index.to(device),
+            context_slots.to(device),
+            mask[:, None].to(device),
+            len(ends),
+            int(lens.max()),
+        )
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+        write_kv(self.kv_cache, layer_index, self.slot_mapping, k, v)
+        heads, dim = q.shape[1:]
+        kv_heads = k.shape[1]
+        keys = self.kv_cache[0, layer_index].view(-1, kv_heads, dim)[self.context_slots]  # [S, L, H_kv, D]
+        values = self.kv_cache[1, layer_index].view(-1, kv_heads, dim)[self.context_slots]
+        if kv_heads != heads:
+            keys = keys.repeat_interleave(heads // kv_heads, dim=2)
+            values = values.repeat_interleave(heads // kv_heads, dim=2)
+        queries = q.new_zeros(self.num_seqs, self.max_query_len, heads, dim)
+        queries[self.batch_index, self.query_index] = q
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=self.mask
+        )
+        return out.transpose(1, 2)[self.batch_index, self.query_index]
 
 
 def paged_decode_attention_torch(

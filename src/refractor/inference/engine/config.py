@@ -29,12 +29,21 @@ class EngineConfig:
     compile_ops: bool = True  # CUDA only: fuse the decoder's elementwise glue with torch.compile
     # weights and KV cache in memory that sleep() gives back (engine/sleep.py); off: plain tensors
     enable_sleep_mode: bool = False
+    # prompts reuse the cached KV of full blocks they share with earlier sequences (block_manager.py)
+    enable_prefix_caching: bool = True
+    # a full batch of decoding sequences is interrupted by a prefill at most once per this many
+    # steps (0: newcomers are prefilled as soon as they arrive); batching arrivals into fewer,
+    # larger prefills keeps the decode steps going at the cost of a few steps of time to first token
+    decode_steps_between_prefills: int = 8
     seed: int = 0
 
     def __post_init__(self) -> None:
         for key in ("max_model_len", "max_num_seqs", "block_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"EngineConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if self.decode_steps_between_prefills < 0:
+            steps = self.decode_steps_between_prefills
+            raise ValueError(f"EngineConfig.decode_steps_between_prefills must be >= 0, got {steps}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "

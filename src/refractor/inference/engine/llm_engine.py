@@ -65,6 +65,9 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions_total: int
     steps_total: int = 0
+    # prompt tokens looked up in the prefix cache, and those found there (not recomputed)
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
     # wall time spent inside step() (busy / elapsed = how fed the engine is)
     busy_seconds_total: float = 0.0
 
@@ -89,9 +92,14 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.config, self.device)
         self.memory = None if arena is None else EngineMemory(arena, self.runner.kv_memory)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.prefill_token_budget
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.prefill_token_budget,
+            self.config.decode_steps_between_prefills,
         )
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
@@ -184,8 +192,13 @@ class LLMEngine:
             return []
         if is_prefill:
             self.prompt_tokens_total += sum(s.num_tokens for s in seqs)
-        sampled, failures = self._sample_isolating(seqs, is_prefill)
+        try:
+            sampled, failures = self._sample_isolating(seqs, is_prefill)
+        except BaseException:
+            self.block_manager.discard_pending()
+            raise
         if not sampled and len(failures) > 1:
+            self.block_manager.discard_pending()
             err = next(iter(failures.values()))
             raise EngineStepError(
                 f"the step failed for each of its {len(failures)} requests, even run alone: {one_line(err)}"
@@ -204,6 +217,7 @@ class LLMEngine:
                 self.generation_tokens_total += 1
         outputs = [self._pop_output(r) for r in finished_requests if r not in failures]
         outputs += [self._fail(r, err) for r, err in failures.items()]
+        self.block_manager.finish_prefill_step()  # the failed requests' blocks were unnamed as freed
         self.steps_total += 1
         self.busy_seconds_total += time.perf_counter() - started
         return outputs
@@ -351,6 +365,7 @@ class LLMEngine:
         awake again; requests keep arriving and wait."""
         self.check_sleep(level)
         self.scheduler.preempt_all()
+        self.block_manager.reset_prefix_cache()  # the cached KV goes with the memory
         self.memory.sleep(level)
 
     def check_sleep(self, level: int = 1) -> None:
@@ -396,8 +411,8 @@ class LLMEngine:
         copied = len(updates)
         if version is not None:
             self.weight_version = version
-        if recompute_kv and copied:
-            self.recompute_running_kv()
+        if copied:
+            self.reset_prefix_cache(reset_running_requests=recompute_kv)
         return copied
 
     def _checked_update(
@@ -435,12 +450,15 @@ class LLMEngine:
             raise ValueError("update_weights: " + "; ".join(errors) + "; nothing was written")
         return updates
 
-    def recompute_running_kv(self) -> None:
-        """Drop the KV of every running sequence.
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """Forget the cached KV of finished prefixes (it was computed with other weights).
 
-        Each is re-prefilled (prompt + tokens so far) on its next step.
+        ``reset_running_requests``: running sequences drop their KV too and are re-prefilled
+        (prompt + tokens so far) on their next step; else they keep it.
         """
-        self.scheduler.preempt_all()
+        self.block_manager.reset_prefix_cache()
+        if reset_running_requests:
+            self.scheduler.preempt_all()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -450,6 +468,8 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=self.block_manager.query_tokens_total,
+            prefix_cache_hits_total=self.block_manager.hit_tokens_total,
             steps_total=self.steps_total,
             busy_seconds_total=self.busy_seconds_total,
         )

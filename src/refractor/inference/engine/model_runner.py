@@ -8,7 +8,12 @@ import time
 import numpy as np
 import torch
 
-from refractor.inference.engine.attention import DecodeAttention, PrefillAttention, triton_decode_available
+from refractor.inference.engine.attention import (
+    CachedPrefixAttention,
+    DecodeAttention,
+    PrefillAttention,
+    triton_decode_available,
+)
 from refractor.inference.engine.config import EngineConfig
 from refractor.inference.engine.sequence import Sequence
 from refractor.inference.engine.sleep import ReleasableBuffer
@@ -136,16 +141,31 @@ class ModelRunner:
         return self._run_decode_eager(seqs)
 
     def _run_prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        lens = [s.num_tokens for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long)
-        positions = torch.cat([torch.arange(n) for n in lens])
-        batch_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
-        slots = torch.cat([self._slots(s.block_table, n) for s, n in zip(seqs, lens, strict=True)])
+        """Each sequence's tokens after its cached prefix (all of them without one)."""
+        starts = [s.num_computed_tokens for s in seqs]
+        ends = [s.num_tokens for s in seqs]
+        lens = [e - b for b, e in zip(starts, ends, strict=True)]
+        ids = torch.tensor([t for s, b in zip(seqs, starts, strict=True) for t in s.token_ids[b:]])
+        positions = torch.cat([torch.arange(b, e) for b, e in zip(starts, ends, strict=True)])
+        slots = torch.cat(
+            [self._slots(s.block_table, e)[b:] for s, b, e in zip(seqs, starts, ends, strict=True)]
+        )
         last = torch.tensor(lens).cumsum(0) - 1
         to = self._to_device
-        attention = PrefillAttention(
-            self.kv_cache, to(slots), to(batch_index), to(positions), len(seqs), max(lens)
-        )
+        if any(starts):
+            width = max(len(s.block_table) for s in seqs)
+            tables = torch.full((len(seqs), width), self.pad_block, dtype=torch.long)
+            for i, seq in enumerate(seqs):
+                tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
+            context = (tables[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
+            attention = CachedPrefixAttention.build(
+                self.kv_cache, to(slots), starts, ends, context[:, : max(ends)], self.device
+            )
+        else:
+            batch_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
+            attention = PrefillAttention(
+                self.kv_cache, to(slots), to(batch_index), to(positions), len(seqs), max(lens)
+            )
         hidden = self.model(to(ids), to(positions), attention)
         return self.model.compute_logits(hidden[to(last)])
 

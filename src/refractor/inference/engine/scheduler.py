@@ -1,11 +1,12 @@
 """Continuous batching: which sequences run in the next step.
 
-Each step is either a prefill (waiting sequences join, whole prompts, up to a token budget) or a
-decode (one token for every running sequence). Waiting sequences are ordered by (priority,
-arrival) — lower priority value first, as in vLLM's priority policy — and join as soon as a
-slot and KV blocks are free, so new requests enter while others decode and finished ones leave
-at once. When the KV cache runs out mid-decode, the lowest-priority running sequence is
-preempted: its blocks are freed and it is recomputed later (prompt + tokens generated so far).
+Each step is either a prefill (waiting sequences join, whole prompts less their cached prefix,
+up to a token budget) or a decode (one token for every running sequence). Waiting sequences are
+ordered by (priority, arrival) — lower priority value first, as in vLLM's priority policy — and
+join when a slot and KV blocks are free (see ``schedule`` for how often a full batch takes them),
+so new requests enter while others decode and finished ones leave at once. When the KV cache
+runs out mid-decode, the lowest-priority running sequence is preempted: its blocks are freed
+(its full blocks stay in the prefix cache) and it is recomputed later (prompt + tokens so far).
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ from refractor.inference.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, prefill_token_budget: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        prefill_token_budget: int,
+        decode_steps_between_prefills: int = 0,
+    ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.prefill_token_budget = prefill_token_budget
+        self.decode_steps_between_prefills = decode_steps_between_prefills
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._decodes_since_prefill = 0
+        self._deferred = False  # the last prefill left sequences waiting for its blocks
 
     @property
     def has_work(self) -> bool:
@@ -35,26 +45,52 @@ class Scheduler:
         heapq.heappush(self.waiting, (seq.sort_key(), seq.seq_id, seq))
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """(sequences, is_prefill). Prefill first, so waiting requests start as soon as they fit."""
+        """(sequences, is_prefill). Waiting requests join as soon as they fit, except that a full
+        batch of decoding sequences is interrupted by a prefill at most every
+        ``decode_steps_between_prefills`` steps, so newcomers are prefilled together rather than
+        one step each."""
+        if self.waiting and self._prefill_due():
+            batch = self._schedule_prefill()
+            if batch:
+                self._decodes_since_prefill = 0
+                return batch, True
+        self._decodes_since_prefill += 1
+        return self._schedule_decode(), False
+
+    def _prefill_due(self) -> bool:
+        return (
+            self._deferred
+            or 2 * len(self.running) <= self.max_num_seqs  # a half-empty batch takes newcomers at once
+            or self._decodes_since_prefill >= self.decode_steps_between_prefills
+        )
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        bm = self.block_manager
         batch: list[Sequence] = []
+        deferred = []
         tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0][2]
-            if batch and tokens + seq.num_tokens > self.prefill_token_budget:
+            hits = bm.match(seq)
+            if hits is None:  # its prefix is computed in this very step: take it in the next
+                deferred.append(heapq.heappop(self.waiting))
+                continue
+            new_tokens = seq.num_tokens - len(hits) * bm.block_size
+            if batch and tokens + new_tokens > self.prefill_token_budget:
                 break
-            if not self.block_manager.can_grow(seq):
+            if not bm.admit(seq, hits):
                 break
             heapq.heappop(self.waiting)
-            self.block_manager.grow(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.scheduled_time is None:  # a preempted sequence keeps its first start
                 seq.scheduled_time = time.monotonic()
             batch.append(seq)
-            tokens += seq.num_tokens
-        if batch:
-            self.running.extend(batch)
-            return batch, True
-        return self._schedule_decode(), False
+            tokens += new_tokens
+        for entry in deferred:
+            heapq.heappush(self.waiting, entry)
+        self._deferred = bool(deferred)
+        self.running.extend(batch)
+        return batch
 
     def _schedule_decode(self) -> list[Sequence]:
         # Each decode step writes the KV of every sequence's last token, so each may need a block.

@@ -55,6 +55,9 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block_manager.py)
+        self.num_computed_tokens = 0  # tokens whose KV the cache held when it was admitted
+        self.kv_epoch = -1  # the block manager's epoch its KV was computed in
         self.logprobs: list[float] = []
         self.ranks: list[int] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []

@@ -71,6 +71,7 @@ class VllmServerSettings:
     served_model_name: str | None = None
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     enable_sleep_mode: bool = False  # /sleep and /wake_up free and retake GPU memory
+    enable_prefix_caching: bool = True
     startup_timeout_s: float = 900.0
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -103,6 +104,7 @@ class VllmServerSettings:
             served_model_name=served_model_name,
             startup_timeout_s=float(cfg.ray_placement_timeout_s),
             enable_sleep_mode=enable_sleep_mode,
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )
 
 
@@ -186,6 +188,8 @@ def vllm_command(
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.enforce_eager if s.enforce_eager is not None else on_cpu:
         argv.append("--enforce-eager")
+    if not s.enable_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
     if s.enable_sleep_mode and not on_cpu:  # refused on CPU, where /sleep and /wake_up are no-ops anyway
         argv.append("--enable-sleep-mode")
     # always set, so secrets exported in the launching shell never leak into a server not meant to
