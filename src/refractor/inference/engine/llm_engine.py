@@ -8,18 +8,20 @@ it from one background thread through ``AsyncLLMEngine``. A request with ``n`` s
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from refractor.errors import one_line
 from refractor.inference.engine.block_manager import BlockManager
 from refractor.inference.engine.config import EngineConfig
 from refractor.inference.engine.model_runner import ModelRunner
-from refractor.inference.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from refractor.inference.engine.sampler import Sampler, SamplerOutput, SamplingBatch, step_seeds
 from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.scheduler import Scheduler
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, Sequence
@@ -102,6 +104,7 @@ class LLMEngine:
             self.config.decode_steps_between_prefills,
         )
         self.sampler = Sampler()
+        self._seeds = random.Random(self.config.seed)  # sample seeds of unseeded requests
         self.requests: dict[str, _Request] = {}
         self.weight_version: int | str = 0
         self.paused = False
@@ -152,8 +155,15 @@ class LLMEngine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(sequence_seed(params.seed, i))
-            seqs.append(Sequence(request_id, i, prompt, params, priority, self._arrivals, max_tokens, gen))
+                seed = sequence_seed(params.seed, i)
+                gen = torch.Generator(device=self.device).manual_seed(seed)
+            else:
+                seed = self._seeds.getrandbits(63)
+            seqs.append(
+                Sequence(
+                    request_id, i, prompt, params, priority, self._arrivals, max_tokens, gen, seed % 2**63
+                )
+            )
         self.requests[request_id] = _Request(seqs, prompt)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -232,6 +242,12 @@ class LLMEngine:
                 top_ks=[s.params.top_k for s in seqs],
                 generators=[s.generator for s in seqs],
                 num_top_logprobs=[s.params.logprobs for s in seqs],
+                seeds=step_seeds(
+                    np.fromiter((s.sample_seed for s in seqs), np.int64, len(seqs)),
+                    np.fromiter((s.num_output_tokens for s in seqs), np.int64, len(seqs)),
+                )
+                if logits.is_cuda
+                else None,
             ),
         )
 

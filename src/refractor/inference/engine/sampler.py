@@ -9,9 +9,27 @@ transform; the trainer side can call it to reproduce the engine's numbers exactl
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def step_seeds(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One 63-bit Philox key per row from its sequence seed and output position (SplitMix64)."""
+    with np.errstate(over="ignore"):
+        z = seeds.astype(np.uint64) * _GOLDEN + positions.astype(np.uint64) + np.uint64(1)
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(1)).astype(np.int64)
 
 
 def apply_top_k_top_p(
@@ -62,6 +80,26 @@ class SamplingBatch:
     top_ks: list[int]
     generators: list[torch.Generator | None]
     num_top_logprobs: list[int | None]  # None: no ranks / alternatives for that row
+    # per-row Philox keys of the fused CUDA sampler (triton_sampler.step_seeds); None: torch path only
+    seeds: np.ndarray | None = None
+
+    def rows(self, index: list[int]) -> SamplingBatch:
+        return SamplingBatch(
+            [self.temperatures[i] for i in index],
+            [self.top_ps[i] for i in index],
+            [self.top_ks[i] for i in index],
+            [self.generators[i] for i in index],
+            [self.num_top_logprobs[i] for i in index],
+            None if self.seeds is None else self.seeds[index],
+        )
+
+    def plain_rows(self) -> list[int]:
+        """Rows the fused sampler takes: no top-k, no top-p, no ranks or alternatives asked."""
+        return [
+            i
+            for i, (k, p, n) in enumerate(zip(self.top_ks, self.top_ps, self.num_top_logprobs, strict=True))
+            if k <= 0 and p >= 1 and n is None
+        ]
 
 
 @dataclass
@@ -72,8 +110,74 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+_fused_sample = None
+
+
+def fused_sampler_available(device: torch.device) -> bool:
+    """Import the Triton sampler and check it against the torch path once on this device."""
+    global _fused_sample
+    if device.type != "cuda":
+        return False
+    if _fused_sample is None:
+        try:
+            from refractor.inference.engine.triton_sampler import sample_triton
+
+            gen = torch.Generator(device=device).manual_seed(0)
+            logits = torch.randn(6, 5003, device=device, generator=gen).to(torch.bfloat16) * 4
+            temps = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1.0], device=device)
+            tokens, logprobs = sample_triton(logits, temps, torch.arange(6, device=device) * 7919)
+            processed = process_logits(logits, temps)
+            want = processed.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+            greedy = processed.argmax(-1)
+            if not torch.equal(tokens[temps == 0], greedy[temps == 0]):
+                raise RuntimeError("its greedy rows differ from argmax")
+            if (logprobs - want).abs().max().item() > 1e-4:
+                raise RuntimeError(
+                    f"its log-probs differ from the torch path by {(logprobs - want).abs().max()}"
+                )
+            _fused_sample = sample_triton
+        except Exception as err:
+            log.warning("the fused Triton sampler is unavailable (%s); sampling with torch ops", err)
+            _fused_sample = False
+    return bool(_fused_sample)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Rows the fused kernel can take go through it (on CUDA); the others through torch ops."""
+        if batch.seeds is None or not fused_sampler_available(logits.device):
+            return self._sample_torch(logits, batch)
+        plain = batch.plain_rows()
+        if len(plain) == logits.shape[0]:
+            return self._sample_fused(logits, batch)
+        if not plain:
+            return self._sample_torch(logits, batch)
+        rest = [i for i in range(logits.shape[0]) if i not in set(plain)]
+        parts = [
+            (plain, self._sample_fused(logits[plain], batch.rows(plain))),
+            (rest, self._sample_torch(logits[rest], batch.rows(rest))),
+        ]
+        rows = logits.shape[0]
+        tokens, logprobs = [0] * rows, [0.0] * rows
+        ranks: list = [None] * rows
+        top: list = [None] * rows
+        for index, out in parts:
+            for j, i in enumerate(index):
+                tokens[i] = out.token_ids[j]
+                logprobs[i] = out.logprobs[j]
+                ranks[i] = out.ranks[j] if out.ranks is not None else 0
+                top[i] = out.top_logprobs[j] if out.top_logprobs is not None else []
+        has_ranks = any(n is not None for n in batch.num_top_logprobs)
+        return SamplerOutput(tokens, logprobs, ranks if has_ranks else None, top if has_ranks else None)
+
+    def _sample_fused(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        device = logits.device
+        temps = torch.tensor(batch.temperatures, dtype=torch.float32).to(device, non_blocking=True)
+        seeds = torch.from_numpy(batch.seeds).to(device, non_blocking=True)
+        tokens, logprobs = _fused_sample(logits, temps, seeds)
+        return SamplerOutput(tokens.tolist(), logprobs.tolist(), None, None)
+
+    def _sample_torch(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         device = logits.device
         rows = logits.shape[0]
         temps = batch.temperatures

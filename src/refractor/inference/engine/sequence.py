@@ -42,6 +42,7 @@ class Sequence:
         arrival: int,
         max_tokens: int,
         generator: torch.Generator | None,
+        sample_seed: int = 0,
     ):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -52,7 +53,8 @@ class Sequence:
         self.priority = priority
         self.arrival = arrival
         self.max_tokens = max_tokens
-        self.generator = generator
+        self.generator = generator  # the torch sampling path's stream (seeded requests only)
+        self.sample_seed = sample_seed  # the fused sampler's key: the request's seed, or a random one
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block_manager.py)
