@@ -85,6 +85,7 @@ class BlockManager:
         for block in hits:
             self._take(block)
         seq.block_table = hits + [self._allocate() for _ in range(new)]
+        seq.table_version += 1
         seq.num_computed_tokens = len(hits) * bs
         seq.kv_epoch = self.epoch
         if self.enable_prefix_caching:
@@ -119,6 +120,7 @@ class BlockManager:
     def grow(self, seq: Sequence) -> None:
         for _ in range(self.blocks_needed(seq)):
             seq.block_table.append(self._allocate())
+            seq.table_version += 1
 
     # ---- release -----------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
@@ -145,6 +147,7 @@ class BlockManager:
             else:
                 self.free_blocks.append(block)
         seq.block_table = []
+        seq.table_version += 1
         seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:

@@ -176,19 +176,29 @@ class ModelRunner:
     def _decode_inputs(self, seqs: list[Sequence], rows: int, width: int) -> tuple[np.ndarray, ...]:
         """Host arrays for ``rows`` rows; rows past len(seqs) point at the padding block."""
         bs = self.block_size
+        count = len(seqs)
         ids = np.zeros(rows, dtype=np.int64)
         positions = np.zeros(rows, dtype=np.int64)
         slots = np.full(rows, self.pad_block * bs, dtype=np.int64)
         context = np.ones(rows, dtype=np.int32)
         tables = np.full((rows, width), self.pad_block, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            n = seq.num_tokens
-            ids[i] = seq.token_ids[-1]
-            positions[i] = n - 1
-            context[i] = n
-            slots[i] = seq.block_table[(n - 1) // bs] * bs + (n - 1) % bs
-            tables[i, : len(seq.block_table)] = seq.block_table
+        n = np.fromiter((s.num_tokens for s in seqs), np.int64, count)
+        ids[:count] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, count)
+        positions[:count] = n - 1
+        context[:count] = n
+        table = np.stack([self._block_row(s) for s in seqs])
+        slots[:count] = table[np.arange(count), (n - 1) // bs].astype(np.int64) * bs + (n - 1) % bs
+        tables[:count] = table[:, :width]
         return ids, positions, slots, context, tables
+
+    def _block_row(self, seq: Sequence) -> np.ndarray:
+        """The sequence's block table padded to ``max_blocks_per_seq``, rebuilt only when it changed."""
+        if seq.block_row_version != seq.table_version:
+            row = np.full(self.max_blocks_per_seq, self.pad_block, dtype=np.int32)
+            row[: len(seq.block_table)] = seq.block_table
+            seq.block_row = row
+            seq.block_row_version = seq.table_version
+        return seq.block_row
 
     def _to_device(self, x: torch.Tensor | np.ndarray) -> torch.Tensor:
         if isinstance(x, np.ndarray):

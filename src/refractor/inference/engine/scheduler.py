@@ -95,8 +95,10 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         # Each decode step writes the KV of every sequence's last token, so each may need a block.
         bm = self.block_manager
-        if sum(bm.blocks_needed(s) for s in self.running) <= bm.num_free_blocks:  # the common case
-            for seq in self.running:
+        # a running sequence needs at most one block: the one its last token's KV goes to
+        needing = [s for s in self.running if s.num_tokens > len(s.block_table) * bm.block_size]
+        if len(needing) <= bm.num_free_blocks:  # the common case
+            for seq in needing:
                 bm.grow(seq)
             return list(self.running)
         pending = sorted(self.running, key=Sequence.sort_key)

@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from refractor.inference.engine.sampling_params import SamplingParams
@@ -57,6 +58,9 @@ class Sequence:
         self.sample_seed = sample_seed  # the fused sampler's key: the request's seed, or a random one
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.table_version = 0  # bumped by the block manager whenever block_table changes
+        self.block_row: np.ndarray | None = None  # the model runner's padded copy of block_table
+        self.block_row_version = -1
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (block_manager.py)
         self.num_computed_tokens = 0  # tokens whose KV the cache held when it was admitted
         self.kv_epoch = -1  # the block manager's epoch its KV was computed in
