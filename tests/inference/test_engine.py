@@ -75,7 +75,9 @@ def test_sampled_logprobs_equal_a_fresh_forward(tiny_qwen2_path):
 def test_sixty_four_concurrent_requests_with_preemption(tiny_llama_path):
     """64 requests on a KV cache too small for all: new ones join, preempted ones resume, all exact."""
     hf = _hf(tiny_llama_path)
-    engine = _engine(tiny_llama_path, kv_cache_memory_gb=1400 * 2 * 2 * 64 * 4 * 2 / 2**30)  # ~1400 tokens
+    engine = _engine(  # ~1400 tokens; newcomers join the decoding batch at once
+        tiny_llama_path, kv_cache_memory_gb=1400 * 2 * 2 * 64 * 4 * 2 / 2**30, decode_steps_between_prefills=0
+    )
     prompts = _prompts(64, seed=3, high=48)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for i, prompt in enumerate(prompts[:32]):

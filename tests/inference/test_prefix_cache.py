@@ -213,17 +213,21 @@ def test_a_full_batch_takes_newcomers_every_few_decode_steps(steps):
     scheduler = Scheduler(
         BlockManager(200, 4), max_num_seqs=8, prefill_token_budget=64, decode_steps_between_prefills=steps
     )
-    _decoding(scheduler, 6, start=0)  # more than half full
+    _decoding(scheduler, 6, start=0)
     scheduler.add(_seq([50, 1, 2], 50))
     kinds = [scheduler.schedule()[1] for _ in range(steps + 1)]
     assert kinds == [False] * steps + [True]
 
 
-def test_a_half_empty_batch_takes_newcomers_at_once():
+def test_newcomers_that_fill_the_prefill_budget_are_taken_at_once():
     scheduler = Scheduler(
-        BlockManager(200, 4), max_num_seqs=8, prefill_token_budget=64, decode_steps_between_prefills=5
+        BlockManager(200, 4), max_num_seqs=16, prefill_token_budget=12, decode_steps_between_prefills=5
     )
-    _decoding(scheduler, 4, start=0)
+    _decoding(scheduler, 2, start=0)
     scheduler.schedule()  # a decode step
     scheduler.add(_seq([50, 1, 2], 50))
-    assert scheduler.schedule()[1] is True
+    assert scheduler.schedule()[1] is False
+    for i in range(3):  # 4 x 3 tokens: the budget of 12
+        scheduler.add(_seq([60 + i, 1, 2], 60 + i))
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and len(batch) == 4 and scheduler.waiting_tokens == 0

@@ -44,10 +44,11 @@ def serve(
         help="Prompts reuse the cached KV of full blocks shared with earlier requests.",
     ),
     decode_steps_between_prefills: int = typer.Option(
-        8,
+        32,
         "--decode-steps-between-prefills",
         min=0,
-        help="Native engine: a full decoding batch takes newcomers at most once per this many steps.",
+        help="Native engine: while sequences decode, newcomers are prefilled together after this many "
+        "steps (or once they fill the prefill token budget); 0: each at once.",
     ),
     seed: int = typer.Option(0, "--seed"),
     served_model_name: str | None = typer.Option(None, "--served-model-name"),

@@ -31,10 +31,10 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     # prompts reuse the cached KV of full blocks they share with earlier sequences (block_manager.py)
     enable_prefix_caching: bool = True
-    # a full batch of decoding sequences is interrupted by a prefill at most once per this many
-    # steps (0: newcomers are prefilled as soon as they arrive); batching arrivals into fewer,
-    # larger prefills keeps the decode steps going at the cost of a few steps of time to first token
-    decode_steps_between_prefills: int = 8
+    # while sequences decode, newcomers wait this many decode steps (or until they fill the
+    # prefill token budget) and are then prefilled together (0: each at once); fewer, larger
+    # prefills keep the decode steps going at the cost of a few steps of time to first token
+    decode_steps_between_prefills: int = 32
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -35,6 +35,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._decodes_since_prefill = 0
         self._deferred = False  # the last prefill left sequences waiting for its blocks
+        self.waiting_tokens = 0
 
     @property
     def has_work(self) -> bool:
@@ -43,12 +44,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self.waiting, (seq.sort_key(), seq.seq_id, seq))
+        self.waiting_tokens += seq.num_tokens
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """(sequences, is_prefill). Waiting requests join as soon as they fit, except that a full
-        batch of decoding sequences is interrupted by a prefill at most every
-        ``decode_steps_between_prefills`` steps, so newcomers are prefilled together rather than
-        one step each."""
+        """(sequences, is_prefill). While sequences decode, the waiting ones are prefilled once
+        ``decode_steps_between_prefills`` decode steps have passed since the last prefill, or as soon
+        as they fill the prefill token budget, so newcomers are prefilled together rather than one
+        step each (each prefill step stalls every decoding sequence). With nothing decoding they
+        are prefilled at once."""
         if self.waiting and self._prefill_due():
             batch = self._schedule_prefill()
             if batch:
@@ -59,9 +62,10 @@ class Scheduler:
 
     def _prefill_due(self) -> bool:
         return (
-            self._deferred
-            or 2 * len(self.running) <= self.max_num_seqs  # a half-empty batch takes newcomers at once
+            not self.running
+            or self._deferred
             or self._decodes_since_prefill >= self.decode_steps_between_prefills
+            or self.waiting_tokens >= self.prefill_token_budget
         )
 
     def _schedule_prefill(self) -> list[Sequence]:
@@ -81,6 +85,7 @@ class Scheduler:
             if not bm.admit(seq, hits):
                 break
             heapq.heappop(self.waiting)
+            self.waiting_tokens -= seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             if seq.scheduled_time is None:  # a preempted sequence keeps its first start
                 seq.scheduled_time = time.monotonic()
@@ -133,4 +138,5 @@ class Scheduler:
         elif any(entry[2] is seq for entry in self.waiting):
             self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
             heapq.heapify(self.waiting)
+            self.waiting_tokens -= seq.num_tokens
         self.block_manager.free(seq)

@@ -1,7 +1,8 @@
 """Paged decode attention as one Triton kernel (CUDA only; imported lazily).
 
 One program per (sequence, KV head): it loads the G query heads that share the KV head, walks
-the sequence's blocks with an online softmax, and writes G outputs. The loop bound is the
+the sequence's context ``TILE`` tokens at a time (each token's slot found through the block table,
+so a tile may span several KV blocks) with an online softmax, and writes G outputs. The loop bound is the
 sequence's context length read on device, so the launch is CUDA-graph friendly.
 """
 
@@ -33,13 +34,14 @@ def _paged_decode_kernel(
     G_PAD: tl.constexpr,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
-    n = tl.arange(0, BLOCK)
+    n = tl.arange(0, TILE)
     g_mask = g < G
     q = tl.load(
         q_ptr + b * stride_q_b + (h * G + g)[:, None] * stride_q_h + d[None, :],
@@ -51,10 +53,16 @@ def _paged_decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp -> exp2
-    for start in range(0, context_len, BLOCK):
-        block = tl.load(block_tables_ptr + b * stride_bt_b + start // BLOCK).to(tl.int64)
-        offs = block * stride_cache_block + n[:, None] * stride_cache_tok + h * stride_cache_head + d[None, :]
-        valid = (start + n) < context_len
+    for start in range(0, context_len, TILE):
+        token = start + n
+        valid = token < context_len
+        block = tl.load(block_tables_ptr + b * stride_bt_b + token // BLOCK, mask=valid, other=0).to(tl.int64)
+        offs = (
+            block[:, None] * stride_cache_block
+            + (token % BLOCK)[:, None] * stride_cache_tok
+            + h * stride_cache_head
+            + d[None, :]
+        )
         k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -79,8 +87,11 @@ def paged_decode_attention_triton(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    tile: int = 128,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """q [B, H, D]; caches [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] int32."""
+    """q [B, H, D]; caches [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] int32.
+    ``tile``: context tokens per loop iteration (a power of two)."""
     batch, heads, dim = q.shape
     block_size = k_cache.shape[1]
     kv_heads = k_cache.shape[2]
@@ -106,8 +117,9 @@ def paged_decode_attention_triton(
         G_PAD=max(16, triton.next_power_of_2(group)),
         D=dim,
         BLOCK=block_size,
+        TILE=tile,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays exact (no TF32)
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=2,
     )
     return out
