@@ -28,6 +28,9 @@ Interface
         sample) -> final-norm hidden states ``[T, hidden_size]`` (NOT logits).
     ``model.lm_head_weight()`` -> the ``[V, H]`` head weight (tied or not);
     ``model.compute_logits(hidden)`` -> ``hidden @ W.T``.
+    ``model.fuse_projections()`` (the inference engine only) runs q/k/v as one GEMM and gate/up
+        as one in every layer; ``model.named_hf_parameters()`` and ``get_parameter_by_hf_name``
+        still give every HF name (a fused part as a row-slice view of the fused parameter).
 
 Attention backends (``refractor.models.attention``): callables ``(q [T,H,D], k [T,Hkv,D],
 v [T,Hkv,D], layer_index) -> [T,H,D]``. ``PackedAttention(document_ids, cu_seqlens, max_seqlen)``

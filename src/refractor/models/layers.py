@@ -6,7 +6,10 @@ training row, or the prefill/decode tokens of an engine step); there is no batch
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from refractor.models.attention import AttentionBackend
@@ -27,6 +30,48 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class FusedLinear(nn.Module):
+    """Linears that read the same input, run as one GEMM: their weights (and biases) stacked on the
+    output dim, in order.
+
+    ``forward`` returns each part's output as a view of the one GEMM's output. ``part(name, kind)``
+    is a row-slice view of the stacked parameter, sliced from the live parameter at each call (sleep
+    mode moves the parameters after fusion), so a ``copy_`` into it writes the fused weight in place.
+    """
+
+    def __init__(self, linears: dict[str, nn.Linear]):
+        super().__init__()
+        first = next(iter(linears.values()))
+        requires_grad = first.weight.requires_grad
+        self.weight = nn.Parameter(
+            torch.cat([linear.weight.detach() for linear in linears.values()]), requires_grad
+        )
+        if first.bias is None:
+            self.register_parameter("bias", None)
+        else:
+            biases = [linear.bias.detach() for linear in linears.values()]
+            self.bias = nn.Parameter(torch.cat(biases), requires_grad)
+        self.split_sizes = [linear.out_features for linear in linears.values()]
+        self.rows: dict[str, slice] = {}
+        start = 0
+        for name, size in zip(linears, self.split_sizes, strict=True):
+            self.rows[name] = slice(start, start + size)
+            start += size
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.split_sizes, dim=-1)
+
+    def part(self, name: str, kind: str) -> torch.Tensor:
+        """The rows of part ``name`` in the ``kind`` ("weight" or "bias") parameter."""
+        return self.get_parameter(kind)[self.rows[name]]
+
+    def named_parts(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """("<part>.<kind>", view) for every part, in the order of the unfused Linears' parameters."""
+        for name in self.rows:
+            for kind, _ in self.named_parameters(recurse=False):
+                yield f"{name}.{kind}", self.part(name, kind)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -36,6 +81,9 @@ class SelfAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d
         bias = config.attention_bias
+        # set by fuse_projections (the engine); registered first so that a fused layer still lists
+        # its parameters in the HF order
+        self.register_module("qkv_proj", None)
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
@@ -54,9 +102,13 @@ class SelfAttention(nn.Module):
         layer_index: int,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -65,6 +117,13 @@ class SelfAttention(nn.Module):
         out = attention(q, k, v, layer_index)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Replace q_proj, k_proj and v_proj by one ``qkv_proj`` (idempotent)."""
+        if self.qkv_proj is None:
+            self.qkv_proj = FusedLinear({"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj})
+            del self.q_proj, self.k_proj, self.v_proj
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -72,12 +131,24 @@ class MLP(nn.Module):
         h = config.hidden_size
         i = config.intermediate_size
         bias = config.mlp_bias
+        self.register_module("gate_up_proj", None)  # as SelfAttention.qkv_proj
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x)
+        return self.down_proj(ops.silu_mul(gate, up))
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one ``gate_up_proj`` (idempotent)."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = FusedLinear({"gate_proj": self.gate_proj, "up_proj": self.up_proj})
+            del self.gate_proj, self.up_proj
 
 
 class DecoderLayer(nn.Module):

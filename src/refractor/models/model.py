@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from refractor.models.attention import AttentionBackend
 from refractor.models.config import ModelConfig
-from refractor.models.layers import DecoderLayer, RMSNorm
+from refractor.models.layers import DecoderLayer, FusedLinear, RMSNorm
 from refractor.models.rope import RotaryEmbedding
 
 
@@ -69,17 +71,45 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight())
 
+    def fuse_projections(self) -> None:
+        """Run q/k/v as one GEMM and gate/up as one in every layer (the engine's decode speed).
+
+        Engine only: the trainer and checkpoints keep the unfused HF layout, and HF names still
+        address each part (``named_hf_parameters``, ``get_parameter_by_hf_name``). Layer by layer,
+        so at most one layer's projections are held twice.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    def named_hf_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter by its HF name, in the unfused order; a fused part is a row-slice view."""
+        for module_name, module in self.named_modules():
+            if isinstance(module, FusedLinear):
+                parent = module_name.rpartition(".")[0]
+                for name, view in module.named_parts():
+                    yield f"{parent}.{name}", view
+            else:
+                for kind, param in module.named_parameters(recurse=False):
+                    yield f"{module_name}.{kind}", param
+
     def hf_state_dict_names(self) -> list[str]:
         """Every HF checkpoint name this model reads (``lm_head.weight`` only when untied)."""
-        return [name for name, _ in self.named_parameters()]
+        return [name for name, _ in self.named_hf_parameters()]
 
     def get_parameter_by_hf_name(self, name: str) -> torch.Tensor:
-        """The parameter an HF checkpoint name refers to.
+        """The parameter an HF checkpoint name refers to; raises AttributeError for an unknown name.
 
-        ``lm_head.weight`` aliases the embedding when tied.
+        ``lm_head.weight`` aliases the embedding when tied. On a fused model a q/k/v or gate/up name
+        gives a row-slice view of the fused parameter: a ``copy_`` into it writes that parameter.
         """
         if name == "lm_head.weight" and self.lm_head is None:
             return self.model.embed_tokens.weight
+        module_path, _, kind = name.rpartition(".")
+        parent_path, _, part = module_path.rpartition(".")
+        for child in self.get_submodule(parent_path).children():
+            if isinstance(child, FusedLinear) and part in child.rows:
+                return child.part(part, kind)
         return self.get_parameter(name)
 
     @torch.no_grad()

@@ -85,6 +85,8 @@ class LLMEngine:
     ):
         self.config = config or EngineConfig()
         self.model = model.eval().requires_grad_(False)
+        if self.config.fuse_projections:  # before the arena and the CUDA graphs take the parameters
+            self.model.fuse_projections()
         self.device = next(model.parameters()).device
         self.eos_token_ids = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.detokenize = detokenize  # only needed for stop strings
@@ -399,8 +401,8 @@ class LLMEngine:
         self.memory.wake_up(tags)
 
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The live parameters by HF name (read-only use: checksums, debugging)."""
-        return self.model.named_parameters()
+        """The live parameters by HF name (read-only use: checksums, debugging); a fused part is a view."""
+        return self.model.named_hf_parameters()
 
     @torch.inference_mode()
     def update_weights(
@@ -433,7 +435,7 @@ class LLMEngine:
 
     def _checked_update(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         tied = self.model.lm_head is None
         updates = []
         names = []

@@ -14,13 +14,16 @@ the engine holds. Two kinds of memory sleep, each in one ``ReleasableBuffer``:
 The addresses must not move: the decode CUDA graphs hold pointers into both buffers. On CUDA a
 buffer is therefore a range of virtual addresses reserved once (the driver's virtual memory
 management, through NVIDIA's ``cuda-bindings``) whose physical memory is unmapped on release and
-mapped again on restore. On CPU, where there are no graphs, the tensor's storage is resized to
-nothing and back (the same storage object, so every view follows it).
+mapped again on restore. On CPU a buffer is a private anonymous memory map whose pages a release
+hands back to the system (``madvise(MADV_DONTNEED)``; they read as zeros when touched again). Either
+way the storage keeps its size while released, so views of it can still be made (the HF-name views
+of fused parameters; ``CausalLM.get_parameter_by_hf_name``).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Iterable
 
 import torch
@@ -38,12 +41,15 @@ class ReleasableBuffer:
         self.nbytes = nbytes
         self.device = device
         self.resident = True
-        self._cuda = _CudaMapping(nbytes, device) if device.type == "cuda" else None
-        if self._cuda is None:
-            self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        else:
+        self._cuda = None
+        self._pages = None
+        if device.type == "cuda":
+            self._cuda = _CudaMapping(nbytes, device)
             self.tensor = torch.as_tensor(self._cuda, device=device)
-            self.tensor.zero_()
+        else:
+            self._pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.tensor = torch.frombuffer(self._pages, dtype=torch.uint8)
+        self.tensor.zero_()  # touches every page: the memory is held from the start
 
     def view(self, offset: int, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         return _typed_view(self.tensor, offset, dtype, shape)
@@ -52,7 +58,7 @@ class ReleasableBuffer:
         if not self.resident:
             return
         if self._cuda is None:
-            self.tensor.untyped_storage().resize_(0)
+            self._pages.madvise(mmap.MADV_DONTNEED)
         else:
             torch.cuda.synchronize(self.device)  # no queued kernel may still touch it
             self._cuda.unmap()
@@ -62,9 +68,7 @@ class ReleasableBuffer:
         """Take the memory back (contents undefined); ``what`` names it in an out-of-memory error."""
         if self.resident:
             return
-        if self._cuda is None:
-            self.tensor.untyped_storage().resize_(self.nbytes)
-        else:
+        if self._cuda is not None:  # CPU pages come back as they are touched
             self._cuda.map(what)
         self.resident = True
 
@@ -74,22 +78,25 @@ class ParameterArena:
 
     def __init__(self, params: Iterable[torch.nn.Parameter], device: torch.device):
         unique = list({id(p): p for p in params}.values())
-        self.offsets: dict[int, int] = {}
+        offsets = []
         end = 0
         for param in unique:
             end = -(-end // _ALIGN) * _ALIGN
-            self.offsets[id(param)] = end
+            offsets.append(end)
             end += param.numel() * param.element_size()
         self.memory = ReleasableBuffer(max(end, 1), device)
         self.params = unique
-        for param in unique:
-            param.data = self.memory.view(self.offsets[id(param)], param.dtype, param.shape).copy_(param.data)
+        for param, offset in zip(unique, offsets, strict=True):
+            param.data = self.memory.view(offset, param.dtype, param.shape).copy_(param.data)
         self._host: torch.Tensor | None = None  # level 1's copy, allocated at the first offload
 
-    def host_view(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """Where an update writes ``param`` while the arena is offloaded."""
+    def host_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Where an update writes ``tensor`` (a parameter, or a contiguous view of one, such as a fused
+        parameter's rows) while the arena is offloaded: the same bytes of the host copy."""
         assert self._host is not None, "the arena is not offloaded"
-        return _typed_view(self._host, self.offsets[id(param)], param.dtype, param.shape)
+        assert tensor.is_contiguous(), "only a contiguous part of a parameter has one host range"
+        offset = tensor.storage_offset() * tensor.element_size()
+        return _typed_view(self._host, offset, tensor.dtype, tensor.shape)
 
     def offload(self) -> None:
         if self._host is None:
@@ -139,8 +146,9 @@ class EngineMemory:
             self.kv_cache.restore("the KV cache")
             del self.asleep["kv_cache"]
 
-    def write_target(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The tensor an update of ``param`` writes: the parameter, or its host copy while offloaded."""
+    def write_target(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor an update of ``param`` (or of a view of one) writes: itself, or its host copy
+        while offloaded."""
         if self.asleep.get("weights") == 1:
             return self.weights.host_view(param)
         return param
