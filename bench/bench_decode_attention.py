@@ -60,7 +60,7 @@ def main() -> None:
             base = base or us
             print(
                 f"context {context:5d} tile {tile:4d} warps {warps}: {us:7.1f} us  "
-                f"{read_bytes / us / 1e6:6.0f} GB/s  x{base / us:.2f} vs tile 32  max err {err:.1e}",
+                f"{read_bytes / us / 1e6:5.2f} TB/s  x{base / us:.2f} vs tile 32  max err {err:.1e}",
                 flush=True,
             )
 

@@ -21,6 +21,7 @@ import statistics
 import time
 import traceback
 
+import numpy as np
 import torch
 
 PEAK_BANDWIDTH_TBS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}
@@ -181,19 +182,24 @@ def step_breakdown(engine, concurrency: int, prompt_len: int, steps: int = 40) -
     while engine.scheduler.waiting:
         engine.step()
     timings = {"schedule": 0.0, "model": 0.0, "sample": 0.0, "total": 0.0}
-    for _ in range(steps):
+    for step in range(steps):
         t0 = time.perf_counter()
         seqs, is_prefill = engine.scheduler.schedule()
         t1 = time.perf_counter()
         logits = engine.runner.run(seqs, is_prefill)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        from refractor.inference.engine.sampler import SamplingBatch
+        from refractor.inference.engine.sampler import SamplingBatch, step_seeds
 
         out = engine.sampler(
             logits,
             SamplingBatch(
-                [1.0] * len(seqs), [1.0] * len(seqs), [0] * len(seqs), [None] * len(seqs), [None] * len(seqs)
+                [1.0] * len(seqs),
+                [1.0] * len(seqs),
+                [0] * len(seqs),
+                [None] * len(seqs),
+                [None] * len(seqs),
+                step_seeds(np.arange(len(seqs)), np.full(len(seqs), step)),
             ),
         )
         t3 = time.perf_counter()

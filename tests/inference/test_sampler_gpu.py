@@ -47,6 +47,11 @@ def test_the_fused_kernel_is_used_and_matches_the_processed_log_softmax():
     assert (torch.tensor(out.logprobs, device="cuda") - want).abs().max().item() < 1e-4
     greedy = [i for i, t in enumerate(temps) if t == 0]
     assert tokens[greedy].tolist() == processed[greedy].argmax(-1).tolist()
+    # logprobs=0 asks for the sampled token's rank as well: the fused kernel counts it
+    ranked = Sampler()(logits, _batch(temps, step_seeds(np.arange(64), np.zeros(64, np.int64)), logprobs=0))
+    assert ranked.token_ids == out.token_ids
+    chosen = processed.gather(1, tokens[:, None])
+    assert ranked.ranks == ((processed > chosen).sum(-1) + 1).tolist()
 
 
 def test_draws_follow_the_softmax():

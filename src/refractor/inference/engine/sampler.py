@@ -94,11 +94,11 @@ class SamplingBatch:
         )
 
     def plain_rows(self) -> list[int]:
-        """Rows the fused sampler takes: no top-k, no top-p, no ranks or alternatives asked."""
+        """Rows the fused sampler takes: no top-k, no top-p, no alternatives (a rank is fine)."""
         return [
             i
             for i, (k, p, n) in enumerate(zip(self.top_ks, self.top_ps, self.num_top_logprobs, strict=True))
-            if k <= 0 and p >= 1 and n is None
+            if k <= 0 and p >= 1 and not n
         ]
 
 
@@ -125,12 +125,17 @@ def fused_sampler_available(device: torch.device) -> bool:
             gen = torch.Generator(device=device).manual_seed(0)
             logits = torch.randn(6, 5003, device=device, generator=gen).to(torch.bfloat16) * 4
             temps = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1.0], device=device)
-            tokens, logprobs = sample_triton(logits, temps, torch.arange(6, device=device) * 7919)
+            tokens, logprobs, ranks = sample_triton(
+                logits, temps, torch.arange(6, device=device) * 7919, True
+            )
             processed = process_logits(logits, temps)
             want = processed.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
             greedy = processed.argmax(-1)
             if not torch.equal(tokens[temps == 0], greedy[temps == 0]):
                 raise RuntimeError("its greedy rows differ from argmax")
+            chosen = processed.gather(1, tokens[:, None])
+            if not torch.equal(ranks.long(), (processed > chosen).sum(-1) + 1):
+                raise RuntimeError("its ranks differ from counting")
             if (logprobs - want).abs().max().item() > 1e-4:
                 raise RuntimeError(
                     f"its log-probs differ from the torch path by {(logprobs - want).abs().max()}"
@@ -174,8 +179,14 @@ class Sampler:
         device = logits.device
         temps = torch.tensor(batch.temperatures, dtype=torch.float32).to(device, non_blocking=True)
         seeds = torch.from_numpy(batch.seeds).to(device, non_blocking=True)
-        tokens, logprobs = _fused_sample(logits, temps, seeds)
-        return SamplerOutput(tokens.tolist(), logprobs.tolist(), None, None)
+        wants_ranks = any(n is not None for n in batch.num_top_logprobs)
+        tokens, logprobs, ranks = _fused_sample(logits, temps, seeds, wants_ranks)
+        return SamplerOutput(
+            tokens.tolist(),
+            logprobs.tolist(),
+            ranks.tolist() if wants_ranks else None,
+            None,
+        )
 
     def _sample_torch(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         device = logits.device
