@@ -1,7 +1,7 @@
 """Native engine decode throughput vs HF ``generate`` (GPU), plus GPU correctness checks.
 
     PYTHONPATH=src python bench/bench_engine.py [--concurrency 64,256] [--prompt-len 128]
-        [--gen-len 512] [--hf-gen-len 128] [--skip-checks] [--compare-unfused-projections]
+        [--gen-len 512] [--hf-gen-len 128] [--skip-checks] [--compare-fused-projections]
         [--out results.json]
 
 Workload: random-weight Qwen2.5-0.5B shape (bf16), ``c`` concurrent requests of 128 random
@@ -9,8 +9,8 @@ prompt tokens, 512 sampled tokens each (T=1, ignore EOS). Reported per concurren
 over the whole run and over the decode phase, TTFT, the memory-bandwidth bound of a decode step
 (all weights + the KV read and written per step), and HF ``generate`` on the same model and batch
 (HF runs fewer new tokens to fit the time budget; its tokens/s only drops with length, so the
-ratio is conservative). ``--compare-unfused-projections`` runs every concurrency again on an
-engine with ``fuse_projections=False`` (q/k/v and gate/up as separate GEMMs) and prints the ratio.
+ratio is conservative). ``--compare-fused-projections`` runs every concurrency again on an
+engine with ``fuse_projections=True`` (q/k/v and gate/up as one GEMM each) and prints the ratio.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--hf-gen-len", type=int, default=128)
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--compare-unfused-projections", action="store_true")
+    parser.add_argument("--compare-fused-projections", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -294,6 +294,26 @@ def main() -> None:
     c = max(concurrencies)
     results[f"breakdown_ms_{c}"] = step_breakdown(engine, c, args.prompt_len)
     log(f"decode step breakdown c={c} (ms): {results[f'breakdown_ms_{c}']}")
+    if args.compare_fused_projections:  # before the run below turns the compiled ops off
+        # a fused engine fuses its model in place: a fresh one (the same seed, the same weights)
+        del engine, model
+        torch.cuda.empty_cache()
+        model, _ = random_qwen_05b()
+        engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__, "fuse_projections": True}))
+        bench_engine(engine, 8, args.prompt_len, 16)  # warm-up
+        for c in concurrencies:
+            r = bench_engine(engine, c, args.prompt_len, args.gen_len)
+            r["fused_decode_speedup"] = r["decode_tok_s"] / results[f"engine_{c}"]["decode_tok_s"]
+            results[f"engine_fused_projections_{c}"] = r
+            log(
+                f"engine with fused projections c={c}: decode tok/s {r['decode_tok_s']:.0f}; "
+                f"unfused {results[f'engine_{c}']['decode_tok_s']:.0f} ({r['fused_decode_speedup']:.3f}x)"
+            )
+        c = max(concurrencies)
+        del engine, model  # the comparison below runs on an unfused model again
+        torch.cuda.empty_cache()
+        model, _ = random_qwen_05b()
+        engine = LLMEngine(model, engine_config)
     if engine.runner.compiled_ops:  # the same engine without the fused elementwise ops, for comparison
         del engine
         torch.cuda.empty_cache()
@@ -304,21 +324,6 @@ def main() -> None:
         log(
             f"engine without compiled ops c={c}: tok/s {r['tok_s']:.0f}, decode tok/s {r['decode_tok_s']:.0f}"
         )
-    if args.compare_unfused_projections:
-        # the engines above fused the model in place: a fresh one (the same seed, the same weights)
-        del engine, model
-        torch.cuda.empty_cache()
-        model, _ = random_qwen_05b()
-        engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__, "fuse_projections": False}))
-        bench_engine(engine, 8, args.prompt_len, 16)  # warm-up
-        for c in concurrencies:
-            r = bench_engine(engine, c, args.prompt_len, args.gen_len)
-            r["fused_decode_speedup"] = results[f"engine_{c}"]["decode_tok_s"] / r["decode_tok_s"]
-            results[f"engine_unfused_projections_{c}"] = r
-            log(
-                f"engine with unfused projections c={c}: decode tok/s {r['decode_tok_s']:.0f}; "
-                f"fused {results[f'engine_{c}']['decode_tok_s']:.0f} ({r['fused_decode_speedup']:.3f}x)"
-            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -12,7 +12,9 @@ import torch
 from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 from refractor.models import iter_safetensors, load_model
 
-CONFIG = EngineConfig(max_model_len=256, kv_cache_memory_gb=0.02, block_size=16, dtype="float32")
+CONFIG = EngineConfig(
+    max_model_len=256, kv_cache_memory_gb=0.02, block_size=16, dtype="float32", fuse_projections=True
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [list(range(3, 30)), list(range(40, 47)), list(range(100, 160)), [7, 8]]
 

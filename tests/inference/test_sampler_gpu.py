@@ -50,8 +50,11 @@ def test_the_fused_kernel_is_used_and_matches_the_processed_log_softmax():
     # logprobs=0 asks for the sampled token's rank as well: the fused kernel counts it
     ranked = Sampler()(logits, _batch(temps, step_seeds(np.arange(64), np.zeros(64, np.int64)), logprobs=0))
     assert ranked.token_ids == out.token_ids
-    chosen = processed.gather(1, tokens[:, None])
-    assert ranked.ranks == ((processed > chosen).sum(-1) + 1).tolist()
+    inverse = 1.0 / torch.where(
+        torch.tensor(temps, device="cuda") == 0, 1.0, torch.tensor(temps, device="cuda")
+    )
+    scaled = logits.float() * inverse[:, None]  # the kernel's arithmetic: ranks count on these values
+    assert ranked.ranks == ((scaled > scaled.gather(1, tokens[:, None])).sum(-1) + 1).tolist()
 
 
 def test_draws_follow_the_softmax():

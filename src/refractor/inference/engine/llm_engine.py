@@ -21,7 +21,13 @@ from refractor.errors import one_line
 from refractor.inference.engine.block_manager import BlockManager
 from refractor.inference.engine.config import EngineConfig
 from refractor.inference.engine.model_runner import ModelRunner
-from refractor.inference.engine.sampler import Sampler, SamplerOutput, SamplingBatch, step_seeds
+from refractor.inference.engine.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    fused_sampler_available,
+    step_seeds,
+)
 from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.scheduler import Scheduler
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, Sequence
@@ -106,6 +112,8 @@ class LLMEngine:
             self.config.decode_steps_between_prefills,
         )
         self.sampler = Sampler()
+        # compiles and checks the fused sampler's kernels now, not in the first step
+        fused_sampler_available(self.device, self.model.config.vocab_size)
         self._seeds = random.Random(self.config.seed)  # sample seeds of unseeded requests
         self.requests: dict[str, _Request] = {}
         self.weight_version: int | str = 0

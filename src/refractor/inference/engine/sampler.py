@@ -113,8 +113,9 @@ class SamplerOutput:
 _fused_sample = None
 
 
-def fused_sampler_available(device: torch.device) -> bool:
-    """Import the Triton sampler and check it against the torch path once on this device."""
+def fused_sampler_available(device: torch.device, vocab: int = 50_000) -> bool:
+    """Import the Triton sampler and check it against the torch path once on this device, with the
+    model's vocabulary size (Triton compiles a variant per size class of its integer arguments)."""
     global _fused_sample
     if device.type != "cuda":
         return False
@@ -123,23 +124,22 @@ def fused_sampler_available(device: torch.device) -> bool:
             from refractor.inference.engine.triton_sampler import sample_triton
 
             gen = torch.Generator(device=device).manual_seed(0)
-            logits = torch.randn(6, 5003, device=device, generator=gen).to(torch.bfloat16) * 4
-            temps = torch.tensor([0.0, 1.0, 0.7, 0.0, 1.3, 1.0], device=device)
-            tokens, logprobs, ranks = sample_triton(
-                logits, temps, torch.arange(6, device=device) * 7919, True
-            )
-            processed = process_logits(logits, temps)
-            want = processed.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-            greedy = processed.argmax(-1)
-            if not torch.equal(tokens[temps == 0], greedy[temps == 0]):
-                raise RuntimeError("its greedy rows differ from argmax")
-            chosen = processed.gather(1, tokens[:, None])
-            if not torch.equal(ranks.long(), (processed > chosen).sum(-1) + 1):
-                raise RuntimeError("its ranks differ from counting")
-            if (logprobs - want).abs().max().item() > 1e-4:
-                raise RuntimeError(
-                    f"its log-probs differ from the torch path by {(logprobs - want).abs().max()}"
-                )
+            # every compiled variant (see split_count) is built and checked now, not mid-serving
+            for rows in (1, 64, 256, 257):
+                logits = (torch.randn(rows, vocab, device=device, generator=gen) * 4).to(torch.bfloat16)
+                temps = torch.tensor([0.0, 1.0, 0.7, 1.3], device=device).repeat(rows)[:rows]
+                seeds = torch.arange(rows, device=device) * 7919
+                tokens, logprobs, ranks = sample_triton(logits, temps, seeds, True)
+                processed = process_logits(logits, temps)
+                want = processed.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+                if not torch.equal(tokens[temps == 0], processed[temps == 0].argmax(-1)):
+                    raise RuntimeError("its greedy rows differ from argmax")
+                error = (logprobs - want).abs().max().item()
+                if error > 1e-4:
+                    raise RuntimeError(f"its log-probs differ from the torch path by {error}")
+                scaled = logits.float() * (1.0 / torch.where(temps == 0, 1.0, temps))[:, None]
+                if not torch.equal(ranks.long(), (scaled > scaled.gather(1, tokens[:, None])).sum(-1) + 1):
+                    raise RuntimeError("its ranks differ from counting")
             _fused_sample = sample_triton
         except Exception as err:
             log.warning("the fused Triton sampler is unavailable (%s); sampling with torch ops", err)

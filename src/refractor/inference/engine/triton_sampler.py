@@ -24,6 +24,7 @@ def _sample_partial_kernel(
     vocab,
     chunk,
     temperatures_ptr,
+    inv_temperatures_ptr,
     seeds_ptr,
     partial_ptr,  # [rows, SPLITS, 4] float32: max, sum of exp(x - max), best score, best index
     SPLITS: tl.constexpr,
@@ -31,9 +32,8 @@ def _sample_partial_kernel(
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row)
-    greedy = temperature == 0.0
-    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
+    greedy = tl.load(temperatures_ptr + row) == 0.0
+    inv_t = tl.load(inv_temperatures_ptr + row)
     seed = tl.load(seeds_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
     cols = tl.arange(0, BLOCK)
@@ -77,15 +77,14 @@ def _sample_merge_kernel(
     logits_ptr,
     stride_row,
     vocab,
-    temperatures_ptr,
+    inv_temperatures_ptr,
     partial_ptr,
     tokens_ptr,
     logprobs_ptr,
     SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    temperature = tl.load(temperatures_ptr + row)
-    inv_t = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)
+    inv_t = tl.load(inv_temperatures_ptr + row)
     parts = partial_ptr + (row * SPLITS + tl.arange(0, SPLITS)) * 4
     split_max = tl.load(parts)
     split_sum = tl.load(parts + 1)
@@ -106,15 +105,14 @@ def _rank_kernel(
     stride_row,
     vocab,
     chunk,
-    temperatures_ptr,
+    inv_temperatures_ptr,
     tokens_ptr,
     ranks_ptr,  # [rows] int32, zeroed: each program adds the tokens of its slice that beat the chosen
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row)
-    inv_t = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)
+    inv_t = tl.load(inv_temperatures_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
     chosen = tl.load(base + tl.load(tokens_ptr + row)).to(tl.float32) * inv_t
     cols = tl.arange(0, BLOCK)
@@ -128,18 +126,30 @@ def _rank_kernel(
     tl.atomic_add(ranks_ptr + row, tl.sum(count, 0))
 
 
+BLOCK = 2048
+
+
+def split_count(rows: int, vocab: int) -> int:
+    """Programs per row: enough to fill the GPU at small batches, from three values only (each is
+    a compiled variant of the kernels, built when the engine starts)."""
+    splits = 16 if rows <= 64 else 4 if rows <= 256 else 1
+    return min(splits, triton.next_power_of_2(-(-vocab // BLOCK)))
+
+
 def sample_triton(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, with_ranks: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logits [B, V] (any float dtype), temperatures [B] float32 (0: greedy), seeds [B] int64 ->
     (tokens [B] int64, processed log-probs [B] float32, ranks [B] int32 or None): a token's rank
-    is 1 + the number of tokens more likely than it."""
+    is 1 + the number of tokens whose ``logits * (1 / T)`` exceeds its own."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block = 2048
+    block = BLOCK
+    # x * (1 / T) with the reciprocal from torch: ranks count on exactly these values
+    inverse = 1.0 / torch.where(temperatures == 0, 1.0, temperatures)
     # enough programs to fill the GPU: the vocabulary is split across programs, then merged
-    splits = min(32, triton.next_power_of_2(max(1, 1024 // rows)), triton.next_power_of_2(-(-vocab // block)))
+    splits = split_count(rows, vocab)
     chunk = -(-vocab // (splits * block)) * block
     partial = torch.empty(rows, splits, 4, dtype=torch.float32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -150,6 +160,7 @@ def sample_triton(
         vocab,
         chunk,
         temperatures,
+        inverse,
         seeds,
         partial,
         SPLITS=splits,
@@ -157,12 +168,12 @@ def sample_triton(
         num_warps=8,
     )
     _sample_merge_kernel[(rows,)](
-        logits, logits.stride(0), vocab, temperatures, partial, tokens, logprobs, SPLITS=splits, num_warps=1
+        logits, logits.stride(0), vocab, inverse, partial, tokens, logprobs, SPLITS=splits, num_warps=1
     )
     if not with_ranks:
         return tokens, logprobs, None
     ranks = torch.zeros(rows, dtype=torch.int32, device=logits.device)
     _rank_kernel[(rows, splits)](
-        logits, logits.stride(0), vocab, chunk, temperatures, tokens, ranks, BLOCK=block, num_warps=8
+        logits, logits.stride(0), vocab, chunk, inverse, tokens, ranks, BLOCK=block, num_warps=8
     )
     return tokens, logprobs, ranks + 1
