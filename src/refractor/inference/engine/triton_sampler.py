@@ -129,27 +129,31 @@ def _rank_kernel(
 BLOCK = 2048
 
 
-def split_count(rows: int, vocab: int) -> int:
+def split_count(rows: int, vocab: int, block: int = BLOCK) -> int:
     """Programs per row: enough to fill the GPU at small batches, from three values only (each is
     a compiled variant of the kernels, built when the engine starts)."""
     splits = 16 if rows <= 64 else 4 if rows <= 256 else 1
-    return min(splits, triton.next_power_of_2(-(-vocab // BLOCK)))
+    return min(splits, triton.next_power_of_2(-(-vocab // block)))
 
 
 def sample_triton(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, with_ranks: bool = False
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    with_ranks: bool = False,
+    block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logits [B, V] (any float dtype), temperatures [B] float32 (0: greedy), seeds [B] int64 ->
     (tokens [B] int64, processed log-probs [B] float32, ranks [B] int32 or None): a token's rank
-    is 1 + the number of tokens whose ``logits * (1 / T)`` exceeds its own."""
+    is 1 + the number of tokens whose ``logits * (1 / T)`` exceeds its own. ``block``: vocabulary
+    entries per loop iteration (a power of two)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block = BLOCK
     # x * (1 / T) with the reciprocal from torch: ranks count on exactly these values
     inverse = 1.0 / torch.where(temperatures == 0, 1.0, temperatures)
     # enough programs to fill the GPU: the vocabulary is split across programs, then merged
-    splits = split_count(rows, vocab)
+    splits = split_count(rows, vocab, block)
     chunk = -(-vocab // (splits * block)) * block
     partial = torch.empty(rows, splits, 4, dtype=torch.float32, device=logits.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
