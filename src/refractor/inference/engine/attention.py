@@ -10,13 +10,12 @@ cache through each sequence's block table: a Triton kernel on CUDA, a gather + S
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from refractor.inference.engine.checked_kernel import CheckedKernel
 
 
 def write_kv(
@@ -148,33 +147,27 @@ def paged_decode_attention_torch(
     return out.reshape(batch, heads, dim)
 
 
-_triton_decode = None
+def _load_triton_decode(device: torch.device):
+    from refractor.inference.engine.triton_attention import paged_decode_attention_triton
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(5, 14, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    kc = torch.randn(40, 32, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(40, 32, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    tables = torch.randperm(40, device=device, generator=gen)[:35].view(5, 7).int()
+    lens = torch.tensor([1, 31, 32, 100, 224], device=device, dtype=torch.int32)
+    ref = paged_decode_attention_torch(q, kc, vc, tables, lens)
+    err = (paged_decode_attention_triton(q, kc, vc, tables, lens) - ref).abs().max().item()
+    if err > 2e-2:
+        raise RuntimeError(f"it differs from the reference by {err}")
+    return paged_decode_attention_triton
+
+
+_triton_decode = CheckedKernel("Triton paged decode attention", "the torch gather path", _load_triton_decode)
 
 
 def triton_decode_available(device: torch.device) -> bool:
-    """Import the Triton kernel and check it against the torch reference once on this device."""
-    global _triton_decode
-    if device.type != "cuda":
-        return False
-    if _triton_decode is None:
-        try:
-            from refractor.inference.engine.triton_attention import paged_decode_attention_triton
-
-            gen = torch.Generator(device=device).manual_seed(0)
-            q = torch.randn(5, 14, 64, device=device, dtype=torch.bfloat16, generator=gen)
-            kc = torch.randn(40, 32, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
-            vc = torch.randn(40, 32, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
-            tables = torch.randperm(40, device=device, generator=gen)[:35].view(5, 7).int()
-            lens = torch.tensor([1, 31, 32, 100, 224], device=device, dtype=torch.int32)
-            ref = paged_decode_attention_torch(q, kc, vc, tables, lens)
-            err = (paged_decode_attention_triton(q, kc, vc, tables, lens) - ref).abs().max().item()
-            if err > 2e-2:
-                raise RuntimeError(f"Triton decode attention differs from the reference by {err}")
-            _triton_decode = paged_decode_attention_triton
-        except Exception as err:
-            log.warning("Triton paged decode attention unavailable (%s); using the torch gather path", err)
-            _triton_decode = False
-    return bool(_triton_decode)
+    return _triton_decode.available(device)
 
 
 @dataclass

@@ -9,13 +9,12 @@ transform; the trainer side can call it to reproduce the engine's numbers exactl
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from refractor.inference.engine.checked_kernel import CheckedKernel
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -110,41 +109,42 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
-_fused_sample = None
+def _load_fused_sampler(device: torch.device, vocab: int):
+    from refractor.inference.engine.triton_sampler import sample_triton
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    # every compiled variant (see split_count) is built and checked now, not mid-serving
+    for rows in (1, 64, 256, 257):
+        logits = (torch.randn(rows, vocab, device=device, generator=gen) * 4).to(torch.bfloat16)
+        temps = torch.tensor([0.0, 1.0, 0.7, 1.3], device=device).repeat(rows)[:rows]
+        seeds = torch.arange(rows, device=device) * 7919
+        tokens, logprobs, ranks = sample_triton(logits, temps, seeds, True)
+        processed = process_logits(logits, temps)
+        want = processed.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        if not torch.equal(tokens[temps == 0], processed[temps == 0].argmax(-1)):
+            raise RuntimeError("its greedy rows differ from argmax")
+        error = (logprobs - want).abs().max().item()
+        if error > 1e-4:
+            raise RuntimeError(f"its log-probs differ from the torch path by {error}")
+        scaled = logits.float() * (1.0 / torch.where(temps == 0, 1.0, temps))[:, None]
+        if not torch.equal(ranks.long(), (scaled > scaled.gather(1, tokens[:, None])).sum(-1) + 1):
+            raise RuntimeError("its ranks differ from counting")
+    return sample_triton
+
+
+_fused_sample: CheckedKernel | None = None
 
 
 def fused_sampler_available(device: torch.device, vocab: int = 50_000) -> bool:
-    """Import the Triton sampler and check it against the torch path once on this device, with the
-    model's vocabulary size (Triton compiles a variant per size class of its integer arguments)."""
+    """Whether the fused Triton sampler runs on this device: checked against the torch path once,
+    with the model's vocabulary size (Triton compiles a variant per size class of its integer
+    arguments)."""
     global _fused_sample
-    if device.type != "cuda":
-        return False
     if _fused_sample is None:
-        try:
-            from refractor.inference.engine.triton_sampler import sample_triton
-
-            gen = torch.Generator(device=device).manual_seed(0)
-            # every compiled variant (see split_count) is built and checked now, not mid-serving
-            for rows in (1, 64, 256, 257):
-                logits = (torch.randn(rows, vocab, device=device, generator=gen) * 4).to(torch.bfloat16)
-                temps = torch.tensor([0.0, 1.0, 0.7, 1.3], device=device).repeat(rows)[:rows]
-                seeds = torch.arange(rows, device=device) * 7919
-                tokens, logprobs, ranks = sample_triton(logits, temps, seeds, True)
-                processed = process_logits(logits, temps)
-                want = processed.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-                if not torch.equal(tokens[temps == 0], processed[temps == 0].argmax(-1)):
-                    raise RuntimeError("its greedy rows differ from argmax")
-                error = (logprobs - want).abs().max().item()
-                if error > 1e-4:
-                    raise RuntimeError(f"its log-probs differ from the torch path by {error}")
-                scaled = logits.float() * (1.0 / torch.where(temps == 0, 1.0, temps))[:, None]
-                if not torch.equal(ranks.long(), (scaled > scaled.gather(1, tokens[:, None])).sum(-1) + 1):
-                    raise RuntimeError("its ranks differ from counting")
-            _fused_sample = sample_triton
-        except Exception as err:
-            log.warning("the fused Triton sampler is unavailable (%s); sampling with torch ops", err)
-            _fused_sample = False
-    return bool(_fused_sample)
+        _fused_sample = CheckedKernel(
+            "the fused Triton sampler", "torch ops", lambda device: _load_fused_sampler(device, vocab)
+        )
+    return _fused_sample.available(device)
 
 
 class Sampler:
