@@ -49,15 +49,28 @@ def test_prometheus_names_become_the_stored_names():
 
 
 def test_rates_come_from_counter_deltas():
-    before = {"generation_tokens_total": 100.0, "engine_busy_seconds_total": 1.0, "engine_steps_total": 10.0}
+    before = {
+        "generation_tokens_total": 100.0,
+        "engine_busy_seconds_total": 1.0,
+        "engine_steps_total": 10.0,
+        "cache_queries_total": 1000.0,
+        "cache_hits_total": 200.0,
+    }
     after = {
         "generation_tokens_total": 500.0,
         "engine_busy_seconds_total": 2.5,
         "engine_steps_total": 310.0,
+        "cache_queries_total": 3000.0,
+        "cache_hits_total": 1700.0,
         "requests_running": 4.0,
     }
     assert rates(before, after, 2.0) == pytest.approx(
-        {"generation_tokens_per_s": 200.0, "engine_busy_fraction": 0.75, "engine_step_ms": 5.0}
+        {
+            "generation_tokens_per_s": 200.0,
+            "engine_busy_fraction": 0.75,
+            "engine_step_ms": 5.0,
+            "prefix_cache_hit_rate": 0.75,
+        }
     )
     assert rates(None, after, 2.0) == {}  # the first scrape has nothing to compare with
     assert rates(after, before, 2.0) == {}  # counters went down: the server restarted
@@ -110,6 +123,8 @@ def test_a_real_native_server_is_scraped_and_a_dead_one_is_skipped(tiny_qwen2_pa
     assert first["requests_running"] == 0 and "engine_busy_fraction" not in first
     assert last["generation_tokens_total"] - first["generation_tokens_total"] == 1600
     assert last["requests_total"] - first.get("requests_total", 0.0) == 4
+    # 4 samples of a 3-token prompt: 12 prompt tokens looked up, none in a full block to share
+    assert last["cache_queries_total"] - first["cache_queries_total"] == 12 and last["cache_hits_total"] == 0
     busy = [m for _, m, _, _ in rows[1:-1] if m.get("requests_running") == 4]
     assert busy, "no scrape saw the request decoding"
     # while 4 sequences decode the engine thread steps without pause: busy nearly all the time

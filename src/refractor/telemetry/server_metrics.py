@@ -89,6 +89,8 @@ def rates(
     out = {}
     if "generation_tokens_total" in delta:
         out["generation_tokens_per_s"] = delta["generation_tokens_total"] / seconds
+    if delta.get("cache_queries_total", 0.0) > 0:  # share of the prompt tokens the prefix cache held
+        out["prefix_cache_hit_rate"] = delta.get("cache_hits_total", 0.0) / delta["cache_queries_total"]
     if "engine_busy_seconds_total" in delta:
         out["engine_busy_fraction"] = min(delta["engine_busy_seconds_total"] / seconds, 1.0)
         steps = delta.get("engine_steps_total", 0.0)
