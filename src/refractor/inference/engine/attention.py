@@ -4,8 +4,8 @@ KV cache layout: one tensor ``[2 (k, v), layers, num_blocks, block_size, H_kv, D
 slot is ``block * block_size + offset``. A prefill that starts at position 0 only needs the fresh
 q/k/v of the step (padded-batch SDPA, causal); one that continues a cached prefix reads the whole
 context back from the cache after writing its own k/v. Either way the k/v are written to the cache
-for the decode steps that follow. Decode reads the
-cache through each sequence's block table: a Triton kernel on CUDA, a gather + SDPA elsewhere.
+for the decode steps that follow. Decode reads the cache through each sequence's block table: a
+Triton kernel on CUDA, a gather + SDPA elsewhere.
 """
 
 from __future__ import annotations

@@ -147,17 +147,14 @@ class ModelRunner:
         lens = [e - b for b, e in zip(starts, ends, strict=True)]
         ids = torch.tensor([t for s, b in zip(seqs, starts, strict=True) for t in s.token_ids[b:]])
         positions = torch.cat([torch.arange(b, e) for b, e in zip(starts, ends, strict=True)])
-        slots = torch.cat(
-            [self._slots(s.block_table, e)[b:] for s, b, e in zip(seqs, starts, ends, strict=True)]
-        )
+        # the slot of every position of every sequence, from the padded block rows the decode uses
+        width = -(-max(ends) // self.block_size)
+        rows = torch.from_numpy(np.stack([self._block_row(s)[:width] for s in seqs])).long()
+        context = (rows[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
+        slots = torch.cat([context[i, b:e] for i, (b, e) in enumerate(zip(starts, ends, strict=True))])
         last = torch.tensor(lens).cumsum(0) - 1
         to = self._to_device
         if any(starts):
-            width = max(len(s.block_table) for s in seqs)
-            tables = torch.full((len(seqs), width), self.pad_block, dtype=torch.long)
-            for i, seq in enumerate(seqs):
-                tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
-            context = (tables[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
             attention = CachedPrefixAttention.build(
                 self.kv_cache, to(slots), starts, ends, context[:, : max(ends)], self.device
             )
@@ -168,10 +165,6 @@ class ModelRunner:
             )
         hidden = self.model(to(ids), to(positions), attention)
         return self.model.compute_logits(hidden[to(last)])
-
-    def _slots(self, block_table: list[int], n: int) -> torch.Tensor:
-        table = torch.tensor(block_table, dtype=torch.long)
-        return (table[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:n]
 
     def _decode_inputs(self, seqs: list[Sequence], rows: int, width: int) -> tuple[np.ndarray, ...]:
         """Host arrays for ``rows`` rows; rows past len(seqs) point at the padding block."""

@@ -79,7 +79,7 @@ class SamplingBatch:
     top_ks: list[int]
     generators: list[torch.Generator | None]
     num_top_logprobs: list[int | None]  # None: no ranks / alternatives for that row
-    # per-row Philox keys of the fused CUDA sampler (triton_sampler.step_seeds); None: torch path only
+    # per-row Philox keys of the fused CUDA sampler (``step_seeds``); None: torch path only
     seeds: np.ndarray | None = None
 
     def rows(self, index: list[int]) -> SamplingBatch:
@@ -157,7 +157,8 @@ class Sampler:
             return self._sample_fused(logits, batch)
         if not plain:
             return self._sample_torch(logits, batch)
-        rest = [i for i in range(logits.shape[0]) if i not in set(plain)]
+        fused = set(plain)
+        rest = [i for i in range(logits.shape[0]) if i not in fused]
         parts = [
             (plain, self._sample_fused(logits[plain], batch.rows(plain))),
             (rest, self._sample_torch(logits[rest], batch.rows(rest))),

@@ -1,9 +1,9 @@
 """Paged decode attention as one Triton kernel (CUDA only; imported lazily).
 
 One program per (sequence, KV head): it loads the G query heads that share the KV head, walks
-the sequence's context ``TILE`` tokens at a time (each token's slot found through the block table,
-so a tile may span several KV blocks) with an online softmax, and writes G outputs. The loop bound is the
-sequence's context length read on device, so the launch is CUDA-graph friendly.
+the sequence's context ``TILE`` tokens at a time (each token's slot found through the block
+table, so a tile may span several KV blocks) with an online softmax, and writes G outputs. The
+loop bound is the sequence's context length read on device, so the launch is CUDA-graph friendly.
 """
 
 from __future__ import annotations
