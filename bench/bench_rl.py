@@ -84,6 +84,18 @@ class GpuSampler:
         return [1.0 - statistics.fmean(u[i] for u in window) / 100.0 for i in range(len(self.handles))]
 
 
+def split_modes(text: str) -> list[str]:
+    """``--modes`` split at the commas outside brackets, so that YAML flow values such as
+    ``evals=[{name: countdown, eval_every: 2}]`` stay whole."""
+    modes, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            modes.append(text[start:i])
+            start = i + 1
+    return [m for m in [*modes, text[start:]] if m]
+
+
 def parse_mode(token: str) -> tuple[str, int, dict]:
     """``2`` or ``2+weight_sync_inflight_kv=keep+...``: max_async_rollout, then config overrides
     (YAML values)."""
@@ -99,7 +111,7 @@ def parse_mode(token: str) -> tuple[str, int, dict]:
         overrides[key] = yaml.safe_load(raw)
     name = "sync" if max_async == 0 else f"async{max_async}"
     if overrides:
-        name += "-" + "-".join(f"{k}={v}" for k, v in overrides.items())
+        name += "-" + "-".join(k if isinstance(v, (dict, list)) else f"{k}={v}" for k, v in overrides.items())
     return name, max_async, overrides
 
 
@@ -173,7 +185,8 @@ def summarize(
     from refractor.telemetry.query import RunReader
 
     with RunReader(run_dir) as reader:
-        steps = reader.step_metrics()
+        every = reader.step_metrics()
+        steps = [s for s in every if any(not k.startswith("eval/") for k in s if k != "step")]
         if len(steps) <= warmup or warmup < 1:
             raise SystemExit(
                 f"{name}: {len(steps)} steps stored; need --warmup >= 1 and more steps than that"
@@ -194,6 +207,16 @@ def summarize(
                 peaks[key] = max(peaks.get(key, 0.0), row["value"])
         first_step_s = ends[steps[0]["step"]] - started
         kl = [s.get("kl_divergence_inference") for s in steps]
+        evals = {  # eval/<name>/<metric> by step, for runs with `evals:` (eval servers drained and rejoined)
+            s["step"]: {k: v for k, v in s.items() if k.startswith("eval/")}
+            for s in every
+            if any(k.startswith("eval/") for k in s)
+        }
+        cancelled: dict[str, int] = {}
+        for row in reader.rows(
+            "SELECT reason, COUNT(*) AS n FROM rollouts WHERE status = 'cancelled' GROUP BY reason"
+        ):
+            cancelled[row["reason"] or "-"] = row["n"]
     mean = lambda key: statistics.fmean(s.get(key, float("nan")) for s in measured)  # noqa: E731
     return {
         "mode": name,
@@ -202,6 +225,8 @@ def summarize(
         "wall_s": wall,
         "command_to_first_step_s": first_step_s,
         "kl_divergence_inference": kl,
+        "evals": evals,
+        "cancelled_by_reason": cancelled,
         "peak_gpu_memory_gb": peaks,
         "step_s": (t1 - t0) / len(measured),
         "samples_per_s": len(kept) / (t1 - t0),
@@ -270,7 +295,7 @@ def main() -> None:
         flush=True,
     )
     results = []
-    for name, value, overrides in (parse_mode(t) for t in args.modes.split(",")):
+    for name, value, overrides in (parse_mode(t) for t in split_modes(args.modes)):
         r = run_mode(name, value, args, model, workdir, overrides)
         results.append(r)
         idle = ", ".join(f"gpu{i} {f:.0%}" for i, f in enumerate(r["gpu_idle_fraction"]))
@@ -291,6 +316,13 @@ def main() -> None:
             + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["peak_gpu_memory_gb"].items())),
             flush=True,
         )
+        for step, metrics in r["evals"].items():
+            print(
+                f"{'':>7}  eval at step {step}: "
+                + ", ".join(f"{k} {v:.3g}" for k, v in sorted(metrics.items()))
+            )
+        if r["cancelled_by_reason"]:
+            print(f"{'':>7}  cancelled rollouts by reason: {r['cancelled_by_reason']}")
         server = r["server"]
         if server:  # how fed the engine was: sequences running, its thread's busy share, its own rate
             print(

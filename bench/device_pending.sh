@@ -5,6 +5,8 @@
 #   bash bench/device_pending.sh serving                      # 1 GPU
 #   bash bench/device_pending.sh fsdp_test fsdp_throughput    # 2 GPUs
 #   bash bench/device_pending.sh rl                           # 2 GPUs
+#   bash bench/device_pending.sh fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b   # 1, 2, 4 GPUs
+#   bash bench/device_pending.sh multi_server                 # 4 GPUs
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
 # runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
 # so the sum of their limits bounds one invocation. Wheels in .whl/ and .whl-ray/ (for a machine that has
@@ -13,9 +15,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 [ $# -gt 0 ] || { echo "usage: bash bench/device_pending.sh PART... (see run_part)" >&2; exit 2; }
-if [ -d .whl ] || [ -d .whl-ray ]; then
+if { [ -d .whl ] || [ -d .whl-ray ]; } && [ ! -e /tmp/site/.refractor-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/*.whl .whl-ray/*.whl >/dev/null 2>&1 || echo "wheel install failed (cp312 wheels; continuing)"
+  touch /tmp/site/.refractor-wheels  # parts started side by side (one per GPU) install once
 fi
 export PYTHONPATH=/tmp/site:src:bench NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 
@@ -53,11 +56,21 @@ run_part() {
       part fsdp_throughput 320 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
         --tokens 32768 --variants default,sac --warmup 2 --steps 3 ;;
     rl)  # 2 GPUs
-      part rl 540 python bench/bench_rl.py --steps 6 --warmup 2 \
-        --modes 0,2,2+weight_sync_inflight_kv=keep,0+dispatch_only_needed_groups=true ;;
+      part rl 420 python bench/bench_rl.py --steps 6 --warmup 2 \
+        --modes 0,2,0+dispatch_only_needed_groups=true ;;
+    fsdp_scale1 | fsdp_scale2 | fsdp_scale4)  # FSDP2 scaling: 16k tokens per GPU, weak scaling
+      local n=${1#fsdp_scale}
+      part "$1" 240 torchrun --nproc-per-node "$n" bench/bench_trainer.py --sizes 0.5b,1.5b \
+        --tokens $((16384 * n)) --variants default,sac --no-baseline --warmup 2 --steps 3 ;;
+    fsdp_7b)  # 4 GPUs: a 7B shape with fp32 master weights and AdamW state, no offload
+      part fsdp_7b 300 torchrun --nproc-per-node 4 bench/bench_trainer.py --sizes 7b --tokens 65536 \
+        --variants default --no-baseline --warmup 2 --steps 3 ;;
+    multi_server)  # 4 GPUs: 3 servers + 1 trainer rank (one of them an eval server), then 2 + 2
+      part multi_server 420 python bench/bench_rl.py --steps 6 --warmup 2 --modes \
+        "2+inference_num_workers=3+eval_num_servers=1+evals=[{name: countdown, eval_every: 2, num_samples: 64, kwargs: {dataset_name: procedural}}],2+inference_num_workers=2+trainer_num_workers=2" ;;
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary serving fsdp_test" \
-        "fsdp_throughput rl" >&2 ;;
+        "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server" >&2 ;;
   esac
 }
 
