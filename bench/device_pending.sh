@@ -17,8 +17,9 @@ OUT=${OUT:-/tmp/out}
 [ $# -gt 0 ] || { echo "usage: bash bench/device_pending.sh PART... (see run_part)" >&2; exit 2; }
 if { [ -d .whl ] || [ -d .whl-ray ]; } && [ ! -e /tmp/site/.refractor-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl .whl-ray/*.whl >/dev/null 2>&1 || echo "wheel install failed (cp312 wheels; continuing)"
-  touch /tmp/site/.refractor-wheels  # parts started side by side (one per GPU) install once
+    $(ls .whl/*.whl .whl-ray/*.whl 2>/dev/null) >/dev/null 2>&1 \
+    && touch /tmp/site/.refractor-wheels \
+    || echo "wheel install failed (cp312 wheels; continuing)"  # parts started side by side install once
 fi
 export PYTHONPATH=/tmp/site:src:bench NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 
