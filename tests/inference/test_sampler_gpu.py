@@ -22,14 +22,14 @@ pytestmark = [
 ]
 
 
-def _batch(temps, seeds, top_ps=None) -> SamplingBatch:
+def _batch(temps, seeds, top_ps=None, logprobs=None) -> SamplingBatch:
     rows = len(temps)
     return SamplingBatch(
         list(temps),
         top_ps or [1.0] * rows,
         [0] * rows,
         [None] * rows,
-        [None] * rows,
+        [logprobs] * rows,
         np.asarray(seeds, np.int64),
     )
 
