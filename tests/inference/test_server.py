@@ -1,5 +1,6 @@
 """The native server as a real subprocess: OpenAI shapes (openai client), vLLM generate shape,
-400s, metrics, control routes, client-disconnect abort."""
+400s, metrics, control routes, client-disconnect abort; with the engine in the server's process and
+in a process of its own."""
 
 from __future__ import annotations
 
@@ -20,17 +21,40 @@ CONTROL = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}  # the control route
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen2_path):
-    handle = start_native_server(
-        str(tiny_qwen2_path),
+def _start(model_path, engine_process: bool):
+    return start_native_server(
+        str(model_path),
         control_token=TEST_CONTROL_TOKEN,
         served_model_name=MODEL,
-        engine_args={"max_model_len": 512, "kv_cache_memory_gb": 0.05, "block_size": 16},
+        engine_args={
+            "max_model_len": 512,
+            "kv_cache_memory_gb": 0.05,
+            "block_size": 16,
+            "engine_process": engine_process,
+        },
     )
+
+
+@pytest.fixture(scope="module")
+def engine_thread_server(tiny_qwen2_path):
+    handle = _start(tiny_qwen2_path, engine_process=False)
     yield handle
     handle.stop()
     assert not handle.alive()
+
+
+@pytest.fixture(scope="module")
+def engine_process_server(tiny_qwen2_path):
+    handle = _start(tiny_qwen2_path, engine_process=True)
+    yield handle
+    handle.stop()
+    assert not handle.alive()
+
+
+@pytest.fixture(params=["engine_thread_server", "engine_process_server"])
+def server(request):
+    """The same contract with the engine in the server's process or in one of its own."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -363,9 +387,11 @@ def test_app_seams_chat_template_and_extra_routers(tiny_qwen2_path):
     assert info == {"weight_version": "0"}
 
 
-def test_health_answers_while_a_huge_prompt_is_tokenized(server):
+def test_health_answers_while_a_huge_prompt_is_tokenized(engine_thread_server):
     """Tokenization runs off the event loop: a multi-megabyte prompt used to freeze the server
-    (no /health answer) for as long as the tokenizer took."""
+    (no /health answer) for as long as the tokenizer took. (Tokenization is the server process's
+    work whichever layout the engine has.)"""
+    server = engine_thread_server
     import threading
 
     text = "hello world, " * 600_000  # ~7.8 MB, under the default body limit

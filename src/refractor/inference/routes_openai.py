@@ -58,7 +58,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _check_prompt(state: ServerState, ids: list[int], params: SamplingParams) -> None:
-    vocab = state.engine.engine.model.config.vocab_size
+    vocab = state.engine.vocab_size
     if not ids:
         raise BadRequest("the prompt is empty")
     if len(ids) >= state.max_model_len:

@@ -50,6 +50,12 @@ def serve(
         help="Native engine: while sequences decode, newcomers are prefilled together after this many "
         "steps (or once they fill the prefill token budget); 0: each at once.",
     ),
+    engine_process: bool | None = typer.Option(
+        None,
+        "--engine-process/--no-engine-process",
+        help="Native engine: run the engine in a process of its own, apart from HTTP and tokenization "
+        "(they would share one GIL). Default: on with a GPU, off on CPU.",
+    ),
     seed: int = typer.Option(0, "--seed"),
     served_model_name: str | None = typer.Option(None, "--served-model-name"),
     chat_template: str | None = typer.Option(
@@ -158,7 +164,16 @@ def serve(
         max_request_body_bytes=int(max_request_body_mb * 2**20),
         timeout_keep_alive_s=timeout_keep_alive,
         log_level=log_level,
+        engine_process=_engine_process(engine_process),
     )
+
+
+def _engine_process(requested: bool | None) -> bool:
+    if requested is not None:
+        return requested
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _control_token(enabled: bool, token: str | None) -> str | None:

@@ -20,6 +20,7 @@ returns a handle with ``.url`` and ``.stop()``, for Ray actors and tests.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -46,19 +47,20 @@ from refractor.inference.engine.async_engine import (
     RequestFailedError,
 )
 from refractor.inference.engine.llm_engine import SleepModeOffError
+from refractor.inference.engine_process import EngineProcessClient
 from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.request_schemas import AbortRequest
 from refractor.inference.routes_openai import router as openai_router
 from refractor.inference.server_metrics import ServerMetrics
 from refractor.inference.server_state import BadRequest, ServerState, error_response, invalid_request
-from refractor.inference.weight_routes import weight_update_router
+from refractor.inference.weight_routes import WeightTransfer, weight_update_router
 
 log = logging.getLogger(__name__)
 
 
 def create_app(
-    engine: AsyncLLMEngine,
+    engine: AsyncLLMEngine | EngineProcessClient,
     tokenizer: Any,
     model_name: str,
     *,
@@ -69,16 +71,24 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     extra_routers: Iterable[APIRouter] = (),
 ) -> FastAPI:
-    """The server's app. ``control_token=None``: no control routes (a plain serving endpoint)."""
+    """The server's app. ``control_token=None``: no control routes (a plain serving endpoint).
+    ``engine``: the engine thread in this process, or the client of an engine process."""
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="refractor native inference server", **docs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if isinstance(engine, EngineProcessClient):
+            await engine.connect()  # read the engine's messages from the first moment on
+        yield
+
+    app = FastAPI(title="refractor native inference server", lifespan=lifespan, **docs)
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(AccessGuard, control_token=control_token, api_key=api_key)
     state = ServerState(
         engine,
         tokenizer,
         model_name,
-        engine.engine.config.max_model_len,
+        engine.max_model_len,
         chat_template,
         ServerMetrics(engine, model_name),
     )
@@ -101,7 +111,7 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
-            return error_response("the engine thread is not running", HTTPStatus.SERVICE_UNAVAILABLE)
+            return error_response("the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -111,13 +121,16 @@ def create_app(
     app.include_router(openai_router)
     if control_token is not None:
         app.include_router(_control_router(engine, state))
-        app.include_router(weight_update_router(engine))
+        transfer = (
+            engine.weight_transfer() if isinstance(engine, EngineProcessClient) else WeightTransfer(engine)
+        )
+        app.include_router(weight_update_router(transfer))
     for extra in extra_routers:
         app.include_router(extra)
     return app
 
 
-def _control_router(engine: AsyncLLMEngine, state: ServerState) -> APIRouter:
+def _control_router(engine: AsyncLLMEngine | EngineProcessClient, state: ServerState) -> APIRouter:
     """/pause, /resume, /is_paused, /sleep, /wake_up, /is_sleeping, /abort_requests: mounted only on
     servers with a control token."""
     router = APIRouter()
@@ -192,8 +205,10 @@ def run_native_server(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     timeout_keep_alive_s: int = SERVER_KEEPALIVE_S,
     log_level: str = "warning",
+    engine_process: bool = False,
 ) -> None:
-    """Load the model, start the engine thread and serve until SIGTERM/SIGINT (foreground)."""
+    """Load the model, start the engine (a thread here, or with ``engine_process`` a process of its
+    own) and serve until SIGTERM/SIGINT (foreground)."""
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -204,11 +219,18 @@ def run_native_server(
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer_s = time.perf_counter() - started
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    core = LLMEngine.from_pretrained(path, engine_config or EngineConfig(), detokenize=tokenizer.decode)
+    config = engine_config or EngineConfig()
+    if engine_process:
+        engine = EngineProcessClient.start(str(path), config, log_level=log_level)
+        device, startup_s = engine.info["device"], engine.info["startup_s"]
+        where = f"engine process {engine.info['pid']}"
+    else:
+        core = LLMEngine.from_pretrained(path, config, detokenize=tokenizer.decode)
+        if tokenizer.eos_token_id is not None:
+            core.eos_token_ids |= {tokenizer.eos_token_id}
+        engine = AsyncLLMEngine(core)
+        device, startup_s, where = core.device, core.runner.startup_s, "engine thread"
     engine_s = time.perf_counter() - started - tokenizer_s
-    core.eos_token_ids |= eos
-    engine = AsyncLLMEngine(core)
     app = create_app(
         engine,
         tokenizer,
@@ -219,15 +241,14 @@ def run_native_server(
         enable_docs=enable_docs,
         max_request_body_bytes=max_request_body_bytes,
     )
-    cfg = core.config
     print(
-        f"refractor native server (pid {os.getpid()}): {path} on {core.device}, "
-        f"max_model_len {cfg.max_model_len}, "
+        f"refractor native server (pid {os.getpid()}, {where}): {path} on {device}, "
+        f"max_model_len {engine.max_model_len}, "
         f"serving http://{host}:{port}",
         flush=True,
     )  # the first line of the server's log
     since_start = time.time() - psutil.Process().create_time()
-    phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in core.runner.startup_s.items())
+    phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup_s.items())
     print(
         f"started in {since_start:.1f} s: imports {since_start - tokenizer_s - engine_s:.1f} s, "
         f"tokenizer {tokenizer_s:.1f} s, engine {engine_s:.1f} s ({phases})",

@@ -11,7 +11,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from refractor.inference.engine.async_engine import AsyncLLMEngine
 from refractor.inference.engine.sequence import RequestOutput
-from refractor.telemetry.torch_memory import torch_memory_gb
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
@@ -82,7 +81,7 @@ class _EngineCollector:
             family.add_metric(self.labels, value)
             yield family
         # the engine's CUDA memory (nothing on CPU), read at scrape time
-        for key, value in torch_memory_gb(self.engine.engine.device).items():
+        for key, value in self.engine.memory_gb().items():
             family = GaugeMetricFamily(
                 f"refractor:{key}", f"torch {key} of the engine's device.", labels=names
             )

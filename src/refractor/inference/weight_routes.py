@@ -1,6 +1,6 @@
 """The weight-update routes of the native server, with vLLM 0.32's names and semantics.
 
-``weight_update_router(engine)`` gives the native server the control plane a stock vLLM server
+``weight_update_router(WeightTransfer(engine))`` gives the native server the control plane a stock vLLM server
 has in dev mode (``refractor.weight_sync.control_plane`` calls it), so one trainer-side
 ``WeightSender`` updates both engines: ``/get_world_size``, ``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/weight_info``,
@@ -45,7 +45,15 @@ async def _call(fn, *args, **kwargs) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-class _TransferState:
+class WeightTransfer:
+    """The weight-update control plane on the process that holds the engine's weights.
+
+    Each route of ``weight_update_router`` is one method here, so the routes run the same code in
+    the server's own process (engine thread) and in a separate engine process, where the server
+    forwards them (``refractor.inference.engine_process``). Errors are ``BadRequest`` (the caller's
+    fault) or ``HTTPException`` (the server's), both carrying their HTTP status.
+    """
+
     def __init__(self, engine):
         self.engine = engine
         self.receivers: dict[str, BucketReceiver] = {}
@@ -56,31 +64,18 @@ class _TransferState:
             return param.device
         return torch.device("cpu")
 
-
-def weight_update_router(engine) -> APIRouter:
-    state = _TransferState(engine)
-    router = APIRouter()
-
-    @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache(reset_running_requests: bool = Query(False)):
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> dict:
         # running requests recompute their KV with the new weights only when asked (vLLM's
         # semantics), else they keep the KV they hold
-        await _call(engine.reset_prefix_cache, reset_running_requests)
+        await _call(self.engine.reset_prefix_cache, reset_running_requests)
         return {"success": True}
 
-    @router.get("/get_world_size")
-    async def get_world_size():
-        return {"world_size": 1}
-
-    @router.get("/weight_info")
-    async def weight_info():
-        version = engine.weight_version
+    async def weight_info(self) -> dict:
+        version = self.engine.weight_version
         return {"weight_version": None if version is None else str(version)}
 
-    @router.post("/init_weight_transfer_engine")
-    async def init_weight_transfer_engine(init_info: InitInfo = Body(..., embed=True)):
-        info = init_info  # the body key names the parameter
-        device = state.engine_device()
+    async def init(self, info: InitInfo) -> dict:
+        device = self.engine_device()
         try:
             check_worker_join(info.rank_offset, info.world_size, info.master_port, info.backend)
             check_worker_device(info.backend, info.payload, device)
@@ -107,62 +102,96 @@ def weight_update_router(engine) -> APIRouter:
                 f"cannot join weight-transfer group {info.group!r} at {info.master_address}:"
                 f"{info.master_port} as rank {info.rank_offset} of {info.world_size}: {one_line(err)}"
             ) from None
-        previous = state.receivers.pop(info.group, None)
+        previous = self.receivers.pop(info.group, None)
         if previous is not None:
             previous.group.shutdown()
-        state.receivers[info.group] = BucketReceiver(
+        self.receivers[info.group] = BucketReceiver(
             group, ipc_device=device if info.payload == "cuda_ipc" else None
         )
         return {"message": "Weight transfer initialized"}
 
-    @router.post("/shutdown_weight_transfer_engine")
-    async def shutdown_weight_transfer_engine():
-        for receiver in state.receivers.values():
+    async def shutdown(self) -> dict:
+        for receiver in self.receivers.values():
             receiver.group.shutdown()
-        state.receivers.clear()
+        self.receivers.clear()
         return {"message": "Weight transfer shut down"}
 
-    @router.post("/start_weight_update")
-    async def start_weight_update():
-        if state.update_active:
+    async def start(self) -> dict:
+        if self.update_active:
             raise BadRequest(
                 "start_weight_update called while a weight update is already active", HTTPStatus.CONFLICT
             )
-        state.update_active = True
+        self.update_active = True
         return {"message": "Weight update started"}
 
-    @router.post("/update_weights")
-    async def update_weights(request: Request):
-        if not state.update_active:
+    async def update(self, body: bytes) -> dict:
+        if not self.update_active:
             raise BadRequest("start_weight_update must be called before update_weights", HTTPStatus.CONFLICT)
         # any failure ends the update, a malformed body too (parsed here, not by FastAPI, for that):
         # the trainer's next start_weight_update must not find one still active
         try:
-            body = UpdateWeightsBody.model_validate_json(await request.body())
-            await _receive_and_load(state, body.update_info)
+            parsed = UpdateWeightsBody.model_validate_json(body)
+            await _receive_and_load(self, parsed.update_info)
         except ValidationError as err:
-            state.update_active = False
+            self.update_active = False
             raise BadRequest(invalid_request(err.errors())) from None
         except BaseException:
-            state.update_active = False
+            self.update_active = False
             raise
         return {"message": "Weights updated"}
 
-    @router.post("/finish_weight_update")
-    async def finish_weight_update(weight_version: str | None = Body(None, embed=True)):
-        if not state.update_active:
+    async def finish(self, weight_version: str | None) -> dict:
+        if not self.update_active:
             raise BadRequest(
                 "finish_weight_update called without a matching start_weight_update", HTTPStatus.CONFLICT
             )
-        state.update_active = False
-        if weight_version is not None and str(engine.weight_version) != weight_version:
-            await _call(engine.update_weights, [], weight_version)  # tag without new tensors
-        return JSONResponse({"message": "Weight update finished"})
+        self.update_active = False
+        if weight_version is not None and str(self.engine.weight_version) != weight_version:
+            await _call(self.engine.update_weights, [], weight_version)  # tag without new tensors
+        return {"message": "Weight update finished"}
+
+
+def weight_update_router(transfer) -> APIRouter:
+    """The routes over ``transfer``: a ``WeightTransfer``, or a proxy with the same async methods
+    that runs them where the engine is."""
+    router = APIRouter()
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False)):
+        return await transfer.reset_prefix_cache(reset_running_requests)
+
+    @router.get("/get_world_size")
+    async def get_world_size():
+        return {"world_size": 1}
+
+    @router.get("/weight_info")
+    async def weight_info():
+        return await transfer.weight_info()
+
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(init_info: InitInfo = Body(..., embed=True)):
+        return await transfer.init(init_info)  # the body key names the parameter
+
+    @router.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine():
+        return await transfer.shutdown()
+
+    @router.post("/start_weight_update")
+    async def start_weight_update():
+        return await transfer.start()
+
+    @router.post("/update_weights")
+    async def update_weights(request: Request):
+        return await transfer.update(await request.body())
+
+    @router.post("/finish_weight_update")
+    async def finish_weight_update(weight_version: str | None = Body(None, embed=True)):
+        return JSONResponse(await transfer.finish(weight_version))
 
     return router
 
 
-async def _receive_and_load(state: _TransferState, update_info: UpdateInfo) -> None:
+async def _receive_and_load(state: WeightTransfer, update_info: UpdateInfo) -> None:
     """Receive one whole update, then write it (a failed transfer leaves the previous weights)."""
     engine = state.engine
     receiver = state.receivers.get(update_info.group)

@@ -66,6 +66,7 @@ class NativeEngineArgs:
     seed: int
     enable_sleep_mode: bool = False
     enable_prefix_caching: bool = True
+    engine_process: bool | None = None  # None: the server decides (a process of its own on a GPU)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class ServerGroupSettings:
                 seed=cfg.seed,
                 enable_sleep_mode=enable_sleep_mode,
                 enable_prefix_caching=cfg.enable_prefix_caching,
+                engine_process=cfg.native_engine_process,
             ),
             vllm=VllmServerSettings.from_config(
                 cfg,

@@ -24,6 +24,7 @@ from refractor.errors import one_line
 from refractor.inference.engine.llm_engine import EngineStats, LLMEngine
 from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.sequence import RequestOutput
+from refractor.telemetry.torch_memory import torch_memory_gb
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "keep", "wait")
@@ -307,6 +308,18 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    def memory_gb(self) -> dict[str, float]:
+        """The torch allocator's figures for the engine's device (empty on CPU)."""
+        return torch_memory_gb(self.engine.device)
 
     def shutdown(self) -> None:
         self._running = False
