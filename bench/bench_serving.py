@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import random
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -83,7 +85,11 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_engine(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict) -> dict:
+def run_engine(
+    path: Path, jobs, concurrency: int, warmup: int, engine_args: dict, logprobs: int | None = 0
+) -> dict:
+    """``logprobs``: what each request asks for; 0 (the default) is what the orchestrator's client
+    asks (the sampled token's log-prob and rank), so the loop does the same work as the server."""
     from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(path, EngineConfig(**engine_args))
@@ -94,7 +100,9 @@ def run_engine(path: Path, jobs, concurrency: int, warmup: int, engine_args: dic
     def submit() -> None:
         i, (ids, max_tokens) = pending.pop(0)
         engine.add_request(
-            f"r{i}", ids, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+            f"r{i}",
+            ids,
+            SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs),
         )
         started[f"r{i}"] = time.perf_counter()
 
@@ -158,12 +166,80 @@ def run_http(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict,
 
             return await _closed_loop(generate, jobs, concurrency), client.closed_connection_retries
 
+    probe = ServerProbe(server)
     try:
         finished, resends = asyncio.run(main())
     finally:
+        usage = probe.stop()
         server.stop()
     # requests sent again after the server closed their connection under them (0: no keep-alive race)
-    return summarize("http", finished, warmup) | {"resends": resends}
+    return summarize("http", finished, warmup) | {"resends": resends, "usage": usage}
+
+
+class ServerProbe:
+    """Where the time goes in the HTTP mode: CPU seconds per wall second of this process (the
+    client), the server process and its engine process (when it has one), and the server's own
+    account from ``/metrics`` (sampled every 0.5 s): sequences running and waiting, the engine's
+    busy fraction and mean step time."""
+
+    def __init__(self, server) -> None:
+        import psutil
+
+        self.url = server.url
+        root = psutil.Process(server.process.pid)
+        self.procs = {"client": psutil.Process(), "server": root}
+        for i, child in enumerate(root.children(recursive=True)):
+            self.procs[f"server_child{i}"] = child
+        self.cpu0 = {name: self._cpu(p) for name, p in self.procs.items()}
+        self.t0 = time.perf_counter()
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _cpu(proc) -> float:
+        try:
+            t = proc.cpu_times()
+            return t.user + t.system
+        except Exception:  # noqa: BLE001 - a process that is gone has no more time to count
+            return float("nan")
+
+    def _loop(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=5) as http:
+            while not self._stop.wait(0.5):
+                with contextlib.suppress(httpx.HTTPError):
+                    self.samples.append(_scrape(http.get(self.url + "/metrics").text))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        wall = time.perf_counter() - self.t0
+        out = {f"cpu_{name}": (self._cpu(p) - self.cpu0[name]) / wall for name, p in self.procs.items()}
+        busy = [x for x in self.samples if x.get("vllm:num_requests_running", 0) > 0]
+        if len(busy) >= 2:
+            first, last = busy[0], busy[-1]
+            steps = last["refractor:engine_steps_total"] - first["refractor:engine_steps_total"]
+            seconds = (
+                last["refractor:engine_busy_seconds_total"] - first["refractor:engine_busy_seconds_total"]
+            )
+            out["running"] = sum(x["vllm:num_requests_running"] for x in busy) / len(busy)
+            out["waiting"] = sum(x["vllm:num_requests_waiting"] for x in busy) / len(busy)
+            out["engine_busy"] = seconds / ((len(busy) - 1) * 0.5)
+            out["step_ms"] = 1e3 * seconds / max(steps, 1)
+        return out
+
+
+def _scrape(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 def parse_mode(mode: str) -> tuple[str, dict]:
@@ -196,6 +272,13 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-gb", type=float, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU runs)")
+    parser.add_argument(
+        "--engine-logprobs",
+        type=lambda v: None if v == "none" else int(v),
+        default=0,
+        help="what the engine loop's requests ask for: 0 (default, as the orchestrator's client: the "
+        "sampled token's log-prob and rank) or none",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -228,7 +311,7 @@ def main() -> None:
             kind, overrides = parse_mode(mode)
             run_args = {**engine_args, **overrides}
             if kind == "engine":
-                row = run_engine(path, jobs, c, warmup, run_args)
+                row = run_engine(path, jobs, c, warmup, run_args, args.engine_logprobs)
             elif kind == "async":
                 row = run_async(path, jobs, c, warmup, run_args)
             elif kind == "http":
@@ -246,6 +329,8 @@ def main() -> None:
                 f"{rows[0]['mode']}" + (f", {row['resends']} resends" if "resends" in row else ""),
                 flush=True,
             )
+            if "usage" in row:
+                print("         " + ", ".join(f"{k} {v:.2f}" for k, v in row["usage"].items()), flush=True)
         results["runs"] += rows
     if args.out:
         out = Path(args.out)
