@@ -59,22 +59,26 @@ def workload(n: int, prompt_len: int, gen_len: int, jitter: float, vocab: int, s
 def summarize(mode: str, finished: list[tuple[float, float, int]], warmup: int) -> dict:
     """finished: (start, end, tokens) per request in finish order.
 
-    The window starts at the warm-up's last finish.
+    The window is the steady state: from the warm-up's last finish to the moment the last request
+    started (from then on lanes run dry and fewer than ``c`` requests are in flight). A request's
+    tokens count in proportion to the part of its life inside the window (tokens come at a steady
+    rate once it runs).
     """
     window_start = finished[warmup - 1][1] if warmup else min(s for s, _, _ in finished)
-    measured = [(s, e, t) for s, e, t in finished if s >= window_start]
-    end = max(e for _, e, _ in finished)
-    # tokens generated inside the window: requests started in it, plus the in-window share of those that
-    # straddle its start
-    tokens = sum(t for _, _, t in measured)
-    tokens += sum(t * (e - window_start) / (e - s) for s, e, t in finished if s < window_start < e and e > s)
-    seconds = end - window_start
+    window_end = max(s for s, _, _ in finished)
+    if window_end <= window_start:
+        raise SystemExit(f"{mode}: no steady state; send more requests than --warmup + concurrency")
+    seconds = window_end - window_start
+    tokens = sum(
+        t * max(0.0, min(e, window_end) - max(s, window_start)) / (e - s) for s, e, t in finished if e > s
+    )
+    requests = sum(1 for _, e, _ in finished if window_start < e <= window_end)
     return {
         "mode": mode,
         "tok_s": tokens / seconds,
-        "req_s": len(measured) / seconds,
+        "req_s": requests / seconds,
         "seconds": seconds,
-        "requests": len(measured),
+        "requests": requests,
     }
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
+import orjson
 
 from refractor.inference.access import RouteKind, bearer, route_kind
 from refractor.inference.keepalive import KEEPALIVE_EXPIRY_S
@@ -228,7 +229,8 @@ class InferenceClient:
 
     async def _post_json(self, path: str, body: dict[str, Any] | None = None, **params) -> dict[str, Any]:
         response = await self._request("POST", path, json=body, params=params or None)
-        return response.json() if response.content else {}
+        # orjson: a long answer's per-token log-probs are tens of kB of JSON, parsed on the event loop
+        return orjson.loads(response.content) if response.content else {}
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate_choices(
