@@ -237,18 +237,18 @@ class EngineProcessClient:
             message = _unpack(await pull.recv())
             kind = message[0]
             if kind == "output":  # with the status after it: /metrics counts this request at once
-                self._status = message[3]
+                self._status.update(message[3])
                 _settle(self._requests.pop(message[1], None), decode_output(message[2]))
             elif kind == "request_error":
                 _settle(self._requests.pop(message[1], None), error=_rebuild_error(message[2], message[3]))
             elif kind == "reply":
-                self._status = message[3]
+                self._status.update(message[3])
                 _settle(self._calls.pop(message[1], None), message[2])
             elif kind == "call_error":
-                self._status = message[5] if len(message) > 5 else self._status
+                self._status.update(message[5])
                 _settle(self._calls.pop(message[1], None), error=_rebuild_error(*message[2:5]))
             elif kind == "status":
-                self._status = message[1]
+                self._status.update(message[1])
 
     def _fail_all(self, reason: str) -> None:
         self._dead = reason
@@ -419,13 +419,17 @@ async def _serve(
     engine = AsyncLLMEngine(core)
     transfer = WeightTransfer(engine)
 
-    def status() -> dict:
-        return {
+    def status(memory: bool = False) -> dict:
+        # the allocator's figures only in the periodic report: torch.cuda.memory_stats builds a large
+        # dict, and taking it with every output held the GIL the engine thread needs (10% of a step)
+        out = {
             "is_paused": engine.is_paused,
             "is_sleeping": engine.is_sleeping,
             "stats": asdict(engine.stats()),
-            "memory_gb": engine.memory_gb(),
         }
+        if memory:
+            out["memory_gb"] = engine.memory_gb()
+        return out
 
     await push.send(
         _pack(
@@ -438,7 +442,7 @@ async def _serve(
                     "vocab_size": core.model.config.vocab_size,
                     "engine_s": time.perf_counter() - started,
                     "startup_s": dict(core.runner.startup_s),
-                    "status": status(),
+                    "status": status(memory=True),
                 },
             ]
         )
@@ -485,7 +489,7 @@ async def _serve(
             if os.getppid() != parent_pid:  # the server is gone: nobody can reach this engine
                 log.error("the server process %d exited; the engine process stops", parent_pid)
                 os._exit(1)
-            await push.send(_pack(["status", status()]))
+            await push.send(_pack(["status", status(memory=True)]))
 
     pull = ctx.socket(zmq.PULL)
     pull.connect(inbox)
