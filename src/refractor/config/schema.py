@@ -515,10 +515,10 @@ class InferenceKeys(_Strict):
         "group's prompt is prefilled once, a conversation's next turn only past its last one); every "
         "weight update drops the cache.",
     )
-    native_engine_process: bool | None = Field(
-        None,
+    native_engine_process: bool = Field(
+        False,
         description="[refractor] Native engine servers run the engine in a process of its own, apart from "
-        "HTTP and tokenization (no shared GIL); null = on with a GPU, off on CPU.",
+        "HTTP and tokenization (in one process they share one GIL).",
     )
     vllm_scheduling_policy: Literal["priority", "fcfs"] = Field(
         "priority", description="Scheduling; priority favours later turns."

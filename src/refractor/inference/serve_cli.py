@@ -50,11 +50,11 @@ def serve(
         help="Native engine: while sequences decode, newcomers are prefilled together after this many "
         "steps (or once they fill the prefill token budget); 0: each at once.",
     ),
-    engine_process: bool | None = typer.Option(
-        None,
+    engine_process: bool = typer.Option(
+        False,
         "--engine-process/--no-engine-process",
         help="Native engine: run the engine in a process of its own, apart from HTTP and tokenization "
-        "(they would share one GIL). Default: on with a GPU, off on CPU.",
+        "(in one process they share one GIL).",
     ),
     seed: int = typer.Option(0, "--seed"),
     served_model_name: str | None = typer.Option(None, "--served-model-name"),
@@ -164,16 +164,8 @@ def serve(
         max_request_body_bytes=int(max_request_body_mb * 2**20),
         timeout_keep_alive_s=timeout_keep_alive,
         log_level=log_level,
-        engine_process=_engine_process(engine_process),
+        engine_process=engine_process,
     )
-
-
-def _engine_process(requested: bool | None) -> bool:
-    if requested is not None:
-        return requested
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _control_token(enabled: bool, token: str | None) -> str | None:

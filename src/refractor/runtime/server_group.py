@@ -66,7 +66,7 @@ class NativeEngineArgs:
     seed: int
     enable_sleep_mode: bool = False
     enable_prefix_caching: bool = True
-    engine_process: bool | None = None  # None: the server decides (a process of its own on a GPU)
+    engine_process: bool = False
 
 
 @dataclass(frozen=True)
