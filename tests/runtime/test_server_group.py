@@ -116,6 +116,13 @@ def test_native_server_command_line(spawned, tmp_path):
     assert "--max-num-batched-tokens" not in argv  # unset keys are left to the engine
     port = int(option(argv, "--port"))
     assert spawned.url == f"http://127.0.0.1:{port}" and spawned.timeout_s == 77.0
+    assert "--no-engine-process" in argv  # the engine thread, unless the config asks for a process
+
+
+def test_native_engine_process_reaches_the_command_line(spawned, tmp_path):
+    settings = ServerGroupSettings.from_config(server_config(native_engine_process=True), 0.9)
+    launch_server(settings, "native", tmp_path / "s.log", TOKEN)
+    assert "--engine-process" in spawned.argv and "--no-engine-process" not in spawned.argv
 
 
 def test_vllm_server_command_line(spawned, tmp_path):
