@@ -316,11 +316,20 @@ class TrainerKeys(_Strict):
     )
     train_backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend.")
     fsdp_context_parallel_size: int = Field(1, ge=1, description="Context parallelism for FSDP.")
-    activation_checkpointing: bool | Literal["selective"] = Field(
-        True,
+    activation_checkpointing: bool | Literal["selective", "auto"] = Field(
+        "auto",
         description="[refractor] Recompute decoder layers in the backward pass. true: the whole layer "
         "(least memory); selective: keep the outputs of its matmuls and attention, recompute only the "
-        "elementwise glue (RMSNorm, rotary, SiLU gate); false: keep everything (fastest, most memory).",
+        "elementwise glue (RMSNorm, rotary, SiLU gate); false: keep everything (fastest, most memory); "
+        "auto: the fastest mode whose predicted peak fits trainer_memory_fraction of the GPU (logged; "
+        "true on CPU).",
+    )
+    trainer_memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="[refractor] Share of each trainer GPU that activation_checkpointing: auto plans for; "
+        "null = 0.9, less the servers' share when they keep their memory on the same GPUs.",
     )
     trainer_compile: bool = Field(
         True,

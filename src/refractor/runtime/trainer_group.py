@@ -30,6 +30,7 @@ from refractor.runtime.cluster import LOOPBACK, Reservation
 from refractor.runtime.health import await_ranks, await_ref
 from refractor.telemetry.log_capture import LogBatch, ProcessLogs
 from refractor.telemetry.torch_memory import TorchMemoryRecorder, torch_memory_gb
+from refractor.trainer.memory_plan import DEFAULT_MEMORY_FRACTION
 from refractor.trainer.settings import TrainerSettings
 from refractor.trainer.timing import StepTimer
 from refractor.weight_sync import SyncReport, UpdateTarget, WeightSyncSettings
@@ -75,8 +76,14 @@ class TrainerGroupSettings:
         weight_sync = WeightSyncSettings.from_config(cfg, control_token)
         if colocated:
             weight_sync = replace(weight_sync, cpu_staging=True, cuda_ipc=cfg.num_inference_servers == 1)
+        trainer = TrainerSettings.from_config(cfg)
+        if trainer.trainer_memory_fraction is None:  # what activation_checkpointing: auto plans for
+            engine_share = cfg.engine_memory_share(colocated) if colocated and not servers_sleep else 0.0
+            trainer = replace(
+                trainer, trainer_memory_fraction=max(DEFAULT_MEMORY_FRACTION - engine_share, 0.1)
+            )
         return cls(
-            trainer=TrainerSettings.from_config(cfg),
+            trainer=trainer,
             weight_sync=weight_sync,
             packing=PackingSettings.from_config(cfg, pad_token_id),
             call_timeout_s=float(cfg.trainer_call_timeout_s),

@@ -84,7 +84,8 @@ class TrainerSettings:
     model_dtype: str = "float32"  # master weights
     mixed_precision_dtype: str | None = "bfloat16"  # compute; None = the master dtype
     seed: int = 0
-    activation_checkpointing: bool | str = True  # true | false | "selective"
+    activation_checkpointing: bool | str = "auto"  # true | false | "selective" | "auto"
+    trainer_memory_fraction: float | None = None  # auto plans for this share of the GPU (None: 0.9)
     trainer_compile: bool = True  # CUDA only
     weight_broadcast_bucket_mb: int = 256
     track_gpu_events: bool = True  # false: of the step's spans only the whole `step` (wall clock)

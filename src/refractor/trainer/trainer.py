@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from refractor.records import StepResult, TrainBatch
 from refractor.trainer import checkpoint as ckpt
 from refractor.trainer.distributed import init_distributed
+from refractor.trainer.memory_plan import DEFAULT_MEMORY_FRACTION, LayerShape, choose_checkpointing
 from refractor.trainer.optim import build_lr_scheduler, build_optimizer
 from refractor.trainer.policy_model import (
     LM_PREFIX,
@@ -100,8 +101,9 @@ class Trainer:
         # ``trainer_compile`` applies on CUDA only (Inductor on CPU needs a C++ toolchain and gains little
         # there); an explicit ``compile=`` argument is obeyed on any device (tests trace on CPU).
         self.compiled = (self.info.is_cuda and settings.trainer_compile) if compile is None else compile
+        self.activation_checkpointing = self._checkpointing_mode(settings)
         prepare_layers(
-            self.model.layers, checkpoint_activations=settings.activation_checkpointing, compile=self.compiled
+            self.model.layers, checkpoint_activations=self.activation_checkpointing, compile=self.compiled
         )
         shard_model(
             self.model,
@@ -136,10 +138,38 @@ class Trainer:
             self.impl,
             master,
             self.compute_dtype or master,
-            settings.activation_checkpointing,
+            self.activation_checkpointing,
             self.compiled,
             self.step_settings.max_tokens_per_forward or "one row",
         )
+
+    def _checkpointing_mode(self, settings: TrainerSettings) -> bool | str:
+        """``activation_checkpointing``, with ``auto`` resolved (``memory_plan``): on CUDA the fastest
+        mode whose predicted peak fits ``trainer_memory_fraction`` of this rank's GPU; on CPU, true."""
+        mode = settings.activation_checkpointing
+        if mode != "auto":
+            return mode
+        tokens = settings.forward.trainer_max_tokens_per_forward
+        if not self.info.is_cuda or tokens <= 0:
+            reason = "on CPU" if not self.info.is_cuda else "one pass per row (its length is not known here)"
+            log.info("activation_checkpointing auto: true (%s)", reason)
+            return True
+        fraction = settings.trainer_memory_fraction or DEFAULT_MEMORY_FRACTION
+        budget = int(torch.cuda.get_device_properties(self.device).total_memory * fraction)
+        num_params = sum(p.numel() for p in self.model.parameters())
+        chosen, predicted = choose_checkpointing(
+            LayerShape.from_hf_config(self.hf_config), num_params, tokens, budget, self.world_size
+        )
+        log.info(
+            "activation_checkpointing auto: %s (predicted peak GiB per rank %s; budget %.1f GiB = "
+            "%.2f of the GPU; %d-token passes)",
+            str(chosen).lower(),
+            {k: round(v, 1) for k, v in predicted.items()},
+            budget / 2**30,
+            fraction,
+            tokens,
+        )
+        return chosen
 
     # ------------------------------------------------------------------ model source
     @staticmethod
