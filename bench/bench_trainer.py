@@ -116,7 +116,10 @@ def bench_refractor(
         trainer_max_tokens_per_forward=tokens_per_forward,
     )
     trainer = Trainer(settings, random_init=True)
-    out: dict = {"n_params": sum(p.numel() for p in trainer.model.parameters())}
+    out: dict = {
+        "n_params": sum(p.numel() for p in trainer.model.parameters()),
+        "checkpointing": str(trainer.activation_checkpointing).lower(),  # what auto chose
+    }
     if export:
         # Weight export for sync (256 MiB bf16 buckets): time and peak memory above the resident
         # state; the tensors are kept on the CPU to load the same weights into the HF baseline.
@@ -257,7 +260,13 @@ def release() -> None:
 
 
 VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, trainer_max_tokens_per_forward)
-    "default": ("refractor default (compiled layers + ckpt, 16k-token passes)", True, True, 16384),
+    "default": (
+        "refractor default (compiled layers, checkpointing auto, 16k-token passes)",
+        "auto",
+        True,
+        16384,
+    ),
+    "full": ("compiled layers + full ckpt, 16k-token passes", True, True, 16384),
     "noac": ("compiled layers, ckpt off, 16k-token passes", False, True, 16384),
     "dyn": (
         "compiled layers (dynamic shapes from the start) + ckpt, 16k-token passes",
@@ -288,7 +297,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument(
-        "--variants", default="default,noac,eager_rows", help=f"comma list of {', '.join(VARIANTS)}"
+        "--variants", default="default,full,noac,eager_rows", help=f"comma list of {', '.join(VARIANTS)}"
     )
     ap.add_argument(
         "--export-only", action="store_true", help="only time the weight export (256 MiB buckets)"
@@ -405,7 +414,8 @@ def main() -> None:
             labels.append(label)
             print(
                 f"{label}: {r['time_s'] * 1e3:.1f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, "
-                f"MFU {100 * r['mfu']:.1f}%, peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M "
+                f"MFU {100 * r['mfu']:.1f}%, peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M, "
+                f"checkpointing {r['checkpointing']} "
                 f"({time.perf_counter() - t:.0f} s incl. warmup)"
             )
             print(

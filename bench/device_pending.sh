@@ -37,13 +37,13 @@ part() {  # part NAME SECONDS COMMAND...
 run_part() {
   case "$1" in
     trainer_1p5b)
-      part trainer_1p5b 300 python bench/bench_trainer.py --sizes 1.5b --variants default,sac,noac \
+      part trainer_1p5b 300 python bench/bench_trainer.py --sizes 1.5b --variants default,full,sac,noac \
         --warmup 2 --steps 3 ;;
     trainer_sac)
-      part trainer_sac 280 python bench/bench_trainer.py --sizes 0.5b --variants default,sac,noac \
+      part trainer_sac 280 python bench/bench_trainer.py --sizes 0.5b --variants default,full,sac,noac \
         --warmup 2 --steps 3 ;;
     trainer_vary)
-      part trainer_vary 420 python bench/bench_trainer.py --sizes 0.5b --variants default,sac --vary \
+      part trainer_vary 420 python bench/bench_trainer.py --sizes 0.5b --variants default,full,sac --vary \
         --warmup 4 --steps 3 ;;
     serving)
       part serving 300 python bench/bench_serving.py --model 0.5b --concurrency 384 --prompt-len 128 \
@@ -55,14 +55,14 @@ run_part() {
       echo "=== fsdp_test: exit $?"; tail -n 15 "$OUT/fsdp_test/log.txt" ;;
     fsdp_throughput)  # 2 GPUs
       part fsdp_throughput 320 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
-        --tokens 32768 --variants default,sac --warmup 2 --steps 3 ;;
+        --tokens 32768 --variants default,full,sac --warmup 2 --steps 3 ;;
     rl)  # 2 GPUs
       part rl 420 python bench/bench_rl.py --steps 6 --warmup 2 \
         --modes 0,2,0+dispatch_only_needed_groups=true ;;
     fsdp_scale1 | fsdp_scale2 | fsdp_scale4)  # FSDP2 scaling: 16k tokens per GPU, weak scaling
       local n=${1#fsdp_scale}
       part "$1" 240 torchrun --nproc-per-node "$n" bench/bench_trainer.py --sizes 0.5b,1.5b \
-        --tokens $((16384 * n)) --variants default,sac --no-baseline --warmup 2 --steps 3 ;;
+        --tokens $((16384 * n)) --variants default,full,sac --no-baseline --warmup 2 --steps 3 ;;
     fsdp_7b)  # 4 GPUs: a 7B shape with fp32 master weights and AdamW state, no offload
       part fsdp_7b 300 torchrun --nproc-per-node 4 bench/bench_trainer.py --sizes 7b --tokens 65536 \
         --variants default --no-baseline --warmup 2 --steps 3 ;;
