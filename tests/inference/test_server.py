@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
 import threading
 import time
 
 import httpx
+import psutil
 import pytest
 import torch
 
@@ -46,9 +50,16 @@ def engine_thread_server(tiny_qwen2_path):
 @pytest.fixture(scope="module")
 def engine_process_server(tiny_qwen2_path):
     handle = _start(tiny_qwen2_path, engine_process=True)
+    first = handle.log_path.read_text().splitlines()[0]
+    engine = psutil.Process(int(re.search(r"engine process (\d+)", first).group(1)))
     yield handle
-    handle.stop()
-    assert not handle.alive()
+    # the server dies without running its shutdown path: its engine process still ends
+    os.kill(handle.process.pid, signal.SIGKILL)
+    try:
+        engine.wait(timeout=10)
+    finally:
+        handle.stop()
+    assert not handle.alive() and not engine.is_running()
 
 
 @pytest.fixture(params=["engine_thread_server", "engine_process_server"])
