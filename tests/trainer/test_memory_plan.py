@@ -4,41 +4,20 @@ choice under a budget, and the budget a trainer rank plans for where servers sha
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
 import pytest
 
 from refractor.config import RefractorConfig, load_config
 from refractor.runtime.trainer_group import TrainerGroupSettings
+from refractor.testing.tiny_models import QWEN25_05B_SHAPE, QWEN25_7B_SHAPE, QWEN25_15B_SHAPE
 from refractor.trainer.memory_plan import GIB, LayerShape, choose_checkpointing, predicted_peak_bytes
 
-QWEN25_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    head_dim=64,
-    num_hidden_layers=24,
-)
-QWEN25_15B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    head_dim=128,
-    num_hidden_layers=28,
-)
-QWEN25_7B = dict(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_hidden_layers=28,
-)
+# (HF config fields, parameter count) of the shapes the GPU benchmarks ran
 SHAPES = {
-    "0.5b": (QWEN25_05B, 494_032_768),
-    "1.5b": (QWEN25_15B, 1_543_714_304),
-    "7b": (QWEN25_7B, 7_615_616_512),
+    "0.5b": (asdict(QWEN25_05B_SHAPE), 494_032_768),
+    "1.5b": (asdict(QWEN25_15B_SHAPE), 1_543_714_304),
+    "7b": (asdict(QWEN25_7B_SHAPE), 7_615_616_512),
 }
 
 # torch's peak allocated GiB per rank, bench/bench_trainer.py (H100 and H200, 16k-token passes per rank)
@@ -70,8 +49,8 @@ def test_the_prediction_covers_the_measured_peak_without_wasting_much(size, worl
 
 
 def test_the_fastest_mode_that_fits_is_chosen():
-    shape = LayerShape.from_hf_config(QWEN25_15B)
-    params = SHAPES["1.5b"][1]
+    config, params = SHAPES["1.5b"]
+    shape = LayerShape.from_hf_config(config)
     peaks = {m: predicted_peak_bytes(shape, params, 16384, m) for m in (False, "selective", True)}
     assert peaks[False] > peaks["selective"] > peaks[True]
     assert choose_checkpointing(shape, params, 16384, peaks[False])[0] is False
