@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from refractor.trainer import Trainer
@@ -82,6 +84,28 @@ def worker(rank: int, world_size: int, port: int, model_path: str, checkpoint_di
     resumed = Trainer(settings, rank, world_size)  # same process group
     assert resumed.load_checkpoint("latest") == 2
     result["resumed_metrics"] = resumed.train_step(batches(world_size)[2]).metrics
+    result["resumed_params"] = full_params(resumed)
+    torch.save(result, f"{out}.rank{rank}")
+    resumed.shutdown()
+
+
+def offload_worker(
+    rank: int, world_size: int, port: int, model_path: str, checkpoint_dir: str, out: str
+) -> None:
+    """The same three steps with ``fsdp_cpu_offload``: state in host memory, the export gathered on
+    the training device, a checkpoint saved and loaded back."""
+    quiet_env()
+    settings = replace(schedule_settings(model_path, checkpoint_dir), fsdp_cpu_offload=True)
+    trainer = Trainer(settings, rank, world_size, master_port=port)
+    result = run_reference(trainer, world_size)
+    result["buckets"] = {
+        name: t.cpu()
+        for b in iter_weight_buckets(trainer.model, BUCKET_BYTES, torch.float32)
+        for name, t in b
+    }
+    resumed = Trainer(settings, rank, world_size)
+    assert resumed.load_checkpoint("latest") == 2
+    resumed.train_step(batches(world_size)[2])
     result["resumed_params"] = full_params(resumed)
     torch.save(result, f"{out}.rank{rank}")
     resumed.shutdown()

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from refractor.trainer import Trainer
 
 from ._helpers import free_port, quiet_env
-from ._multirank import clip_known_gradients, run_reference, schedule_settings, worker
+from ._multirank import clip_known_gradients, offload_worker, run_reference, schedule_settings, worker
 
 quiet_env()
 
@@ -79,3 +79,23 @@ def test_gradient_norm_and_clipping_on_sharded_gradients(two_ranks, tiny_qwen2_p
     for rank in two_ranks:
         check_clip(rank["clip"])
     check_clip(clip_known_gradients(Trainer(schedule_settings(tiny_qwen2_path, str(tmp_path)))))
+
+
+def test_cpu_offload_over_two_ranks_trains_exports_and_resumes_like_no_offload(two_ranks, tmp_path):
+    """``fsdp_cpu_offload``: the same steps with the state in host memory (no pinning on CPU)."""
+    from refractor.testing import tiny_qwen2
+
+    out = str(tmp_path / "result")
+    args = (2, free_port(), str(tiny_qwen2()), str(tmp_path / "ckpt"), out)
+    mp.spawn(offload_worker, args=args, nprocs=2, join=True)
+    offloaded = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+    for plain, off in zip(two_ranks, offloaded, strict=True):
+        for got, want in zip(off["metrics"], plain["metrics"], strict=True):
+            for key in ("loss", "grad_norm", "entropy", "learning_rate"):
+                assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-8), key
+        for name, p in plain["params"].items():
+            torch.testing.assert_close(off["params"][name], p, rtol=0, atol=1e-6, msg=name)
+            assert torch.equal(off["resumed_params"][name], off["params"][name]), name
+    assert list(offloaded[0]["buckets"]) == list(offloaded[0]["params"])
+    for name, t in offloaded[0]["buckets"].items():
+        assert torch.equal(t, offloaded[0]["params"][name]), name

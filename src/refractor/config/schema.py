@@ -316,6 +316,12 @@ class TrainerKeys(_Strict):
     )
     train_backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend.")
     fsdp_context_parallel_size: int = Field(1, ge=1, description="Context parallelism for FSDP.")
+    fsdp_cpu_offload: bool = Field(
+        False,
+        description="[refractor] FSDP2 keeps parameters, gradients and AdamW state in host memory (pinned "
+        "on CUDA); each layer's parameters are copied to the GPU for its forward and backward and AdamW "
+        "steps on the CPU: larger models fit fewer GPUs, at a cost in step time.",
+    )
     activation_checkpointing: bool | Literal["selective", "auto"] = Field(
         "auto",
         description="[refractor] Recompute decoder layers in the backward pass. true: the whole layer "

@@ -70,10 +70,16 @@ class LayerShape:
 
 
 def predicted_peak_bytes(
-    shape: LayerShape, num_params: int, tokens_per_pass: int, mode: bool | str, world_size: int = 1
+    shape: LayerShape,
+    num_params: int,
+    tokens_per_pass: int,
+    mode: bool | str,
+    world_size: int = 1,
+    state_on_gpu: bool = True,
 ) -> int:
-    """One rank's predicted peak for ``mode`` (False, "selective" or True)."""
-    state = num_params * STATE_BYTES_PER_PARAM / world_size
+    """One rank's predicted peak for ``mode`` (False, "selective" or True). ``state_on_gpu=False``
+    (``fsdp_cpu_offload``): the state lives in host memory."""
+    state = num_params * STATE_BYTES_PER_PARAM / world_size if state_on_gpu else 0
     selective = ACTIVATION_BYTES * shape.matmul_elements * tokens_per_pass
     full_layer = NO_CHECKPOINT_FACTOR * selective
     if mode is False:
@@ -86,11 +92,19 @@ def predicted_peak_bytes(
 
 
 def choose_checkpointing(
-    shape: LayerShape, num_params: int, tokens_per_pass: int, budget_bytes: int, world_size: int = 1
+    shape: LayerShape,
+    num_params: int,
+    tokens_per_pass: int,
+    budget_bytes: int,
+    world_size: int = 1,
+    state_on_gpu: bool = True,
 ) -> tuple[bool | str, dict[str, float]]:
     """(mode, predicted peak in GiB per mode): the first mode of ``MODES`` that fits, else True."""
     predicted = {
-        str(mode).lower(): predicted_peak_bytes(shape, num_params, tokens_per_pass, mode, world_size) / GIB
+        str(mode).lower(): predicted_peak_bytes(
+            shape, num_params, tokens_per_pass, mode, world_size, state_on_gpu
+        )
+        / GIB
         for mode in MODES
     }
     for mode in MODES:

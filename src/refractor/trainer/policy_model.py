@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -231,6 +231,7 @@ def shard_model(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype,
     keep_unsharded: bool = False,
+    cpu_offload: bool = False,
 ) -> None:
     """FSDP2: one unit per decoder layer plus the root (embedding, final norm, LM head).
 
@@ -238,11 +239,15 @@ def shard_model(
     global token count of the step, so averaging would shrink gradients by the world size.
     ``keep_unsharded`` (one rank: sharding saves nothing) keeps each layer's compute-dtype copy
     between forward and backward instead of gathering it again (less per-layer overhead).
+    ``cpu_offload``: the sharded parameters, their gradients (and so the optimizer state) live in
+    host memory; each unit's parameters are copied to the device for its forward and backward.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # pinned host memory makes the per-layer copies asynchronous; it needs CUDA
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for layer in model.layers:
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=not keep_unsharded)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=not keep_unsharded, offload_policy=offload)
+    fully_shard(model, mp_policy=policy, offload_policy=offload)
     for module in [*model.layers, model]:
         module.set_gradient_divide_factor(1.0)
         # A plain SUM reduce-scatter (gloo has no PREMUL_SUM); with factor 1 nothing is divided after.

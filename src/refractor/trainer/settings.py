@@ -86,6 +86,7 @@ class TrainerSettings:
     seed: int = 0
     activation_checkpointing: bool | str = "auto"  # true | false | "selective" | "auto"
     trainer_memory_fraction: float | None = None  # auto plans for this share of the GPU (None: 0.9)
+    fsdp_cpu_offload: bool = False  # parameters, gradients and AdamW state in host memory
     trainer_compile: bool = True  # CUDA only
     weight_broadcast_bucket_mb: int = 256
     track_gpu_events: bool = True  # false: of the step's spans only the whole `step` (wall clock)

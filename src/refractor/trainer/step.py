@@ -232,6 +232,8 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
         squared = torch.nn.utils.get_total_norm(local, norm_type=2.0).float() ** 2
         mesh = grads[0].device_mesh
         if mesh.size() > 1:
+            # offloaded gradients live on the host; the mesh's backend (NCCL) reduces device tensors
+            squared = squared.to(mesh.device_type)
             dist.all_reduce(squared, group=mesh.get_group())
         norm = squared.sqrt()
         if max_norm > 0 and torch.isfinite(norm):

@@ -110,13 +110,18 @@ class Trainer:
             param_dtype=self.compute_dtype,
             reduce_dtype=torch.float32,
             keep_unsharded=self.world_size == 1,
+            cpu_offload=settings.fsdp_cpu_offload,
         )
         if init_checkpoint is not None:
             self.load_weights(init_checkpoint)
 
         optimizer = settings.optimizer
+        # offloaded, AdamW steps on the host copies (the fused kernel is CUDA only)
         self.optimizer = build_optimizer(
-            self.model.parameters(), optimizer.learning_rate, optimizer.weight_decay, fused=self.info.is_cuda
+            self.model.parameters(),
+            optimizer.learning_rate,
+            optimizer.weight_decay,
+            fused=self.info.is_cuda and not settings.fsdp_cpu_offload,
         )
         self.scheduler = build_lr_scheduler(self.optimizer, optimizer.schedule)
         self.loss_settings = settings.loss
@@ -158,7 +163,12 @@ class Trainer:
         budget = int(torch.cuda.get_device_properties(self.device).total_memory * fraction)
         num_params = sum(p.numel() for p in self.model.parameters())
         chosen, predicted = choose_checkpointing(
-            LayerShape.from_hf_config(self.hf_config), num_params, tokens, budget, self.world_size
+            LayerShape.from_hf_config(self.hf_config),
+            num_params,
+            tokens,
+            budget,
+            self.world_size,
+            state_on_gpu=not settings.fsdp_cpu_offload,
         )
         log.info(
             "activation_checkpointing auto: %s (predicted peak GiB per rank %s; budget %.1f GiB = "
@@ -256,7 +266,9 @@ class Trainer:
         cast to ``dtype`` (default: the checkpoint's dtype). Iterate on every rank; rank 0 gets the
         tensors."""
         mb = bucket_mb or self.settings.weight_broadcast_bucket_mb
-        return iter_weight_buckets(self.model, mb * 2**20, dtype or self.inference_dtype())
+        return iter_weight_buckets(
+            self.model, mb * 2**20, dtype or self.inference_dtype(), device=self.device
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _hf_model_state(self) -> dict[str, Any]:

@@ -86,11 +86,13 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def iter_weight_buckets(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, device: torch.device | None = None
 ) -> Iterator[WeightBucket]:
     """Yield ``[(hf_name, full_tensor)]`` buckets; call on every rank, consume on rank 0.
 
-    Tensors live on the training device; floating tensors are cast to ``dtype``. Every rank
+    Tensors live on ``device`` (default: where the parameters are; the training device when they
+    are offloaded to host memory, so the gather runs on its backend); floating tensors are cast to
+    ``dtype``. Every rank
     yields the same number of buckets. The tensors of a bucket share one buffer: keep a bucket
     only as long as it is needed (the next one is gathered when the iterator advances).
     """
@@ -102,8 +104,8 @@ def iter_weight_buckets(
     )
     rank = dist.get_rank() if dist.is_initialized() else 0
     for target, slots in _plan(model, bucket_bytes, dtype, world if sharded else 1):
-        device = _local(slots[0].param).device
-        local = torch.zeros(sum(s.padded_numel for s in slots), dtype=target, device=device)
+        where = device or _local(slots[0].param).device
+        local = torch.zeros(sum(s.padded_numel for s in slots), dtype=target, device=where)
         shards = [_local(s.param).reshape(-1) for s in slots]
         views = [local[s.offset : s.offset + shard.numel()] for s, shard in zip(slots, shards, strict=True)]
         torch._foreach_copy_(views, shards)  # cast + copy of every shard, a few kernels in all
