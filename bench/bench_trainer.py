@@ -103,6 +103,7 @@ def bench_refractor(
     compile: bool | str = False,
     tokens_per_forward: int = 16384,
     profile: str | None = None,
+    cpu_offload: bool = False,
 ) -> dict:
     """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
     from refractor.trainer import Trainer, policy_model
@@ -114,6 +115,7 @@ def bench_refractor(
         activation_checkpointing=activation_checkpointing,
         trainer_compile=bool(compile),
         trainer_max_tokens_per_forward=tokens_per_forward,
+        fsdp_cpu_offload=cpu_offload,
     )
     trainer = Trainer(settings, random_init=True)
     out: dict = {
@@ -267,6 +269,9 @@ VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, train
         16384,
     ),
     "full": ("compiled layers + full ckpt, 16k-token passes", True, True, 16384),
+    # fsdp_cpu_offload: parameters, gradients and AdamW state in pinned host memory (16 bytes per
+    # parameter of host RAM: a 7B shape needs a machine with ~150 GB)
+    "offload": ("compiled layers, checkpointing auto, CPU offload, 16k-token passes", "auto", True, 16384),
     "noac": ("compiled layers, ckpt off, 16k-token passes", False, True, 16384),
     "dyn": (
         "compiled layers (dynamic shapes from the start) + ckpt, 16k-token passes",
@@ -401,6 +406,7 @@ def main() -> None:
                     compile=compiled,
                     tokens_per_forward=per_forward,
                     profile=prof,
+                    cpu_offload=name == "offload",
                 )
             except Exception as err:  # report and keep the other variants
                 print(f"{label}: failed: {type(err).__name__}: {str(err)[:800]}")

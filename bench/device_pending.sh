@@ -7,6 +7,7 @@
 #   bash bench/device_pending.sh rl                           # 2 GPUs
 #   bash bench/device_pending.sh fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b   # 1, 2, 4 GPUs
 #   bash bench/device_pending.sh multi_server                 # 4 GPUs
+#   bash bench/device_pending.sh trainer_7b_offload           # 1 GPU of a machine with >= 256 GB RAM
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
 # runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
 # so the sum of their limits bounds one invocation. Wheels in .whl/ and .whl-ray/ (for a machine that has
@@ -66,12 +67,15 @@ run_part() {
     fsdp_7b)  # 4 GPUs: a 7B shape with fp32 master weights and AdamW state, no offload
       part fsdp_7b 300 torchrun --nproc-per-node 4 bench/bench_trainer.py --sizes 7b --tokens 65536 \
         --variants default --no-baseline --warmup 2 --steps 3 ;;
+    trainer_7b_offload)  # 1 GPU, but ~150 GB of host RAM: run it on a machine of several GPUs
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} part trainer_7b_offload 400 python bench/bench_trainer.py \
+        --sizes 7b --variants offload --no-baseline --warmup 2 --steps 3 ;;
     multi_server)  # 4 GPUs: 3 servers + 1 trainer rank (one of them an eval server), then 2 + 2
       part multi_server 420 python bench/bench_rl.py --steps 6 --warmup 2 --modes \
         "2+inference_num_workers=3+eval_num_servers=1+evals=[{name: countdown, eval_every: 2, num_samples: 64, kwargs: {dataset_name: procedural}}],2+inference_num_workers=2+trainer_num_workers=2" ;;
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary serving fsdp_test" \
-        "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server" >&2 ;;
+        "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" >&2 ;;
   esac
 }
 
