@@ -229,26 +229,32 @@ class EngineProcessClient:
         return self._push
 
     async def _read(self, pull: zmq.asyncio.Socket) -> None:
-        while self._dead is None:
-            if not await pull.poll(1000):
-                if not self._proc.is_alive():
-                    self._fail_all(f"the engine process exited with code {self._proc.exitcode}")
-                continue
-            message = _unpack(await pull.recv())
-            kind = message[0]
-            if kind == "output":  # with the status after it: /metrics counts this request at once
-                self._status.update(message[3])
-                _settle(self._requests.pop(message[1], None), decode_output(message[2]))
-            elif kind == "request_error":
-                _settle(self._requests.pop(message[1], None), error=_rebuild_error(message[2], message[3]))
-            elif kind == "reply":
-                self._status.update(message[3])
-                _settle(self._calls.pop(message[1], None), message[2])
-            elif kind == "call_error":
-                self._status.update(message[5])
-                _settle(self._calls.pop(message[1], None), error=_rebuild_error(*message[2:5]))
-            elif kind == "status":
-                self._status.update(message[1])
+        try:
+            while self._dead is None:
+                if not await pull.poll(1000):
+                    if not self._proc.is_alive():
+                        self._fail_all(f"the engine process exited with code {self._proc.exitcode}")
+                    continue
+                self._dispatch(_unpack(await pull.recv()))
+        except Exception as err:  # noqa: BLE001 - without its reader every waiting request would hang
+            log.exception("reading the engine process's messages failed")
+            self._fail_all(f"the server lost its link to the engine process: {type(err).__name__}: {err}")
+
+    def _dispatch(self, message: list) -> None:
+        kind = message[0]
+        if kind == "output":  # with the status after it: /metrics counts this request at once
+            self._status.update(message[3])
+            _settle(self._requests.pop(message[1], None), decode_output(message[2]))
+        elif kind == "request_error":
+            _settle(self._requests.pop(message[1], None), error=_rebuild_error(message[2], message[3]))
+        elif kind == "reply":
+            self._status.update(message[3])
+            _settle(self._calls.pop(message[1], None), message[2])
+        elif kind == "call_error":
+            self._status.update(message[5])
+            _settle(self._calls.pop(message[1], None), error=_rebuild_error(*message[2:5]))
+        elif kind == "status":
+            self._status.update(message[1])
 
     def _fail_all(self, reason: str) -> None:
         self._dead = reason
