@@ -17,8 +17,9 @@ import httpx
 import pytest
 import torch
 
+from refractor.inference.engine.llm_engine import EngineStats
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, WeightVersionSpan
-from refractor.inference.engine_process import decode_output, encode_output
+from refractor.inference.engine_wire import EngineStatus, decode_output, encode_output, pack, unpack
 from refractor.inference.server import start_native_server
 from refractor.testing import TEST_CONTROL_TOKEN
 from refractor.weight_sync.buckets import iter_buckets
@@ -59,10 +60,11 @@ def test_outputs_cross_the_process_boundary_unchanged():
         error=None,
         scheduled_time=10.1,
     )
-    import msgpack
-
-    wire = msgpack.unpackb(msgpack.packb(encode_output(out), use_bin_type=True), raw=False)
-    assert decode_output(wire) == out
+    assert decode_output(unpack(pack(encode_output(out)))) == out
+    status = EngineStatus(
+        True, False, EngineStats(3, 1, 0.25, 10, 20, 0, 7, 5, 2, 1.5), {"torch_allocated_gb": 1.0}
+    )
+    assert EngineStatus.decode(unpack(pack(status.encode()))) == status
 
 
 def test_a_weight_push_reaches_the_engine_process_and_its_death_is_reported(

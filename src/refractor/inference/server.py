@@ -47,7 +47,7 @@ from refractor.inference.engine.async_engine import (
     RequestFailedError,
 )
 from refractor.inference.engine.llm_engine import SleepModeOffError
-from refractor.inference.engine_process import EngineProcessClient
+from refractor.inference.engine_process import EngineProcessClient, RemoteWeightTransfer
 from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.request_schemas import AbortRequest
@@ -70,15 +70,17 @@ def create_app(
     enable_docs: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     extra_routers: Iterable[APIRouter] = (),
+    weight_transfer: WeightTransfer | RemoteWeightTransfer | None = None,
 ) -> FastAPI:
     """The server's app. ``control_token=None``: no control routes (a plain serving endpoint).
-    ``engine``: the engine thread in this process, or the client of an engine process."""
+    ``engine``: the engine thread in this process, or the client of an engine process.
+    ``weight_transfer``: what the weight routes act on (default: ``WeightTransfer(engine)``, here;
+    an engine process's ``weight_transfer()`` forwards them to it)."""
     docs = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if isinstance(engine, EngineProcessClient):
-            await engine.connect()  # read the engine's messages from the first moment on
+        await engine.connect()  # an engine process's messages are read from the first moment on
         yield
 
     app = FastAPI(title="refractor native inference server", lifespan=lifespan, **docs)
@@ -121,10 +123,7 @@ def create_app(
     app.include_router(openai_router)
     if control_token is not None:
         app.include_router(_control_router(engine, state))
-        transfer = (
-            engine.weight_transfer() if isinstance(engine, EngineProcessClient) else WeightTransfer(engine)
-        )
-        app.include_router(weight_update_router(transfer))
+        app.include_router(weight_update_router(weight_transfer or WeightTransfer(engine)))
     for extra in extra_routers:
         app.include_router(extra)
     return app
@@ -240,6 +239,7 @@ def run_native_server(
         api_key=api_key,
         enable_docs=enable_docs,
         max_request_body_bytes=max_request_body_bytes,
+        weight_transfer=engine.weight_transfer() if engine_process else None,
     )
     print(
         f"refractor native server (pid {os.getpid()}, {where}): {path} on {device}, "

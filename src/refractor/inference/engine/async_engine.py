@@ -302,6 +302,10 @@ class AsyncLLMEngine:
         return self.engine.named_parameters()
 
     # ---- introspection / lifecycle -----------------------------------------------------------
+    async def connect(self) -> None:
+        """Nothing to connect: the engine thread runs in this process (an engine process's client
+        starts reading its messages here)."""
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
