@@ -212,10 +212,12 @@ class ServerProbe:
     def _loop(self) -> None:
         import httpx
 
+        from refractor.inference.client import summed_samples
+
         with httpx.Client(timeout=5) as http:
             while not self._stop.wait(0.5):
                 with contextlib.suppress(httpx.HTTPError):
-                    self.samples.append(_scrape(http.get(self.url + "/metrics").text))
+                    self.samples.append(summed_samples(http.get(self.url + "/metrics").text))
 
     def stop(self) -> dict:
         self._stop.set()
@@ -234,16 +236,6 @@ class ServerProbe:
             out["engine_busy"] = seconds / ((len(busy) - 1) * 0.5)
             out["step_ms"] = 1e3 * seconds / max(steps, 1)
         return out
-
-
-def _scrape(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
 
 
 def parse_mode(mode: str) -> tuple[str, dict]:

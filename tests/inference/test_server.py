@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from refractor.inference.client import summed_samples
 from refractor.inference.server import start_native_server
 from refractor.testing import TEST_CONTROL_TOKEN
 
@@ -83,13 +84,7 @@ def _teacher_forced(hf, prompt, completion, temperature=1.0):
 
 
 def _metrics(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
+    return summed_samples(httpx.get(url + "/metrics").text)
 
 
 def test_openai_client_completions_and_chat(server, hf, tiny_qwen2_path):

@@ -312,14 +312,18 @@ class InferenceClient:
 
     async def metrics(self) -> dict[str, float]:
         """Prometheus samples summed over labels, e.g. ``vllm:num_requests_running``."""
-        from prometheus_client.parser import text_string_to_metric_families
+        return summed_samples((await self._request("GET", "/metrics")).text)
 
-        text = (await self._request("GET", "/metrics")).text
-        totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-        return totals
+
+def summed_samples(text: str) -> dict[str, float]:
+    """A ``/metrics`` page's samples by name, summed over their labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 def transport_error_text(err: httpx.TransportError) -> str:

@@ -9,18 +9,35 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
+from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from refractor.inference.engine import LLMEngine
 from refractor.inference.engine.sampling_params import SamplingParams
-from refractor.inference.engine_wire import EngineStatus, encode_output, error_fields, pack, unpack
+from refractor.inference.engine_wire import (
+    EngineInfo,
+    EngineStatus,
+    encode_output,
+    error_fields,
+    pack,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 0.25
+
+
+def load_engine(model_path: str | Path, config: Any, tokenizer: Any) -> LLMEngine:
+    """The native engine of a server, in either layout: it decodes with ``tokenizer`` (for stop
+    strings) and also stops at the tokenizer's EOS token."""
+    core = LLMEngine.from_pretrained(model_path, config, detokenize=tokenizer.decode)
+    if tokenizer.eos_token_id is not None:
+        core.eos_token_ids |= {tokenizer.eos_token_id}
+    return core
 
 
 def engine_main(
@@ -48,16 +65,11 @@ async def _serve(
     try:
         from transformers import AutoTokenizer
 
-        from refractor.inference.engine import LLMEngine
         from refractor.inference.engine.async_engine import AsyncLLMEngine
         from refractor.inference.request_schemas import InitInfo
         from refractor.inference.weight_routes import WeightTransfer
 
-        started = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        core = LLMEngine.from_pretrained(model_path, config, detokenize=tokenizer.decode)
-        if tokenizer.eos_token_id is not None:
-            core.eos_token_ids |= {tokenizer.eos_token_id}
+        core = load_engine(model_path, config, AutoTokenizer.from_pretrained(model_path))
     except Exception as err:  # noqa: BLE001 - reported to the server, which exits with it
         log.exception("the engine could not be built")
         await push.send(pack(["failed", f"{type(err).__name__}: {err}"]))
@@ -65,28 +77,24 @@ async def _serve(
     engine = AsyncLLMEngine(core)
     transfer = WeightTransfer(engine)
 
-    def status(memory: bool = False) -> list:
+    def snapshot(memory: bool = False) -> EngineStatus:
         # the allocator's figures only in the periodic report: torch.cuda.memory_stats builds a large
         # dict under the GIL the engine thread needs between its kernel launches
         figures = engine.memory_gb() if memory else None
-        return EngineStatus(engine.is_paused, engine.is_sleeping, engine.stats(), figures).encode()
+        return EngineStatus(engine.is_paused, engine.is_sleeping, engine.stats(), figures)
 
-    await push.send(
-        pack(
-            [
-                "ready",
-                {
-                    "pid": os.getpid(),
-                    "device": str(core.device),
-                    "max_model_len": core.config.max_model_len,
-                    "vocab_size": core.model.config.vocab_size,
-                    "engine_s": time.perf_counter() - started,
-                    "startup_s": dict(core.runner.startup_s),
-                    "status": status(memory=True),
-                },
-            ]
-        )
+    def status(memory: bool = False) -> list:
+        return snapshot(memory).encode()
+
+    info = EngineInfo(
+        os.getpid(),
+        str(core.device),
+        core.config.max_model_len,
+        core.model.config.vocab_size,
+        dict(core.runner.startup_s),
+        snapshot(memory=True),
     )
+    await push.send(pack(["ready", info.encode()]))
     ops = {
         "abort": engine.abort,
         "pause": engine.pause,

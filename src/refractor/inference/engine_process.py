@@ -43,7 +43,14 @@ from refractor.inference.engine.llm_engine import EngineStats
 from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.sequence import RequestOutput
 from refractor.inference.engine_core import engine_main
-from refractor.inference.engine_wire import EngineStatus, decode_output, pack, rebuild_error, unpack
+from refractor.inference.engine_wire import (
+    EngineInfo,
+    EngineStatus,
+    decode_output,
+    pack,
+    rebuild_error,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +66,16 @@ class EngineProcessClient:
         self,
         proc: multiprocessing.Process,
         workdir: str,
-        info: dict,
+        info: EngineInfo,
         ctx: zmq.Context,
         sockets: tuple[zmq.Socket, zmq.Socket],
     ) -> None:
         self._proc = proc
         self._workdir = workdir
         self.info = info
-        self.max_model_len: int = info["max_model_len"]
-        self.vocab_size: int = info["vocab_size"]
-        self._status = EngineStatus.decode(info["status"])
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self._status = info.status
         self._ctx = ctx
         self._sockets = sockets  # (push, pull), bound before the engine process started
         self._push: zmq.asyncio.Socket | None = None
@@ -102,7 +109,7 @@ class EngineProcessClient:
                 if pull.poll(500):
                     message = unpack(pull.recv())
                     if message[0] == "ready":
-                        return cls(proc, workdir, message[1], ctx, (push, pull))
+                        return cls(proc, workdir, EngineInfo.decode(message[1]), ctx, (push, pull))
                     if message[0] == "failed":
                         raise RuntimeError(f"the engine process could not start: {message[1]}")
                 if not proc.is_alive():

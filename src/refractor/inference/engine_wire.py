@@ -2,7 +2,7 @@
 
 Every message is a msgpack list (never pickle). Server -> engine:
 ``["generate", rid, prompt_ids, params, priority]``, ``["cancel", rid]``,
-``["call", call_id, op, args]``. Engine -> server: ``["ready", info]``, ``["failed", message]``,
+``["call", call_id, op, args]``. Engine -> server: ``["ready", EngineInfo]``, ``["failed", message]``,
 ``["output", rid, output, status]``, ``["request_error", rid, kind, message]``,
 ``["reply", call_id, result, status]``, ``["call_error", call_id, kind, message, http_status, status]``,
 ``["status", status]`` (periodic: the engine's counters for ``/metrics``). Errors travel as their
@@ -37,6 +37,33 @@ class EngineStatus:
     def decode(cls, fields: list) -> EngineStatus:
         paused, sleeping, stats, memory = fields
         return cls(paused, sleeping, EngineStats(*stats), memory)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine process reports once its engine is built (the ``ready`` message)."""
+
+    pid: int
+    device: str
+    max_model_len: int
+    vocab_size: int
+    startup_s: dict[str, float]  # the engine's start-up phases
+    status: EngineStatus
+
+    def encode(self) -> list:
+        return [
+            self.pid,
+            self.device,
+            self.max_model_len,
+            self.vocab_size,
+            self.startup_s,
+            self.status.encode(),
+        ]
+
+    @classmethod
+    def decode(cls, fields: list) -> EngineInfo:
+        *head, status = fields
+        return cls(*head, EngineStatus.decode(status))
 
 
 def pack(message: list) -> bytes:

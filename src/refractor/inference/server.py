@@ -47,6 +47,7 @@ from refractor.inference.engine.async_engine import (
     RequestFailedError,
 )
 from refractor.inference.engine.llm_engine import SleepModeOffError
+from refractor.inference.engine_core import load_engine
 from refractor.inference.engine_process import EngineProcessClient, RemoteWeightTransfer
 from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 from refractor.inference.process import ServerProcess, client_host, free_port
@@ -212,7 +213,7 @@ def run_native_server(
     from transformers import AutoTokenizer
 
     from refractor.hub import resolve_model_path
-    from refractor.inference.engine import EngineConfig, LLMEngine
+    from refractor.inference.engine import EngineConfig
 
     path = resolve_model_path(str(model))
     started = time.perf_counter()
@@ -221,12 +222,10 @@ def run_native_server(
     config = engine_config or EngineConfig()
     if engine_process:
         engine = EngineProcessClient.start(str(path), config, log_level=log_level)
-        device, startup_s = engine.info["device"], engine.info["startup_s"]
-        where = f"engine process {engine.info['pid']}"
+        device, startup_s = engine.info.device, engine.info.startup_s
+        where = f"engine process {engine.info.pid}"
     else:
-        core = LLMEngine.from_pretrained(path, config, detokenize=tokenizer.decode)
-        if tokenizer.eos_token_id is not None:
-            core.eos_token_ids |= {tokenizer.eos_token_id}
+        core = load_engine(path, config, tokenizer)
         engine = AsyncLLMEngine(core)
         device, startup_s, where = core.device, core.runner.startup_s, "engine thread"
     engine_s = time.perf_counter() - started - tokenizer_s

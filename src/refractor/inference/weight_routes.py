@@ -1,7 +1,7 @@
 """The weight-update routes of the native server, with vLLM 0.32's names and semantics.
 
-``weight_update_router(WeightTransfer(engine))`` gives the native server the control plane a stock vLLM server
-has in dev mode (``refractor.weight_sync.control_plane`` calls it), so one trainer-side
+``weight_update_router(WeightTransfer(engine))`` gives the native server the control plane a stock
+vLLM server has in dev mode (``refractor.weight_sync.control_plane`` calls it), so one trainer-side
 ``WeightSender`` updates both engines: ``/get_world_size``, ``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/weight_info``,
 ``/reset_prefix_cache``, ``/shutdown_weight_transfer_engine``. ``/pause``, ``/resume`` and
