@@ -236,6 +236,11 @@ def main() -> None:
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--compare-fused-projections", action="store_true")
+    parser.add_argument(
+        "--compare-async-scheduling",
+        action="store_true",
+        help="also run every concurrency with the host a decode step ahead (async_scheduling)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -294,6 +299,25 @@ def main() -> None:
     c = max(concurrencies)
     results[f"breakdown_ms_{c}"] = step_breakdown(engine, c, args.prompt_len)
     log(f"decode step breakdown c={c} (ms): {results[f'breakdown_ms_{c}']}")
+    if args.compare_async_scheduling:  # the same model, an engine that launches decode steps ahead
+        del engine
+        torch.cuda.empty_cache()
+        engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__, "async_scheduling": True}))
+        bench_engine(engine, 8, args.prompt_len, 16)  # warm-up
+        for c in concurrencies:
+            r = bench_engine(engine, c, args.prompt_len, args.gen_len)
+            base = results[f"engine_{c}"]
+            r["speedup"] = r["tok_s"] / base["tok_s"]
+            r["decode_speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+            r["pct_of_bandwidth_bound"] = 100 * r["decode_tok_s"] / base["bound_tok_s"]
+            results[f"engine_async_scheduling_{c}"] = r
+            log(
+                f"engine with async scheduling c={c}: tok/s {r['tok_s']:.0f} ({r['speedup']:.3f}x), "
+                f"decode tok/s {r['decode_tok_s']:.0f} ({r['decode_speedup']:.3f}x)"
+            )
+        del engine
+        torch.cuda.empty_cache()
+        engine = LLMEngine(model, engine_config)
     if args.compare_fused_projections:  # before the run below turns the compiled ops off
         # a fused engine fuses its model in place: a fresh one (the same seed, the same weights)
         del engine, model

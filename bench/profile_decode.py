@@ -28,6 +28,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (kernels named per module)")
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the host launches each step before recording the last",
+    )
     args = parser.parse_args()
 
     model, _ = random_qwen_05b()
@@ -36,6 +41,7 @@ def main() -> None:
         max_num_seqs=args.concurrency,
         gpu_memory_utilization=0.8,
         enforce_eager=args.eager,
+        async_scheduling=args.async_scheduling,
     )
     engine = LLMEngine(model, config)
     params = SamplingParams(temperature=1.0, max_tokens=4 * args.steps + 32, ignore_eos=True)
@@ -61,7 +67,8 @@ def main() -> None:
     gpu_ms = sum(e.device_time_total for e in events) / 1000 / args.steps
     print(
         f"{torch.cuda.get_device_name()}: c={args.concurrency}, context {args.context}, "
-        f"{'eager' if args.eager else 'graphs'}: step {step_ms:.2f} ms wall "
+        f"{'eager' if args.eager else 'graphs'}{', async scheduling' * args.async_scheduling}: "
+        f"step {step_ms:.2f} ms wall "
         f"({args.concurrency / step_ms * 1000:.0f} tok/s), GPU kernels {gpu_ms:.2f} ms/step "
         f"({100 * gpu_ms / step_ms:.0f}%)"
     )

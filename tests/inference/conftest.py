@@ -12,6 +12,13 @@ from refractor.testing import TEST_CONTROL_TOKEN
 VLLM_SERVED_NAME = "tiny"
 
 
+@pytest.fixture(params=[False, True], ids=["host-waits", "host-ahead"])
+def async_scheduling(request) -> bool:
+    """The engine's ``async_scheduling``: engine tests that take it run with the host waiting for each
+    decode step's tokens, and with the host launching the next step before recording them."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_seed1_path():
     """A second checkpoint of the same (tied-embedding) architecture: different weights."""

@@ -9,10 +9,17 @@ import torch
 from refractor.inference.engine import EngineConfig, LLMEngine, PromptTooLongError, SamplingParams
 from refractor.models import iter_safetensors
 
+DEFAULTS = {"max_model_len": 256, "kv_cache_memory_gb": 0.02, "block_size": 16}
+
+
+@pytest.fixture(autouse=True)
+def _scheduling(async_scheduling, monkeypatch):
+    """Every test here runs with the host waiting for each step and with the host a step ahead."""
+    monkeypatch.setitem(DEFAULTS, "async_scheduling", async_scheduling)
+
 
 def _engine(path, **overrides) -> LLMEngine:
-    config = EngineConfig(**{"max_model_len": 256, "kv_cache_memory_gb": 0.02, "block_size": 16, **overrides})
-    return LLMEngine.from_pretrained(path, config)
+    return LLMEngine.from_pretrained(path, EngineConfig(**{**DEFAULTS, **overrides}))
 
 
 def _hf(path):

@@ -12,12 +12,11 @@ from refractor.inference.engine.async_engine import AsyncLLMEngine
 
 
 @pytest.fixture
-def engine(tiny_qwen2_path):
-    eng = AsyncLLMEngine(
-        LLMEngine.from_pretrained(
-            tiny_qwen2_path, EngineConfig(max_model_len=512, kv_cache_memory_gb=0.02, block_size=16)
-        )
+def engine(tiny_qwen2_path, async_scheduling):
+    config = EngineConfig(
+        max_model_len=512, kv_cache_memory_gb=0.02, block_size=16, async_scheduling=async_scheduling
     )
+    eng = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_qwen2_path, config))
     yield eng
     eng.shutdown()
 

@@ -21,19 +21,34 @@ from refractor.inference.server import create_app
 from refractor.testing import TEST_CONTROL_TOKEN
 
 CONTROL = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}
-CONFIG = EngineConfig(max_model_len=128, kv_cache_memory_gb=0.01, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def config(async_scheduling) -> EngineConfig:
+    return EngineConfig(
+        max_model_len=128,
+        kv_cache_memory_gb=0.01,
+        dtype="float32",
+        device="cpu",
+        async_scheduling=async_scheduling,
+    )
+
+
 POISON = 99  # a prompt starting with this token id makes the model runner raise
 
 
 def inject_runner_fault(core: LLMEngine, poisoned) -> None:
-    """The runner raises for any batch that holds a sequence ``poisoned(seq)`` picks."""
+    """The runner raises for any batch that holds a sequence ``poisoned(seq, done)`` picks, where
+    ``done`` counts the output tokens before the one the step computes (a step launched ahead of
+    the host computes the token after the host's last)."""
     run = core.runner.run
 
-    def faulty(seqs, is_prefill):
-        bad = sorted({s.request_id for s in seqs if poisoned(s)})
+    def faulty(seqs, is_prefill, next_ids=None):
+        ahead = int(next_ids is not None)
+        bad = sorted({s.request_id for s in seqs if poisoned(s, s.num_output_tokens + ahead)})
         if bad:
             raise RuntimeError(f"injected fault in the model for {bad}")
-        return run(seqs, is_prefill)
+        return run(seqs, is_prefill, next_ids)
 
     core.runner.run = faulty
 
@@ -48,17 +63,15 @@ async def _until(predicate, timeout=20.0):
 
 @pytest.mark.parametrize("failing_step", ["prefill", "decode"])
 def test_a_request_failing_inside_the_step_fails_alone_and_the_others_match_their_solo_runs(
-    tiny_qwen2_path, failing_step
+    tiny_qwen2_path, failing_step, config
 ):
-    engine = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_qwen2_path, CONFIG))
+    engine = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_qwen2_path, config))
     app = create_app(
         engine, AutoTokenizer.from_pretrained(tiny_qwen2_path), "t", control_token=TEST_CONTROL_TOKEN
     )
     # decode: the faulty request fails at its fourth token, when every request holds KV
     fails_at = 0 if failing_step == "prefill" else 3
-    inject_runner_fault(
-        engine.engine, lambda seq: seq.token_ids[0] == POISON and seq.num_output_tokens == fails_at
-    )
+    inject_runner_fault(engine.engine, lambda seq, done: seq.token_ids[0] == POISON and done == fails_at)
     greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     good = [{"prompt": [1, 2, i + 3], **greedy} for i in range(19)]
     bad = {"prompt": [POISON, 2, 3], **greedy, "n": 3}
@@ -92,10 +105,10 @@ def test_a_request_failing_inside_the_step_fails_alone_and_the_others_match_thei
     assert stats.kv_cache_usage == 0 and stats.num_waiting == 0  # the failed request's KV was freed
 
 
-def test_an_engine_failing_for_every_request_fails_them_all_and_serves_again(tiny_qwen2_path):
-    engine = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_qwen2_path, CONFIG))
+def test_an_engine_failing_for_every_request_fails_them_all_and_serves_again(tiny_qwen2_path, config):
+    engine = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_qwen2_path, config))
     run = engine.engine.runner.run
-    inject_runner_fault(engine.engine, lambda seq: True)
+    inject_runner_fault(engine.engine, lambda seq, done: True)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
     async def main():
@@ -123,11 +136,11 @@ def test_an_engine_failing_for_every_request_fails_them_all_and_serves_again(tin
     assert len(healthy.outputs[0].token_ids) == 4 and healthy.outputs[0].finish_reason == "length"
 
 
-def test_a_failing_stop_string_check_fails_only_its_request(tiny_qwen2_path):
+def test_a_failing_stop_string_check_fails_only_its_request(tiny_qwen2_path, config):
     def decode(token_ids):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected: undecodable output")
 
-    core = LLMEngine.from_pretrained(tiny_qwen2_path, CONFIG, detokenize=decode)
+    core = LLMEngine.from_pretrained(tiny_qwen2_path, config, detokenize=decode)
     plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with_stop = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=["never"], n=2)
     failed, ok = core.generate([[1, 2, 3], [4, 5, 6]], [with_stop, plain])
@@ -138,14 +151,14 @@ def test_a_failing_stop_string_check_fails_only_its_request(tiny_qwen2_path):
     assert core.block_manager.usage == 0 and not core.requests
 
 
-def test_values_that_would_break_a_step_are_refused_up_front():
+def test_values_that_would_break_a_step_are_refused_up_front(config):
     """A subnormal temperature made every log-prob NaN, and a top-logprobs count above the
     vocabulary made the batch's top-k raise: both are refused before the request joins a batch."""
     from refractor.testing import TinyModelSpec, build_tiny_model
 
     with pytest.raises(ValueError, match="temperature must be 0 .greedy. or a finite number >= 1e-06"):
         SamplingParams(temperature=1e-40)
-    core = LLMEngine.from_pretrained(build_tiny_model(TinyModelSpec(vocab_size=16)), CONFIG)
+    core = LLMEngine.from_pretrained(build_tiny_model(TinyModelSpec(vocab_size=16)), config)
     with pytest.raises(ValueError, match=r"logprobs \(20\) exceeds the vocabulary of 16 tokens"):
         core.add_request("r", [1, 2, 3], SamplingParams(logprobs=20))
     assert not core.requests

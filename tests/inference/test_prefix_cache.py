@@ -16,9 +16,17 @@ from refractor.models import iter_safetensors
 BLOCK = 16
 
 
+DEFAULTS = {"max_model_len": 1280, "kv_cache_memory_gb": 0.05, "block_size": BLOCK, "dtype": "float32"}
+
+
+@pytest.fixture(autouse=True)
+def _scheduling(async_scheduling, monkeypatch):
+    """Every test here runs with the host waiting for each step and with the host a step ahead."""
+    monkeypatch.setitem(DEFAULTS, "async_scheduling", async_scheduling)
+
+
 def _engine(path, **overrides) -> LLMEngine:
-    config = {"max_model_len": 1280, "kv_cache_memory_gb": 0.05, "block_size": BLOCK, "dtype": "float32"}
-    return LLMEngine.from_pretrained(path, EngineConfig(**{**config, **overrides}))
+    return LLMEngine.from_pretrained(path, EngineConfig(**{**DEFAULTS, **overrides}))
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

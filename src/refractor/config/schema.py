@@ -535,6 +535,11 @@ class InferenceKeys(_Strict):
         description="[refractor] Native engine servers run the engine in a process of its own, apart from "
         "HTTP and tokenization (in one process they share one GIL).",
     )
+    native_async_scheduling: bool = Field(
+        True,
+        description="[refractor] Native engine servers launch each decode step before recording the one "
+        "before it, so the host's bookkeeping overlaps the GPU's work.",
+    )
     vllm_scheduling_policy: Literal["priority", "fcfs"] = Field(
         "priority", description="Scheduling; priority favours later turns."
     )

@@ -50,6 +50,12 @@ def serve(
         help="Native engine: while sequences decode, newcomers are prefilled together after this many "
         "steps (or once they fill the prefill token budget); 0: each at once.",
     ),
+    async_scheduling: bool = typer.Option(
+        True,
+        "--async-scheduling/--no-async-scheduling",
+        help="Native engine: launch each decode step before the host records the one before it "
+        "(the host's bookkeeping overlaps the GPU's work).",
+    ),
     engine_process: bool = typer.Option(
         False,
         "--engine-process/--no-engine-process",
@@ -149,6 +155,7 @@ def serve(
         enable_sleep_mode=enable_sleep_mode,
         enable_prefix_caching=enable_prefix_caching,
         decode_steps_between_prefills=decode_steps_between_prefills,
+        async_scheduling=async_scheduling,
         seed=seed,
     )
     run_native_server(

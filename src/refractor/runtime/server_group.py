@@ -67,6 +67,7 @@ class NativeEngineArgs:
     enable_sleep_mode: bool = False
     enable_prefix_caching: bool = True
     engine_process: bool = False
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class ServerGroupSettings:
                 enable_sleep_mode=enable_sleep_mode,
                 enable_prefix_caching=cfg.enable_prefix_caching,
                 engine_process=cfg.native_engine_process,
+                async_scheduling=cfg.native_async_scheduling,
             ),
             vllm=VllmServerSettings.from_config(
                 cfg,

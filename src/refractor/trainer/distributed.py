@@ -30,13 +30,15 @@ class RankInfo:
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """The rank's device: explicit, else ``cuda:LOCAL_RANK`` when CUDA exists (Ray actors see one
-    GPU), else CPU."""
+    GPU), else CPU. A bare ``cuda`` also means this rank's GPU."""
     if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+        device = torch.device(device)
+        if device.type != "cuda" or device.index is not None:
+            return device
+    elif not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return torch.device("cuda", local)
 
 
 def init_distributed(

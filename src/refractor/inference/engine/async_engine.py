@@ -56,7 +56,7 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while self._running:
             self._drain_commands()
-            if self.engine.paused or self.engine.is_sleeping or not self.engine.scheduler.has_work:
+            if not self.engine.has_work:
                 self._stats = self.engine.stats()
                 self._wakeup.wait()
                 self._wakeup.clear()

@@ -117,8 +117,9 @@ class BlockManager:
     def can_grow(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= self.num_free_blocks
 
-    def grow(self, seq: Sequence) -> None:
-        for _ in range(self.blocks_needed(seq)):
+    def grow(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Add the blocks ``seq`` needs to hold ``num_tokens`` (default: all of its tokens)."""
+        for _ in range(self.blocks_needed(seq, num_tokens)):
             seq.block_table.append(self._allocate())
             seq.table_version += 1
 

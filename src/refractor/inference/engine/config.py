@@ -38,6 +38,10 @@ class EngineConfig:
     # prefill token budget) and are then prefilled together (0: each at once); fewer, larger
     # prefills keep the decode steps going at the cost of a few steps of time to first token
     decode_steps_between_prefills: int = 32
+    # the host schedules and launches decode step N+1 while the device runs step N, recording
+    # step N's tokens after (a sequence that finished at N computes one spare token); off: the
+    # host waits for each step's tokens before it prepares the next
+    async_scheduling: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

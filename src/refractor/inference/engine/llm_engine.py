@@ -22,6 +22,7 @@ from refractor.inference.engine.block_manager import BlockManager
 from refractor.inference.engine.config import EngineConfig
 from refractor.inference.engine.model_runner import ModelRunner
 from refractor.inference.engine.sampler import (
+    DeviceSample,
     Sampler,
     SamplerOutput,
     SamplingBatch,
@@ -32,6 +33,7 @@ from refractor.inference.engine.sampling_params import SamplingParams
 from refractor.inference.engine.scheduler import Scheduler
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, Sequence
 from refractor.inference.engine.sleep import EngineMemory, ParameterArena
+from refractor.inference.engine.transfer import to_device
 from refractor.models import CausalLM, load_model, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,15 @@ class _Request:
     prompt_token_ids: list[int]
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+
+
+@dataclass
+class _Launched:
+    """A decode step launched on the device whose tokens the host has not recorded yet."""
+
+    seqs: list[Sequence]
+    sample: DeviceSample
+    version: int | str  # the weights it runs with (updates wait for it: ``_record_launched``)
 
 
 @dataclass
@@ -123,6 +134,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.steps_total = 0
         self.busy_seconds_total = 0.0
+        self._launched: _Launched | None = None  # async scheduling: the step the device runs
+        self._ready: list[RequestOutput] = []  # finished while recording outside step()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, **kwargs) -> LLMEngine:
@@ -183,6 +196,7 @@ class LLMEngine:
 
         Frees their KV.
         """
+        self._record_launched()
         ids = list(self.requests) if request_ids is None else [r for r in request_ids if r in self.requests]
         outputs = []
         for request_id in ids:
@@ -194,7 +208,15 @@ class LLMEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Whether a request is in flight or its output has not been returned by ``step`` yet."""
+        return bool(self.requests or self._ready)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether ``step`` has anything to do: outputs to return, a launched step, or sequences to run."""
+        if self._ready or self._launched is not None:
+            return True
+        return not self.paused and not self.is_sleeping and self.scheduler.has_work
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -203,15 +225,38 @@ class LLMEngine:
         A request whose work raises inside the step fails alone: its output comes back with
         ``error`` set and its KV freed, and the step's other requests go on (see ``_sample_isolating``).
         Raises ``EngineStepError`` when the step fails for every one of two or more requests.
+
+        With ``async_scheduling`` a decode step returns before its tokens are on the host: the
+        next call launches the step after it (when no prefill is due and no sequence must be
+        preempted), then records the earlier one, so the device never waits for the host's
+        bookkeeping; when it cannot launch ahead, it records, then schedules as usual. Every
+        control call (abort, pause, sleep, weight and cache updates) records a launched step first.
         """
-        if self.paused or self.is_sleeping or not self.scheduler.has_work:
-            return []
+        outputs, self._ready = self._ready, []
         started = time.perf_counter()
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._launched = self._launch_after(launched)
+            outputs += self._record_step([(launched.seqs, launched.sample.result())], {}, launched.version)
+            if self._launched is not None:
+                self.busy_seconds_total += time.perf_counter() - started
+                return outputs
+            # else this call runs a step scheduled the usual way as well
+        if self.paused or self.is_sleeping or not self.scheduler.has_work:
+            return outputs
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return []
+            return outputs
         if is_prefill:
             self.prompt_tokens_total += sum(s.num_tokens for s in seqs)
+        elif self.config.async_scheduling:
+            try:
+                self._launched = _Launched(seqs, self._launch(seqs), self.weight_version)
+            except Exception as err:  # the synchronous step below finds the request at fault
+                log.warning("launching a decode step failed (%s); running it synchronously", one_line(err))
+            else:
+                self.busy_seconds_total += time.perf_counter() - started
+                return outputs
         try:
             sampled, failures = self._sample_isolating(seqs, is_prefill)
         except BaseException:
@@ -223,43 +268,91 @@ class LLMEngine:
             raise EngineStepError(
                 f"the step failed for each of its {len(failures)} requests, even run alone: {one_line(err)}"
             ) from err
+        outputs += self._record_step(sampled, failures, self.weight_version)
+        self.block_manager.finish_prefill_step()  # the failed requests' blocks were unnamed as freed
+        self.busy_seconds_total += time.perf_counter() - started
+        return outputs
+
+    def _record_step(
+        self,
+        sampled: list[tuple[list[Sequence], SamplerOutput]],
+        failures: dict[str, Exception],
+        version: int | str,
+    ) -> list[RequestOutput]:
+        """Append each group's sampled tokens; the outputs of the requests that finished or failed.
+        A sequence already finished (aborted, or done in the step before a launched-ahead one)
+        takes nothing."""
         now = time.monotonic()
         finished_requests = []
         for group, out in sampled:
             for row, seq in enumerate(group):
-                if seq.request_id in failures:
+                if seq.request_id in failures or seq.is_finished:
                     continue
                 try:
-                    if self._record(seq, out, row, now):
+                    if self._record(seq, out, row, now, version):
                         finished_requests.append(seq.request_id)
                 except Exception as err:  # e.g. the tokenizer in a stop-string check: this request's alone
                     failures[seq.request_id] = err
                 self.generation_tokens_total += 1
         outputs = [self._pop_output(r) for r in finished_requests if r not in failures]
         outputs += [self._fail(r, err) for r, err in failures.items()]
-        self.block_manager.finish_prefill_step()  # the failed requests' blocks were unnamed as freed
         self.steps_total += 1
-        self.busy_seconds_total += time.perf_counter() - started
         return outputs
+
+    def _launch(self, seqs: list[Sequence], next_ids: torch.Tensor | None = None) -> DeviceSample:
+        """Queue a decode step's model and sampler on the device and its tokens' copy to the host."""
+        logits = self.runner.run(seqs, False, next_ids)
+        batch = self._sampling_batch(seqs, logits, ahead=next_ids is not None)
+        return self.sampler.launch(logits, batch).copy_to_host()
+
+    def _launch_after(self, launched: _Launched) -> _Launched | None:
+        """Launch the decode step after ``launched`` before its tokens reach the host, feeding them
+        on the device; None when the scheduler wants the step recorded first."""
+        rows = [i for i, seq in enumerate(launched.seqs) if not seq.is_finished]
+        seqs = [launched.seqs[i] for i in rows]
+        if not seqs or self.paused or self.is_sleeping or not self.scheduler.schedule_ahead(seqs):
+            return None
+        next_ids = launched.sample.token_ids
+        if len(rows) < len(launched.seqs):
+            next_ids = next_ids.index_select(0, to_device(rows, next_ids.device))
+        try:
+            return _Launched(seqs, self._launch(seqs, next_ids), self.weight_version)
+        except Exception as err:  # recorded first, the sequences are scheduled the usual way
+            log.warning(
+                "launching a decode step ahead failed (%s); recording the last one first", one_line(err)
+            )
+            return None
+
+    def _record_launched(self) -> None:
+        """Record a launched step now (before a control call changes what it ran on); its finished
+        requests come out of the next ``step``."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._ready += self._record_step(
+                [(launched.seqs, launched.sample.result())], {}, launched.version
+            )
+
+    def _sampling_batch(
+        self, seqs: list[Sequence], logits: torch.Tensor, ahead: bool = False
+    ) -> SamplingBatch:
+        """Each row's settings; ``ahead``: the step samples one token past what the host holds."""
+        return SamplingBatch(
+            temperatures=[s.params.temperature for s in seqs],
+            top_ps=[s.params.top_p for s in seqs],
+            top_ks=[s.params.top_k for s in seqs],
+            generators=[s.generator for s in seqs],
+            num_top_logprobs=[s.params.logprobs for s in seqs],
+            seeds=step_seeds(
+                np.fromiter((s.sample_seed for s in seqs), np.int64, len(seqs)),
+                np.fromiter((s.num_output_tokens for s in seqs), np.int64, len(seqs)) + int(ahead),
+            )
+            if logits.is_cuda
+            else None,
+        )
 
     def _sample(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput:
         logits = self.runner.run(seqs, is_prefill)
-        return self.sampler(
-            logits,
-            SamplingBatch(
-                temperatures=[s.params.temperature for s in seqs],
-                top_ps=[s.params.top_p for s in seqs],
-                top_ks=[s.params.top_k for s in seqs],
-                generators=[s.generator for s in seqs],
-                num_top_logprobs=[s.params.logprobs for s in seqs],
-                seeds=step_seeds(
-                    np.fromiter((s.sample_seed for s in seqs), np.int64, len(seqs)),
-                    np.fromiter((s.num_output_tokens for s in seqs), np.int64, len(seqs)),
-                )
-                if logits.is_cuda
-                else None,
-            ),
-        )
+        return self.sampler(logits, self._sampling_batch(seqs, logits))
 
     def _sample_isolating(
         self, seqs: list[Sequence], is_prefill: bool
@@ -293,12 +386,12 @@ class LLMEngine:
         second, second_failures = self._sample_isolating(rest, is_prefill)
         return first + second, first_failures | second_failures
 
-    def _record(self, seq: Sequence, out: SamplerOutput, row: int, now: float) -> bool:
+    def _record(self, seq: Sequence, out: SamplerOutput, row: int, now: float, version: int | str) -> bool:
         """Append the sampled token to ``seq``; True when that finished its whole request."""
         seq.append(
             out.token_ids[row],
             out.logprobs[row],
-            self.weight_version,
+            version,
             out.ranks[row] if out.ranks is not None and seq.params.logprobs is not None else None,
             out.top_logprobs[row] if out.top_logprobs is not None and seq.params.logprobs else None,
         )
@@ -374,6 +467,7 @@ class LLMEngine:
         """keep: freeze in-flight requests until ``resume``; abort: finish them now (partial tokens)."""
         if mode not in ("keep", "abort"):
             raise ValueError(f"pause mode must be 'keep' or 'abort' here, got {mode!r}")
+        self._record_launched()
         self.paused = True
         return self.abort() if mode == "abort" else []
 
@@ -390,6 +484,7 @@ class LLMEngine:
         offloaded to host memory at level 1, discarded at level 2. No step runs until every part is
         awake again; requests keep arriving and wait."""
         self.check_sleep(level)
+        self._record_launched()
         self.scheduler.preempt_all()
         self.block_manager.reset_prefix_cache()  # the cached KV goes with the memory
         self.memory.sleep(level)
@@ -431,6 +526,7 @@ class LLMEngine:
         version unchanged.
         """
         updates = self._checked_update(named_tensors)
+        self._record_launched()  # its tokens were sampled with the weights being replaced
         for param, tensor in updates:
             target = param if self.memory is None else self.memory.write_target(param)
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
@@ -482,6 +578,7 @@ class LLMEngine:
         ``reset_running_requests``: running sequences drop their KV too and are re-prefilled
         (prompt + tokens so far) on their next step; else they keep it.
         """
+        self._record_launched()
         self.block_manager.reset_prefix_cache()
         if reset_running_requests:
             self.scheduler.preempt_all()

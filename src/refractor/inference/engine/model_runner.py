@@ -17,6 +17,7 @@ from refractor.inference.engine.attention import (
 from refractor.inference.engine.config import EngineConfig
 from refractor.inference.engine.sequence import Sequence
 from refractor.inference.engine.sleep import ReleasableBuffer
+from refractor.inference.engine.transfer import to_device
 from refractor.models import CausalLM
 from refractor.models.ops import enable_compiled_ops
 
@@ -131,14 +132,20 @@ class ModelRunner:
 
     # ---- steps -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Logits [len(seqs), V] for the next token of each sequence."""
+    def run(
+        self, seqs: list[Sequence], is_prefill: bool, next_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [len(seqs), V] for the next token of each sequence.
+
+        ``next_ids`` (decode only): each sequence's next token, sampled by the step before and not
+        yet appended on the host; the step then runs one position past the host's tokens.
+        """
         if is_prefill:
             return self._run_prefill(seqs)
         size = next((s for s in self.graphs if s >= len(seqs)), None)
         if size is not None:
-            return self._run_decode_graph(seqs, size)
-        return self._run_decode_eager(seqs)
+            return self._run_decode_graph(seqs, size, next_ids)
+        return self._run_decode_eager(seqs, next_ids)
 
     def _run_prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Each sequence's tokens after its cached prefix (all of them without one)."""
@@ -166,8 +173,11 @@ class ModelRunner:
         hidden = self.model(to(ids), to(positions), attention)
         return self.model.compute_logits(hidden[to(last)])
 
-    def _decode_inputs(self, seqs: list[Sequence], rows: int, width: int) -> tuple[np.ndarray, ...]:
-        """Host arrays for ``rows`` rows; rows past len(seqs) point at the padding block."""
+    def _decode_inputs(
+        self, seqs: list[Sequence], rows: int, width: int, ahead: bool = False
+    ) -> tuple[np.ndarray, ...]:
+        """Host arrays for ``rows`` rows; rows past len(seqs) point at the padding block. ``ahead``:
+        each sequence has one more token than the host holds (its id comes from the device)."""
         bs = self.block_size
         count = len(seqs)
         ids = np.zeros(rows, dtype=np.int64)
@@ -175,8 +185,9 @@ class ModelRunner:
         slots = np.full(rows, self.pad_block * bs, dtype=np.int64)
         context = np.ones(rows, dtype=np.int32)
         tables = np.full((rows, width), self.pad_block, dtype=np.int32)
-        n = np.fromiter((s.num_tokens for s in seqs), np.int64, count)
-        ids[:count] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, count)
+        n = np.fromiter((s.num_tokens for s in seqs), np.int64, count) + int(ahead)
+        if not ahead:
+            ids[:count] = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, count)
         positions[:count] = n - 1
         context[:count] = n
         table = np.stack([self._block_row(s) for s in seqs])
@@ -194,15 +205,15 @@ class ModelRunner:
         return seq.block_row
 
     def _to_device(self, x: torch.Tensor | np.ndarray) -> torch.Tensor:
-        if isinstance(x, np.ndarray):
-            x = torch.from_numpy(x)
-        return x.to(self.device, non_blocking=True)
+        return to_device(x, self.device)
 
-    def _run_decode_eager(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _run_decode_eager(self, seqs: list[Sequence], next_ids: torch.Tensor | None) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
         ids, positions, slots, context, tables = map(
-            self._to_device, self._decode_inputs(seqs, len(seqs), width)
+            self._to_device, self._decode_inputs(seqs, len(seqs), width, next_ids is not None)
         )
+        if next_ids is not None:
+            ids = next_ids
         attention = DecodeAttention(self.kv_cache, slots, context, tables, self.use_triton)
         return self.model.compute_logits(self.model(ids, positions, attention))
 
@@ -242,9 +253,13 @@ class ModelRunner:
         self.graphs = dict(sorted(self.graphs.items()))
         torch.cuda.synchronize(dev)
 
-    def _run_decode_graph(self, seqs: list[Sequence], size: int) -> torch.Tensor:
-        arrays = self._decode_inputs(seqs, size, self.max_blocks_per_seq)
+    def _run_decode_graph(
+        self, seqs: list[Sequence], size: int, next_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        arrays = self._decode_inputs(seqs, size, self.max_blocks_per_seq, next_ids is not None)
         for key, array in zip(("ids", "positions", "slots", "context", "tables"), arrays, strict=True):
-            self.static[key][:size].copy_(torch.from_numpy(array), non_blocking=True)
+            self.static[key][:size].copy_(self._to_device(array))
+        if next_ids is not None:  # after the host's zeros, in stream order
+            self.static["ids"][: len(seqs)].copy_(next_ids)
         self.graphs[size].replay()
         return self.model.compute_logits(self.static_hidden[: len(seqs)])

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from refractor.inference.engine.checked_kernel import CheckedKernel
+from refractor.inference.engine.transfer import to_device
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -109,6 +110,45 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+@dataclass
+class DeviceSample:
+    """A step's samples where the sampler left them (the device): the engine may feed
+    ``token_ids`` to the next step before reading them. ``copy_to_host`` queues the copies back;
+    ``result`` waits for those copies only (not for work queued after them)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32
+    ranks: torch.Tensor | None  # [B]; None when no row asked for log-probs
+    top_logprobs: list[list[tuple[int, float]]] | None  # already on the host (computing them waits)
+    _host: list[torch.Tensor | None] | None = None
+    _copied: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> DeviceSample:
+        tensors = [self.token_ids, self.logprobs, self.ranks]
+        if not self.token_ids.is_cuda:
+            self._host = tensors
+            return self
+        self._host = [
+            None
+            if t is None
+            else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in tensors
+        ]
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return self
+
+    def result(self) -> SamplerOutput:
+        if self._host is None:
+            self.copy_to_host()
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, logprobs, ranks = self._host
+        return SamplerOutput(
+            tokens.tolist(), logprobs.tolist(), None if ranks is None else ranks.tolist(), self.top_logprobs
+        )
+
+
 def _load_fused_sampler(device: torch.device, vocab: int):
     from refractor.inference.engine.triton_sampler import sample_triton
 
@@ -149,7 +189,11 @@ def fused_sampler_available(device: torch.device, vocab: int = 50_000) -> bool:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Rows the fused kernel can take go through it (on CUDA); the others through torch ops."""
+        return self.launch(logits, batch).result()
+
+    def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
+        """Sample without waiting for the device (unless a row asks for top log-probs). Rows the
+        fused kernel can take go through it (on CUDA); the others through torch ops."""
         if batch.seeds is None or not fused_sampler_available(logits.device):
             return self._sample_torch(logits, batch)
         plain = batch.plain_rows()
@@ -159,43 +203,42 @@ class Sampler:
             return self._sample_torch(logits, batch)
         fused = set(plain)
         rest = [i for i in range(logits.shape[0]) if i not in fused]
-        parts = [
+        device = logits.device
+        rows = logits.shape[0]
+        tokens = torch.empty(rows, dtype=torch.int64, device=device)
+        logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+        has_ranks = any(n is not None for n in batch.num_top_logprobs)
+        ranks = torch.zeros(rows, dtype=torch.int64, device=device) if has_ranks else None
+        top: list = [[] for _ in range(rows)]
+        for index, part in (
             (plain, self._sample_fused(logits[plain], batch.rows(plain))),
             (rest, self._sample_torch(logits[rest], batch.rows(rest))),
-        ]
-        rows = logits.shape[0]
-        tokens, logprobs = [0] * rows, [0.0] * rows
-        ranks: list = [None] * rows
-        top: list = [None] * rows
-        for index, out in parts:
+        ):
+            where = to_device(index, device)
+            tokens[where] = part.token_ids
+            logprobs[where] = part.logprobs
+            if ranks is not None and part.ranks is not None:
+                ranks[where] = part.ranks.long()
             for j, i in enumerate(index):
-                tokens[i] = out.token_ids[j]
-                logprobs[i] = out.logprobs[j]
-                ranks[i] = out.ranks[j] if out.ranks is not None else 0
-                top[i] = out.top_logprobs[j] if out.top_logprobs is not None else []
-        has_ranks = any(n is not None for n in batch.num_top_logprobs)
-        return SamplerOutput(tokens, logprobs, ranks if has_ranks else None, top if has_ranks else None)
+                if part.top_logprobs is not None:
+                    top[i] = part.top_logprobs[j]
+        return DeviceSample(tokens, logprobs, ranks, top if has_ranks else None)
 
-    def _sample_fused(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def _sample_fused(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
         device = logits.device
-        temps = torch.tensor(batch.temperatures, dtype=torch.float32).to(device, non_blocking=True)
-        seeds = torch.from_numpy(batch.seeds).to(device, non_blocking=True)
+        temps = to_device(torch.tensor(batch.temperatures, dtype=torch.float32), device)
+        seeds = to_device(batch.seeds, device)
         wants_ranks = any(n is not None for n in batch.num_top_logprobs)
         tokens, logprobs, ranks = _fused_sample(logits, temps, seeds, wants_ranks)
-        return SamplerOutput(
-            tokens.tolist(),
-            logprobs.tolist(),
-            ranks.tolist() if wants_ranks else None,
-            None,
-        )
+        return DeviceSample(tokens, logprobs, ranks if wants_ranks else None, None)
 
-    def _sample_torch(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def _sample_torch(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
         device = logits.device
         rows = logits.shape[0]
         temps = batch.temperatures
-        temperature = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, device=device)
-        top_k = torch.tensor(batch.top_ks, device=device) if any(k > 0 for k in batch.top_ks) else None
-        top_p = torch.tensor(batch.top_ps, device=device) if any(p < 1 for p in batch.top_ps) else None
+        temperature = temps[0] if len(set(temps)) == 1 else to_device(temps, device)
+        top_k = to_device(batch.top_ks, device) if any(k > 0 for k in batch.top_ks) else None
+        top_p = to_device(batch.top_ps, device) if any(p < 1 for p in batch.top_ps) else None
         processed = process_logits(logits, temperature, top_k, top_p)
         logprobs = torch.log_softmax(processed, dim=-1)
 
@@ -210,15 +253,14 @@ class Sampler:
                     noise[row].exponential_(generator=gen)
             tokens = (logprobs.exp() / noise.clamp_min_(1e-10)).argmax(dim=-1)
             if any(greedy):
-                tokens = torch.where(torch.tensor(greedy, device=device), processed.argmax(dim=-1), tokens)
+                tokens = torch.where(to_device(greedy, device), processed.argmax(dim=-1), tokens)
         token_logprobs = logprobs.gather(1, tokens[:, None])[:, 0]
 
         ranks = None
         top = None
         wanted = [k for k in batch.num_top_logprobs if k is not None]
         if wanted:
-            rank_tensor = (logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
-            ranks = rank_tensor.tolist()
+            ranks = (logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
             k = max(wanted)
             if k > 0:
                 values, ids = logprobs.topk(k, dim=-1)
@@ -228,4 +270,4 @@ class Sampler:
                     list(zip(ids[r], values[r], strict=True))[: batch.num_top_logprobs[r] or 0]
                     for r in range(rows)
                 ]
-        return SamplerOutput(tokens.tolist(), token_logprobs.tolist(), ranks, top)
+        return DeviceSample(tokens, token_logprobs, ranks, top)

@@ -60,6 +60,22 @@ class Scheduler:
         self._decodes_since_prefill += 1
         return self._schedule_decode(), False
 
+    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs`` (the running sequences, whose last step has not been recorded yet) can
+        decode once more now, one token past what the host holds: True takes the KV blocks that
+        needs. False when a prefill is due or the blocks would need a preemption; the engine then
+        records the step first and schedules as usual."""
+        if (self.waiting and self._prefill_due()) or len(seqs) != len(self.running):
+            return False
+        bm = self.block_manager
+        needing = [s for s in seqs if bm.blocks_needed(s, s.num_tokens + 1)]
+        if len(needing) > bm.num_free_blocks:
+            return False
+        for seq in needing:
+            bm.grow(seq, seq.num_tokens + 1)
+        self._decodes_since_prefill += 1
+        return True
+
     def _prefill_due(self) -> bool:
         return (
             not self.running
