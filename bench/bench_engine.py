@@ -237,6 +237,11 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--compare-fused-projections", action="store_true")
     parser.add_argument(
+        "--compare-split-kv",
+        action="store_true",
+        help="also run every concurrency with split-KV decode attention off (the baseline)",
+    )
+    parser.add_argument(
         "--compare-async-scheduling",
         action="store_true",
         help="also run every concurrency with the host a decode step ahead (async_scheduling)",
@@ -299,6 +304,28 @@ def main() -> None:
     c = max(concurrencies)
     results[f"breakdown_ms_{c}"] = step_breakdown(engine, c, args.prompt_len)
     log(f"decode step breakdown c={c} (ms): {results[f'breakdown_ms_{c}']}")
+    if args.compare_split_kv:  # the same model, an engine whose decode attention never splits
+        from refractor.inference.engine import model_runner
+
+        del engine
+        torch.cuda.empty_cache()
+        threshold = model_runner.SPLIT_KV_MIN_CONTEXT
+        model_runner.SPLIT_KV_MIN_CONTEXT = 1 << 30
+        engine = LLMEngine(model, engine_config)
+        bench_engine(engine, 8, args.prompt_len, 16)  # warm-up
+        for c in concurrencies:
+            r = bench_engine(engine, c, args.prompt_len, args.gen_len)
+            split = results[f"engine_{c}"]
+            r["split_kv_speedup"] = split["tok_s"] / r["tok_s"]
+            results[f"engine_no_split_kv_{c}"] = r
+            log(
+                f"engine without split-KV c={c}: tok/s {r['tok_s']:.0f}; with it {split['tok_s']:.0f} "
+                f"({r['split_kv_speedup']:.3f}x)"
+            )
+        model_runner.SPLIT_KV_MIN_CONTEXT = threshold
+        del engine
+        torch.cuda.empty_cache()
+        engine = LLMEngine(model, engine_config)
     if args.compare_async_scheduling:  # the same model, an engine that launches decode steps ahead
         del engine
         torch.cuda.empty_cache()

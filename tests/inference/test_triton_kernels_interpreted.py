@@ -53,6 +53,10 @@ SCRIPT = textwrap.dedent(
     for tile in (16, 64):  # one KV block per iteration, and a tile across several
         out = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, tile=tile)
         assert (out - ref).abs().max().item() < 1e-4, tile
+    # split-KV: shares of one tile each, and more shares than tiles (the empty ones weigh nothing)
+    for splits in (2, 8):
+        out = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, tile=16, splits=splits)
+        assert (out - ref).abs().max().item() < 1e-4, splits
     print("ok")
     """
 )

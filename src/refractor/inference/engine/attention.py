@@ -157,9 +157,10 @@ def _load_triton_decode(device: torch.device):
     tables = torch.randperm(40, device=device, generator=gen)[:35].view(5, 7).int()
     lens = torch.tensor([1, 31, 32, 100, 224], device=device, dtype=torch.int32)
     ref = paged_decode_attention_torch(q, kc, vc, tables, lens)
-    err = (paged_decode_attention_triton(q, kc, vc, tables, lens) - ref).abs().max().item()
-    if err > 2e-2:
-        raise RuntimeError(f"it differs from the reference by {err}")
+    for splits in (1, 4):  # the whole context in one program, and split-KV
+        err = (paged_decode_attention_triton(q, kc, vc, tables, lens, splits=splits) - ref).abs().max().item()
+        if err > 2e-2:
+            raise RuntimeError(f"with {splits} context shares it differs from the reference by {err}")
     return paged_decode_attention_triton
 
 
@@ -168,6 +169,21 @@ _triton_decode = CheckedKernel("Triton paged decode attention", "the torch gathe
 
 def triton_decode_available(device: torch.device) -> bool:
     return _triton_decode.available(device)
+
+
+# Below this many context tokens a program's walk is short: one share per program.
+SPLIT_KV_MIN_CONTEXT = 512
+
+
+def split_count(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Context shares per (sequence, KV head) for split-KV decode: 1 once the (sequence, KV head)
+    programs alone come within half of two per SM; else enough shares for two programs per SM,
+    a power of two, at most 16."""
+    programs = batch * kv_heads
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    if 2 * programs > target:
+        return 1
+    return min(16, 1 << (-(-target // programs) - 1).bit_length())
 
 
 @dataclass
@@ -179,11 +195,14 @@ class DecodeAttention:
     context_lens: torch.Tensor  # [B] int32, including the new token
     block_tables: torch.Tensor  # [B, max_blocks] int32
     use_triton: bool = False
+    splits: int = 1  # context shares per (sequence, KV head) in the Triton kernel (split-KV)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
         write_kv(self.kv_cache, layer_index, self.slot_mapping, k, v)
         k_cache = self.kv_cache[0, layer_index]
         v_cache = self.kv_cache[1, layer_index]
         if self.use_triton:
-            return _triton_decode(q, k_cache, v_cache, self.block_tables, self.context_lens)
+            return _triton_decode(
+                q, k_cache, v_cache, self.block_tables, self.context_lens, splits=self.splits
+            )
         return paged_decode_attention_torch(q, k_cache, v_cache, self.block_tables, self.context_lens)

@@ -9,9 +9,11 @@ import numpy as np
 import torch
 
 from refractor.inference.engine.attention import (
+    SPLIT_KV_MIN_CONTEXT,
     CachedPrefixAttention,
     DecodeAttention,
     PrefillAttention,
+    split_count,
     triton_decode_available,
 )
 from refractor.inference.engine.config import EngineConfig
@@ -72,6 +74,8 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         self.use_triton = triton_decode_available(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the same steps with split-KV attention, for batch sizes too small to fill the GPU
+        self.split_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if device.type == "cuda" and not config.enforce_eager and not model.model.rotary.dynamic:
             started = time.perf_counter()
             self._capture_decode_graphs()
@@ -214,12 +218,20 @@ class ModelRunner:
         )
         if next_ids is not None:
             ids = next_ids
-        attention = DecodeAttention(self.kv_cache, slots, context, tables, self.use_triton)
+        splits = self._splits(len(seqs), max(s.num_tokens for s in seqs) + int(next_ids is not None))
+        attention = DecodeAttention(self.kv_cache, slots, context, tables, self.use_triton, splits)
         return self.model.compute_logits(self.model(ids, positions, attention))
+
+    def _splits(self, batch: int, max_context: int) -> int:
+        """Context shares per attention program for a decode step of ``batch`` sequences."""
+        if not self.use_triton or max_context < SPLIT_KV_MIN_CONTEXT:
+            return 1
+        return split_count(batch, self.model.config.num_key_value_heads, self.device)
 
     # ---- CUDA graphs -----------------------------------------------------------------------
     def _capture_decode_graphs(self) -> None:
-        """One graph per padded batch size; each replays embed -> layers -> final norm for decode."""
+        """One graph per padded batch size (two where split-KV applies); each replays embed ->
+        layers -> final norm for decode."""
         max_bs = self.config.max_num_seqs
         sizes = sorted({s for s in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if s <= max_bs} | {max_bs})
         dev = self.device
@@ -237,19 +249,28 @@ class ModelRunner:
         s = self.static
         pool = None
         for size in reversed(sizes):
-            attention = DecodeAttention(
-                self.kv_cache, s["slots"][:size], s["context"][:size], s["tables"][:size], self.use_triton
-            )
+            splits = self._splits(size, SPLIT_KV_MIN_CONTEXT)
+            for graphs, shares in ((self.graphs, 1), (self.split_graphs, splits)):
+                if graphs is self.split_graphs and splits == 1:
+                    continue
+                attention = DecodeAttention(
+                    self.kv_cache,
+                    s["slots"][:size],
+                    s["context"][:size],
+                    s["tables"][:size],
+                    self.use_triton,
+                    shares,
+                )
 
-            def step(size=size, attention=attention):
-                self.static_hidden[:size] = self.model(s["ids"][:size], s["positions"][:size], attention)
+                def step(size=size, attention=attention):
+                    self.static_hidden[:size] = self.model(s["ids"][:size], s["positions"][:size], attention)
 
-            step()  # warm-up: kernels selected / compiled outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                step()
-            pool = graph.pool() if pool is None else pool
-            self.graphs[size] = graph
+                step()  # warm-up: kernels selected / compiled outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    step()
+                pool = graph.pool() if pool is None else pool
+                graphs[size] = graph
         self.graphs = dict(sorted(self.graphs.items()))
         torch.cuda.synchronize(dev)
 
@@ -261,5 +282,6 @@ class ModelRunner:
             self.static[key][:size].copy_(self._to_device(array))
         if next_ids is not None:  # after the host's zeros, in stream order
             self.static["ids"][: len(seqs)].copy_(next_ids)
-        self.graphs[size].replay()
+        split = self._splits(size, int(arrays[3].max())) > 1
+        (self.split_graphs if split else self.graphs)[size].replay()
         return self.model.compute_logits(self.static_hidden[: len(seqs)])
