@@ -227,6 +227,25 @@ def test_a_full_batch_takes_newcomers_every_few_decode_steps(steps):
     assert kinds == [False] * steps + [True]
 
 
+def test_newcomers_wait_no_longer_than_the_prefill_delay_however_slow_the_steps():
+    now = [0.0]
+    scheduler = Scheduler(
+        BlockManager(200, 4),
+        max_num_seqs=8,
+        prefill_token_budget=64,
+        decode_steps_between_prefills=32,
+        max_prefill_delay_s=0.1,
+        clock=lambda: now[0],
+    )
+    _decoding(scheduler, 6, start=0)
+    scheduler.add(_seq([50, 1, 2], 50))
+    kinds = []
+    for _ in range(5):  # steps of 30 ms: the fourth is past 100 ms since the last prefill
+        now[0] += 0.03
+        kinds.append(scheduler.schedule()[1])
+    assert kinds == [False, False, False, True, False]
+
+
 def test_newcomers_that_fill_the_prefill_budget_are_taken_at_once():
     scheduler = Scheduler(
         BlockManager(200, 4), max_num_seqs=16, prefill_token_budget=12, decode_steps_between_prefills=5

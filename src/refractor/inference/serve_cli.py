@@ -50,6 +50,12 @@ def serve(
         help="Native engine: while sequences decode, newcomers are prefilled together after this many "
         "steps (or once they fill the prefill token budget); 0: each at once.",
     ),
+    max_prefill_delay_ms: float = typer.Option(
+        100.0,
+        "--max-prefill-delay-ms",
+        min=0,
+        help="Native engine: and after at most this many milliseconds, however slow the steps are.",
+    ),
     async_scheduling: bool = typer.Option(
         True,
         "--async-scheduling/--no-async-scheduling",
@@ -155,6 +161,7 @@ def serve(
         enable_sleep_mode=enable_sleep_mode,
         enable_prefix_caching=enable_prefix_caching,
         decode_steps_between_prefills=decode_steps_between_prefills,
+        max_prefill_delay_ms=max_prefill_delay_ms,
         async_scheduling=async_scheduling,
         seed=seed,
     )

@@ -59,10 +59,11 @@ def _varlen_kernel() -> tuple[Any, frozenset[str]] | None:
     return _varlen_found  # type: ignore[return-value]
 
 
-def _varlen_call(
+def varlen_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:
-    """[T, H, D] tensors, causal within each ``cu_seqlens`` span -> [T, H, D]."""
+    """[T, H, D] tensors, causal within each ``cu_seqlens`` span -> [T, H, D] (torch's varlen
+    FlashAttention: CUDA, bf16/fp16; see ``varlen_attention_available``)."""
     kernel = _varlen_kernel()
     assert kernel is not None
     fn, names = kernel
@@ -75,6 +76,11 @@ def _varlen_call(
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
     return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+def varlen_attention_available() -> bool:
+    """Whether this torch has a varlen FlashAttention that can run causal (``varlen_causal_attention``)."""
+    return _varlen_kernel() is not None
 
 
 def _flex_attention():
@@ -172,9 +178,9 @@ class PackedAttention:
             if self.cu_seqlens is None or not self.max_seqlen:
                 raise ValueError("the varlen attention backend needs cu_seqlens and max_seqlen")
             if self.backend == "varlen" or torch.compiler.is_compiling():
-                return _varlen_call(q, k, v, self.cu_seqlens, self.max_seqlen)
+                return varlen_causal_attention(q, k, v, self.cu_seqlens, self.max_seqlen)
             try:
-                return _varlen_call(q, k, v, self.cu_seqlens, self.max_seqlen)
+                return varlen_causal_attention(q, k, v, self.cu_seqlens, self.max_seqlen)
             except Exception as err:  # an old GPU or an unsupported head size: the others are exact too
                 _varlen_broken = True
                 log.warning("varlen FlashAttention failed (%s); falling back to FlexAttention", err)

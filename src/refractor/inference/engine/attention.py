@@ -14,8 +14,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from refractor.inference.engine.checked_kernel import CheckedKernel
+from refractor.models.attention import varlen_attention_available, varlen_causal_attention
+
+# SDPA backends for the engine's prefills: not cuDNN, which builds an execution plan on the host for
+# every new shape, and prefill shapes change with every step.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def write_kv(
@@ -31,7 +37,12 @@ def write_kv(
 
 @dataclass
 class PrefillAttention:
-    """Causal attention within each of the step's sequences (laid out back to back in [T])."""
+    """Causal attention within each of the step's sequences (laid out back to back in [T]).
+
+    With ``cu_seqlens`` (on CUDA in bf16/fp16, once ``varlen_prefill_available``) the sequences go to
+    the varlen FlashAttention kernel as they lie; else they are padded to ``max_len`` for SDPA, whose
+    CUDA backends may build a plan for every new padded shape (cuDNN does, on the host).
+    """
 
     kv_cache: torch.Tensor | None
     slot_mapping: torch.Tensor  # [T] int64
@@ -39,9 +50,12 @@ class PrefillAttention:
     position_index: torch.Tensor  # [T] its position within that sequence
     num_seqs: int
     max_len: int
+    cu_seqlens: torch.Tensor | None = None  # [num_seqs + 1] int32: where each sequence starts in [T]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
         write_kv(self.kv_cache, layer_index, self.slot_mapping, k, v)
+        if self.cu_seqlens is not None:
+            return varlen_causal_attention(q, k, v, self.cu_seqlens, self.max_len)
         if k.shape[1] != q.shape[1]:  # plain MHA keeps SDPA on its flash kernel
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -57,9 +71,10 @@ class PrefillAttention:
                 return out
 
         # Right padding + is_causal: real queries never see the padded keys that follow them.
-        out = F.scaled_dot_product_attention(
-            pad(q).transpose(1, 2), pad(k).transpose(1, 2), pad(v).transpose(1, 2), is_causal=True
-        )
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                pad(q).transpose(1, 2), pad(k).transpose(1, 2), pad(v).transpose(1, 2), is_causal=True
+            )
         out = out.transpose(1, 2)
         if self.num_seqs * self.max_len == q.shape[0]:
             return out.reshape(q.shape)
@@ -123,9 +138,10 @@ class CachedPrefixAttention:
             values = values.repeat_interleave(heads // kv_heads, dim=2)
         queries = q.new_zeros(self.num_seqs, self.max_query_len, heads, dim)
         queries[self.batch_index, self.query_index] = q
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=self.mask
-        )
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=self.mask
+            )
         return out.transpose(1, 2)[self.batch_index, self.query_index]
 
 
@@ -169,6 +185,35 @@ _triton_decode = CheckedKernel("Triton paged decode attention", "the torch gathe
 
 def triton_decode_available(device: torch.device) -> bool:
     return _triton_decode.available(device)
+
+
+def _load_varlen_prefill(device: torch.device):
+    if not varlen_attention_available():
+        raise RuntimeError("this torch has no varlen FlashAttention")
+    gen = torch.Generator(device=device).manual_seed(0)
+    lens = [1, 37, 64, 5]
+    total = sum(lens)
+    q = torch.randn(total, 14, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(total, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(total, 2, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(device)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    padded = PrefillAttention(None, seq, seq, pos, len(lens), max(lens))
+    err = (
+        PrefillAttention(None, seq, seq, pos, len(lens), max(lens), cu)(q, k, v, 0) - padded(q, k, v, 0)
+    ).abs()
+    if err.max().item() > 2e-2:
+        raise RuntimeError(f"it differs from padded SDPA by {err.max().item()}")
+    return varlen_causal_attention
+
+
+_varlen_prefill = CheckedKernel("varlen FlashAttention prefill", "padded SDPA", _load_varlen_prefill)
+
+
+def varlen_prefill_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether prefills without a cached prefix run the varlen kernel (CUDA, bf16/fp16, checked once)."""
+    return dtype in (torch.bfloat16, torch.float16) and _varlen_prefill.available(device)
 
 
 # Below this many context tokens a program's walk is short: one share per program.

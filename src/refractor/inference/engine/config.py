@@ -38,6 +38,9 @@ class EngineConfig:
     # prefill token budget) and are then prefilled together (0: each at once); fewer, larger
     # prefills keep the decode steps going at the cost of a few steps of time to first token
     decode_steps_between_prefills: int = 32
+    # and at most this long (whichever comes first): slow steps, as with a trainer sharing the GPU,
+    # would otherwise stretch 32 steps to a second of waiting
+    max_prefill_delay_ms: float = 100.0
     # the host schedules and launches decode step N+1 while the device runs step N, recording
     # step N's tokens after (a sequence that finished at N computes one spare token); off: the
     # host waits for each step's tokens before it prepares the next
@@ -51,6 +54,10 @@ class EngineConfig:
         if self.decode_steps_between_prefills < 0:
             steps = self.decode_steps_between_prefills
             raise ValueError(f"EngineConfig.decode_steps_between_prefills must be >= 0, got {steps}")
+        if not self.max_prefill_delay_ms >= 0:
+            raise ValueError(
+                f"EngineConfig.max_prefill_delay_ms must be >= 0, got {self.max_prefill_delay_ms}"
+            )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "

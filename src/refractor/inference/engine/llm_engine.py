@@ -121,6 +121,7 @@ class LLMEngine:
             self.config.max_num_seqs,
             self.config.prefill_token_budget,
             self.config.decode_steps_between_prefills,
+            self.config.max_prefill_delay_ms / 1000,
         )
         self.sampler = Sampler()
         # compiles and checks the fused sampler's kernels now, not in the first step

@@ -15,6 +15,7 @@ from refractor.inference.engine.attention import (
     PrefillAttention,
     split_count,
     triton_decode_available,
+    varlen_prefill_available,
 )
 from refractor.inference.engine.config import EngineConfig
 from refractor.inference.engine.sequence import Sequence
@@ -73,6 +74,7 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         self.use_triton = triton_decode_available(device)
+        self.varlen_prefill = varlen_prefill_available(device, self.dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # the same steps with split-KV attention, for batch sizes too small to fill the GPU
         self.split_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -171,8 +173,11 @@ class ModelRunner:
             )
         else:
             batch_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
+            cu_seqlens = None
+            if self.varlen_prefill:
+                cu_seqlens = to(torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32))
             attention = PrefillAttention(
-                self.kv_cache, to(slots), to(batch_index), to(positions), len(seqs), max(lens)
+                self.kv_cache, to(slots), to(batch_index), to(positions), len(seqs), max(lens), cu_seqlens
             )
         hidden = self.model(to(ids), to(positions), attention)
         return self.model.compute_logits(hidden[to(last)])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 
 from refractor.inference.engine.block_manager import BlockManager
 from refractor.inference.engine.sequence import Sequence, SequenceStatus
@@ -25,11 +26,16 @@ class Scheduler:
         max_num_seqs: int,
         prefill_token_budget: int,
         decode_steps_between_prefills: int = 0,
+        max_prefill_delay_s: float = float("inf"),
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.prefill_token_budget = prefill_token_budget
         self.decode_steps_between_prefills = decode_steps_between_prefills
+        self.max_prefill_delay_s = max_prefill_delay_s
+        self._clock = clock
+        self._last_prefill = clock()
         self.waiting: list[tuple[tuple[int, int], int, Sequence]] = []  # heap
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -48,14 +54,16 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """(sequences, is_prefill). While sequences decode, the waiting ones are prefilled once
-        ``decode_steps_between_prefills`` decode steps have passed since the last prefill, or as soon
-        as they fill the prefill token budget, so newcomers are prefilled together rather than one
-        step each (each prefill step stalls every decoding sequence). With nothing decoding they
-        are prefilled at once."""
+        ``decode_steps_between_prefills`` decode steps or ``max_prefill_delay_s`` seconds have
+        passed since the last prefill, or as soon as they fill the prefill token budget, so
+        newcomers are prefilled together rather than one step each (each prefill step stalls every
+        decoding sequence). The time bound keeps the wait short when steps are slow (a trainer
+        sharing the GPU). With nothing decoding they are prefilled at once."""
         if self.waiting and self._prefill_due():
             batch = self._schedule_prefill()
             if batch:
                 self._decodes_since_prefill = 0
+                self._last_prefill = self._clock()
                 return batch, True
         self._decodes_since_prefill += 1
         return self._schedule_decode(), False
@@ -82,6 +90,7 @@ class Scheduler:
             or self._deferred
             or self._decodes_since_prefill >= self.decode_steps_between_prefills
             or self.waiting_tokens >= self.prefill_token_budget
+            or self._clock() - self._last_prefill >= self.max_prefill_delay_s
         )
 
     def _schedule_prefill(self) -> list[Sequence]:
