@@ -26,6 +26,7 @@ import contextlib
 import gc
 import json
 import random
+import statistics
 import tempfile
 import threading
 import time
@@ -177,7 +178,10 @@ def run_http(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict,
         usage = probe.stop()
         server.stop()
     # requests sent again after the server closed their connection under them (0: no keep-alive race)
-    return summarize("http", finished, warmup) | {"resends": resends, "usage": usage}
+    out = summarize("http", finished, warmup) | {"resends": resends, "usage": usage}
+    if "engine_latency_s" in usage:  # the client's latency over the same requests (those of the probe)
+        usage["client_latency_s"] = statistics.mean(e - s for s, e, _ in finished[warmup:])
+    return out
 
 
 class ServerProbe:
@@ -235,6 +239,13 @@ class ServerProbe:
             out["waiting"] = sum(x["vllm:num_requests_waiting"] for x in busy) / len(busy)
             out["engine_busy"] = seconds / ((len(busy) - 1) * 0.5)
             out["step_ms"] = 1e3 * seconds / max(steps, 1)
+            # the engine's own request latency (arrival in the engine -> finished), to set against
+            # the client's: the difference is the time a request spends outside the engine
+            count = "vllm:e2e_request_latency_seconds_count"
+            done = last.get(count, 0) - first.get(count, 0)
+            if done:
+                total = "vllm:e2e_request_latency_seconds_sum"
+                out["engine_latency_s"] = (last[total] - first.get(total, 0.0)) / done
         return out
 
 
