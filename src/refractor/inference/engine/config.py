@@ -27,9 +27,9 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     enforce_eager: bool = False  # no CUDA graphs for decode
     compile_ops: bool = True  # CUDA only: fuse the decoder's elementwise glue with torch.compile
-    # one GEMM for q/k/v and one for gate/up in every layer; HF names still address each part.
-    # Off until it is measured faster on a GPU (bench_engine.py --compare-fused-projections)
-    fuse_projections: bool = False
+    # one GEMM for q/k/v and one for gate/up in every layer; HF names still address each part
+    # (bench_engine.py --compare-fused-projections measures it against separate GEMMs)
+    fuse_projections: bool = True
     # weights and KV cache in memory that sleep() gives back (engine/sleep.py); off: plain tensors
     enable_sleep_mode: bool = False
     # prompts reuse the cached KV of full blocks they share with earlier sequences (block_manager.py)
