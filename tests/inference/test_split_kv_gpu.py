@@ -23,7 +23,7 @@ def test_long_contexts_decode_with_split_kv_as_hf_does(tiny_qwen2_path):
     )
     engine = LLMEngine.from_pretrained(tiny_qwen2_path, config)
     runner = engine.runner
-    assert runner.split_graphs and runner._splits(2, SPLIT_KV_MIN_CONTEXT) > 1
+    assert 2 in runner.split_graphs  # the batch below replays a split graph
     gen = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(3, 500, (SPLIT_KV_MIN_CONTEXT + 40 * i,), generator=gen).tolist() for i in range(2)

@@ -92,9 +92,9 @@ def iter_weight_buckets(
 
     Tensors live on ``device`` (default: where the parameters are; the training device when they
     are offloaded to host memory, so the gather runs on its backend); floating tensors are cast to
-    ``dtype``. Every rank
-    yields the same number of buckets. The tensors of a bucket share one buffer: keep a bucket
-    only as long as it is needed (the next one is gathered when the iterator advances).
+    ``dtype``. Every rank yields the same number of buckets. The tensors of a bucket share one
+    buffer: keep a bucket only as long as it is needed (the next one is gathered when the iterator
+    advances).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")

@@ -238,7 +238,7 @@ class LLMEngine:
         launched, self._launched = self._launched, None
         if launched is not None:
             self._launched = self._launch_after(launched)
-            outputs += self._record_step([(launched.seqs, launched.sample.result())], {}, launched.version)
+            outputs += self._record_step_of(launched)
             if self._launched is not None:
                 self.busy_seconds_total += time.perf_counter() - started
                 return outputs
@@ -329,9 +329,11 @@ class LLMEngine:
         requests come out of the next ``step``."""
         launched, self._launched = self._launched, None
         if launched is not None:
-            self._ready += self._record_step(
-                [(launched.seqs, launched.sample.result())], {}, launched.version
-            )
+            self._ready += self._record_step_of(launched)
+
+    def _record_step_of(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and record them (``_record_step``)."""
+        return self._record_step([(launched.seqs, launched.sample.result())], {}, launched.version)
 
     def _sampling_batch(
         self, seqs: list[Sequence], logits: torch.Tensor, ahead: bool = False

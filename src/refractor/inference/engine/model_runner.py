@@ -165,8 +165,10 @@ class ModelRunner:
         rows = torch.from_numpy(np.stack([self._block_row(s)[:width] for s in seqs])).long()
         context = (rows[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
         slots = torch.cat([context[i, b:e] for i, (b, e) in enumerate(zip(starts, ends, strict=True))])
-        last = torch.tensor(lens).cumsum(0) - 1
+        ends_in_step = torch.tensor(lens).cumsum(0)
+        last = ends_in_step - 1
         to = self._to_device
+        positions = to(positions)
         if any(starts):
             attention = CachedPrefixAttention.build(
                 self.kv_cache, to(slots), starts, ends, context[:, : max(ends)], self.device
@@ -175,11 +177,11 @@ class ModelRunner:
             batch_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
             cu_seqlens = None
             if self.varlen_prefill:
-                cu_seqlens = to(torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32))
+                cu_seqlens = to(torch.tensor([0, *ends_in_step.tolist()], dtype=torch.int32))
             attention = PrefillAttention(
-                self.kv_cache, to(slots), to(batch_index), to(positions), len(seqs), max(lens), cu_seqlens
+                self.kv_cache, to(slots), to(batch_index), positions, len(seqs), max(lens), cu_seqlens
             )
-        hidden = self.model(to(ids), to(positions), attention)
+        hidden = self.model(to(ids), positions, attention)
         return self.model.compute_logits(hidden[to(last)])
 
     def _decode_inputs(
@@ -255,9 +257,8 @@ class ModelRunner:
         pool = None
         for size in reversed(sizes):
             splits = self._splits(size, SPLIT_KV_MIN_CONTEXT)
-            for graphs, shares in ((self.graphs, 1), (self.split_graphs, splits)):
-                if graphs is self.split_graphs and splits == 1:
-                    continue
+            kinds = [(self.graphs, 1)] + ([(self.split_graphs, splits)] if splits > 1 else [])
+            for graphs, shares in kinds:
                 attention = DecodeAttention(
                     self.kv_cache,
                     s["slots"][:size],
@@ -287,6 +288,6 @@ class ModelRunner:
             self.static[key][:size].copy_(self._to_device(array))
         if next_ids is not None:  # after the host's zeros, in stream order
             self.static["ids"][: len(seqs)].copy_(next_ids)
-        split = self._splits(size, int(arrays[3].max())) > 1
+        split = size in self.split_graphs and int(arrays[3].max()) >= SPLIT_KV_MIN_CONTEXT
         (self.split_graphs if split else self.graphs)[size].replay()
         return self.model.compute_logits(self.static_hidden[: len(seqs)])

@@ -219,8 +219,8 @@ class Sampler:
             logprobs[where] = part.logprobs
             if ranks is not None and part.ranks is not None:
                 ranks[where] = part.ranks.long()
-            for j, i in enumerate(index):
-                if part.top_logprobs is not None:
+            if part.top_logprobs is not None:
+                for j, i in enumerate(index):
                     top[i] = part.top_logprobs[j]
         return DeviceSample(tokens, logprobs, ranks, top if has_ranks else None)
 
