@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -56,9 +57,19 @@ def test_pause_keep_abort_wait(engine):
     async def main():
         task = asyncio.create_task(engine.generate([1, 2, 3], LONG, request_id="kept"))
         await _until(lambda: "kept" in engine.engine.requests)
-        await engine.pause("keep")
-        assert engine.is_paused
-        frozen = engine.engine.requests["kept"].seqs[0].num_output_tokens
+        # The stats the pause's caller reads already count the step the pause recorded, even while
+        # the engine thread is busy with the next command (it refreshes them between steps too).
+        gate = threading.Event()
+        pausing = asyncio.create_task(engine.pause("keep"))
+        await asyncio.sleep(0)  # the pause's command is queued first
+        engine.call(lambda: gate.wait(10))
+        try:
+            await pausing
+            assert engine.is_paused
+            frozen = engine.engine.requests["kept"].seqs[0].num_output_tokens
+            assert engine.stats().generation_tokens_total == frozen
+        finally:
+            gate.set()
         queued = asyncio.create_task(
             engine.generate([4, 5], SamplingParams(max_tokens=2), request_id="queued")
         )

@@ -308,10 +308,12 @@ def test_metrics_pause_abort_and_disconnect(server):
     time.sleep(0.2)
     assert httpx.post(url + "/pause", params={"mode": "keep"}, headers=CONTROL).json() == {"status": "paused"}
     assert httpx.get(url + "/is_paused", headers=CONTROL).json() == {"is_paused": True}
-    frozen = _metrics(url)["vllm:generation_tokens_total"]
-    time.sleep(0.2)
-    assert _metrics(url)["vllm:generation_tokens_total"] == frozen
-    httpx.post(url + "/resume", headers=CONTROL)
+    try:
+        frozen = _metrics(url)["vllm:generation_tokens_total"]
+        time.sleep(0.2)
+        assert _metrics(url)["vllm:generation_tokens_total"] == frozen
+    finally:  # the server is shared by the module's tests
+        httpx.post(url + "/resume", headers=CONTROL)
     worker.join(20)
     assert {c["finish_reason"] for c in result["k"]["choices"]} == {"length"}
     assert httpx.post(url + "/abort_requests", json={}, headers=CONTROL).json()["aborted"] == 0

@@ -107,9 +107,14 @@ class AsyncLLMEngine:
         def run() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn())
+                    result = fn()
                 except BaseException as err:
                     future.set_exception(err)
+                else:
+                    # a control call may record the launched step: its counts show in the stats
+                    # before the caller resumes (a pause's reply carries them)
+                    self._stats = self.engine.stats()
+                    future.set_result(result)
 
         self._commands.put(run)
         self._wakeup.set()
