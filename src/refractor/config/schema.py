@@ -315,7 +315,13 @@ class TrainerKeys(_Strict):
         0.0, ge=0, le=1, description="Floor of linear/cosine decay as a fraction of learning_rate."
     )
     train_backend: Literal["fsdp", "megatron"] = Field("fsdp", description="Training backend.")
-    fsdp_context_parallel_size: int = Field(1, ge=1, description="Context parallelism for FSDP.")
+    fsdp_context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Context parallelism for FSDP: this many trainer ranks share every packed row, each "
+        "running 1/N of its tokens with the row's keys and values all-gathered per layer (native models; "
+        "exact: same loss and gradients as one rank).",
+    )
     fsdp_cpu_offload: bool = Field(
         False,
         description="[refractor] FSDP2 keeps parameters, gradients and AdamW state in host memory (pinned "

@@ -60,10 +60,19 @@ def _varlen_kernel() -> tuple[Any, frozenset[str]] | None:
 
 
 def varlen_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """[T, H, D] tensors, causal within each ``cu_seqlens`` span -> [T, H, D] (torch's varlen
-    FlashAttention: CUDA, bf16/fp16; see ``varlen_attention_available``)."""
+    FlashAttention: CUDA, bf16/fp16; see ``varlen_attention_available``).
+
+    With ``cu_seqlens_k`` the key spans differ from the query spans: a span's queries are its
+    keys' last tokens (causal alignment from the bottom right, FlashAttention's rule)."""
     kernel = _varlen_kernel()
     assert kernel is not None
     fn, names = kernel
@@ -75,7 +84,9 @@ def varlen_causal_attention(
             rep = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    return fn(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **kwargs)
 
 
 def varlen_attention_available() -> bool:
@@ -197,7 +208,7 @@ class PackedAttention:
                     raise
                 _flex_broken = True
                 log.warning("FlexAttention failed (%s); falling back to SDPA with a block-causal mask", err)
-        return _sdpa_call(q, k, v, block_causal_mask(self.document_ids))
+        return masked_attention(q, k, v, block_causal_mask(self.document_ids))
 
     def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._block_mask is None:
@@ -225,7 +236,7 @@ def _flex_call(flex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_ma
     return out[0].transpose(0, 1)
 
 
-def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[T, H, D] tensors -> SDPA with a [T, T] bool mask -> [T, H, D].
 
     GQA repeats the k/v heads instead of ``enable_gqa``: SDPA kernels that take an explicit mask

@@ -282,7 +282,9 @@ class RayTrainerGroup:
 
     # --- the orchestrator's Trainer protocol ---
     async def train_step(self, step: int, samples: list[TrainSample]) -> StepResult:
-        batch = await asyncio.to_thread(pack_step, samples, step, self.settings.packing, self.world_size)
+        # the ranks of a context-parallel group share their rows: one share per group
+        dp_size = self.world_size // self.settings.trainer.fsdp_context_parallel_size
+        batch = await asyncio.to_thread(pack_step, samples, step, self.settings.packing, dp_size)
         batch_ref = ray.put(batch)
         results = await await_ranks(
             [a.train_step.remote(batch_ref) for a in self.actors],

@@ -28,7 +28,9 @@ model_impl="auto", random_init=False, compile=None)``
 
 ``trainer.train_step(batch: TrainBatch) -> StepResult``
     Call on every rank with the same batch (``refractor.algorithms.packing.pack_train_batch`` with
-    ``num_dp_ranks = world_size``); each rank runs ``batch.micro_batches[rank]``. Metrics (identical
+    ``num_dp_ranks = trainer.dp_size``, the world size over ``fsdp_context_parallel_size``); each rank
+    runs ``batch.micro_batches[trainer.dp_rank]``, its context-parallel group's share
+    (``context_parallel.py``). Metrics (identical
     on every rank): ``loss`` (the step objective), ``entropy``, ``kl_divergence_inference``,
     ``grad_norm`` (pre-clip, mean over minibatches), ``learning_rate`` (the LR this step used), the
     optional loss metrics, ``timing_<span>_total`` seconds (CUDA events / wall clock),

@@ -29,8 +29,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from refractor.algorithms.logprobs import token_logprobs_and_entropy
+from refractor.algorithms.logprobs import chunked_logprobs_entropy, token_logprobs_and_entropy
 from refractor.records import MicroBatch
+from refractor.trainer.context_parallel import ContextGroup
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,16 @@ def hf_name(name: str) -> str:
 
 
 class PolicyModel(nn.Module):
-    def __init__(self, lm: nn.Module, impl: Literal["native", "hf"]):
+    def __init__(self, lm: nn.Module, impl: Literal["native", "hf"], context: ContextGroup | None = None):
         super().__init__()
         self.lm = lm
         self.impl = impl
+        self.context = context or ContextGroup(1, 0)
+        if self.context.enabled and impl != "native":
+            raise ValueError(
+                "fsdp_context_parallel_size > 1 needs the native model (Llama / Qwen2 / Qwen3); "
+                "this checkpoint runs on HF transformers"
+            )
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -77,9 +84,31 @@ class PolicyModel(nn.Module):
         self, mb: MicroBatch, temperature: float, chunk_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-prob, entropy), each [T] fp32, aligned with ``mb.input_ids`` (records.py)."""
+        if self.context.enabled:
+            return self._context_parallel_forward(mb, temperature, chunk_size)
         hidden = self.hidden_states(mb)
         return token_logprobs_and_entropy(
             hidden, self.lm_head_weight(), mb.input_ids, temperature=temperature, chunk_size=chunk_size
+        )
+
+    def _context_parallel_forward(
+        self, mb: MicroBatch, temperature: float, chunk_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on this rank's share of the row (``context_parallel.py``): the log-prob of the
+        token after each held token, gathered into the whole row and shifted into place."""
+        shard = self.context.shard(mb.document_ids)
+        held = shard.positions
+        hidden = self.lm(shard.local(mb.input_ids), shard.local(mb.position_ids), attention=shard.attention())
+        following = mb.input_ids[(held + 1).clamp(max=mb.input_ids.numel() - 1)]
+        logprobs, entropy = chunked_logprobs_entropy(
+            hidden, self.lm_head_weight(), following, temperature=temperature, chunk_size=chunk_size
+        )
+        zero = logprobs.new_zeros(
+            1
+        )  # position 0 predicts nothing; the last token's successor is not in the row
+        return (
+            torch.cat([zero, shard.gather_shared(logprobs)[:-1]]),
+            torch.cat([zero, shard.gather_shared(entropy)[:-1]]),
         )
 
 
@@ -195,6 +224,11 @@ def _saved_ops() -> frozenset:
         "_scaled_dot_product_flash_attention_for_cpu",
     )
     ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    # context parallelism's key/value all-gather: recomputing it would communicate again
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("all_gather_into_tensor", "wait_tensor"):
+        if functional is not None and hasattr(functional, name):
+            ops.add(getattr(functional, name).default)
     if hasattr(torch.ops.higher_order, "flex_attention"):
         ops.add(torch.ops.higher_order.flex_attention)
     return frozenset(ops)

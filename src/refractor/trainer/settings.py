@@ -87,6 +87,7 @@ class TrainerSettings:
     activation_checkpointing: bool | str = "auto"  # true | false | "selective" | "auto"
     trainer_memory_fraction: float | None = None  # auto plans for this share of the GPU (None: 0.9)
     fsdp_cpu_offload: bool = False  # parameters, gradients and AdamW state in host memory
+    fsdp_context_parallel_size: int = 1  # ranks that share each packed row (context_parallel.py)
     trainer_compile: bool = True  # CUDA only
     weight_broadcast_bucket_mb: int = 256
     track_gpu_events: bool = True  # false: of the step's spans only the whole `step` (wall clock)

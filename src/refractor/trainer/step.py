@@ -46,6 +46,16 @@ class StepSettings:
     pad_to_multiple_of: int
     max_tokens_per_forward: int = 0  # rows of a minibatch are concatenated up to this (rows.py); 0 = off
     pass_pad_multiple: int = 0  # every pass is padded to a multiple of this (static compiled shapes); 0 = off
+    context_parallel_size: int = 1  # ranks sharing each pass (context_parallel.py)
+
+    @property
+    def pass_multiple(self) -> int:
+        """Passes are padded to a multiple of this (0: not padded): the compiled shapes' multiple, and
+        2 x cp tokens so that a pass splits into the context-parallel chunks."""
+        split = 2 * self.context_parallel_size if self.context_parallel_size > 1 else 0
+        if not split or not self.pass_pad_multiple:
+            return split or self.pass_pad_multiple
+        return math.lcm(split, self.pass_pad_multiple)
 
     @classmethod
     def from_settings(
@@ -65,6 +75,7 @@ class StepSettings:
             pad_to_multiple_of=min(forward.pad_to_multiple_of, 64),
             max_tokens_per_forward=forward.trainer_max_tokens_per_forward if on_cuda else 0,
             pass_pad_multiple=forward.trainer_pass_pad_multiple if compiled else 0,
+            context_parallel_size=settings.fsdp_context_parallel_size,
         )
 
 
@@ -107,7 +118,7 @@ def group_minibatches(
         groups[mb.minibatch].append(mb)
     groups = [
         [
-            to_device(pad_row(mb, settings.pass_pad_multiple, settings.pad_token_id), device)
+            to_device(pad_row(mb, settings.pass_multiple, settings.pad_token_id), device)
             for mb in merge_rows(group, settings.max_tokens_per_forward)
         ]
         for group in groups
@@ -123,8 +134,12 @@ def group_minibatches(
         while len(group) < count:  # a rank without work still joins the collectives (loss exactly 0)
             group.append(
                 to_device(
-                    build_micro_batch(
-                        [], settings.pad_to_multiple_of, settings.pad_token_id, g, normalizers[g]
+                    pad_row(
+                        build_micro_batch(
+                            [], settings.pad_to_multiple_of, settings.pad_token_id, g, normalizers[g]
+                        ),
+                        settings.pass_multiple,
+                        settings.pad_token_id,
                     ),
                     device,
                 )
@@ -169,6 +184,7 @@ def run_step(
         stats=LossStats.zeros(device), loss=torch.zeros((), dtype=torch.float64, device=device)
     )
     params = [p for group in optimizer.param_groups for p in group["params"]]  # the sharded parameters
+    context = model.context
     for g, group in enumerate(groups):
         if not group:
             continue
@@ -192,11 +208,13 @@ def run_step(
                 )
             with timer.span("backward", minibatch=g, microbatch=i):
                 out.loss.backward()
+            outcome.tokens += mb.num_tokens // context.size  # the tokens this rank ran
+            if not context.is_lead:  # its CP group's lead counted the same row
+                continue
             outcome.stats = outcome.stats + out.stats
             outcome.loss += out.stats.values[0] * (mb.loss_normalizer / max(batch.loss_normalizer, 1e-12))
             outcome.rows += 1
             outcome.noop_rows += int(mb.is_noop)
-            outcome.tokens += mb.num_tokens
         with timer.span("grad_norm", minibatch=g):
             norm = clip_gradients(params, settings.grad_clip)
         outcome.grad_norms.append(norm)

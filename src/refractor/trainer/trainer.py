@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from refractor.records import StepResult, TrainBatch
 from refractor.trainer import checkpoint as ckpt
+from refractor.trainer.context_parallel import ContextGroup
 from refractor.trainer.distributed import init_distributed
 from refractor.trainer.memory_plan import DEFAULT_MEMORY_FRACTION, LayerShape, choose_checkpointing
 from refractor.trainer.optim import build_lr_scheduler, build_optimizer
@@ -97,7 +98,11 @@ class Trainer:
             random_init=random_init or init_checkpoint is not None,
             seed=settings.seed,
         )
-        self.model = PolicyModel(lm, self.impl)
+        self.context = ContextGroup.create(settings.fsdp_context_parallel_size, self.device)
+        # ranks of one context-parallel group run the same rows: the batch has one share per group
+        self.dp_size = self.world_size // self.context.size
+        self.dp_rank = self.rank // self.context.size
+        self.model = PolicyModel(lm, self.impl, self.context)
         # ``trainer_compile`` applies on CUDA only (Inductor on CPU needs a C++ toolchain and gains little
         # there); an explicit ``compile=`` argument is obeyed on any device (tests trace on CPU).
         self.compiled = (self.info.is_cuda and settings.trainer_compile) if compile is None else compile
@@ -165,7 +170,7 @@ class Trainer:
         chosen, predicted = choose_checkpointing(
             LayerShape.from_hf_config(self.hf_config),
             num_params,
-            tokens,
+            tokens // self.context.size,  # a CP rank holds its share of each pass
             budget,
             self.world_size,
             state_on_gpu=not settings.fsdp_cpu_offload,
@@ -204,10 +209,11 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch) -> StepResult:
         """One step on this rank's micro-batches; every rank must call it with the same batch."""
-        if len(batch.micro_batches) != self.world_size:
+        if len(batch.micro_batches) != self.dp_size:
             raise ValueError(
                 f"TrainBatch for step {batch.step} has micro-batches for {len(batch.micro_batches)} "
-                f"ranks; the trainer has {self.world_size} (pack with num_dp_ranks={self.world_size})"
+                f"ranks; the trainer has {self.dp_size} data-parallel ranks (pack with "
+                f"num_dp_ranks={self.dp_size})"
             )
         if self.info.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -224,7 +230,7 @@ class Trainer:
                 self.model,
                 self.optimizer,
                 batch,
-                batch.micro_batches[self.rank],
+                batch.micro_batches[self.dp_rank],
                 self.loss_settings,
                 self.step_settings,
                 timer,
