@@ -90,7 +90,7 @@ def trainer_settings(model_dir, **overrides):
     """The trainer's settings: the config defaults, a benchmark learning rate and ``overrides``."""
     from refractor.trainer.settings import TrainerSettings
 
-    return TrainerSettings.from_keys(model=str(model_dir), learning_rate=1e-6, **overrides)
+    return TrainerSettings.from_keys(model=str(model_dir), **{"learning_rate": 1e-6, **overrides})
 
 
 def bench_refractor(
@@ -104,6 +104,8 @@ def bench_refractor(
     tokens_per_forward: int = 16384,
     profile: str | None = None,
     cpu_offload: bool = False,
+    fp8: bool = False,
+    learning_rate: float = 1e-6,
 ) -> dict:
     """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
     from refractor.trainer import Trainer, policy_model
@@ -116,6 +118,8 @@ def bench_refractor(
         trainer_compile=bool(compile),
         trainer_max_tokens_per_forward=tokens_per_forward,
         fsdp_cpu_offload=cpu_offload,
+        fp8=fp8,
+        learning_rate=learning_rate,
     )
     trainer = Trainer(settings, random_init=True)
     out: dict = {
@@ -144,19 +148,21 @@ def bench_refractor(
         }
         out["weights"] = weights
         out["export"]["warm_s"] = time_export(trainer)
-    t = time.perf_counter()
-    out["first_loss"] = trainer.train_step(batches[0]).metrics["loss"]  # before any update: parity with HF
-    out["first_steps_s"] = [time.perf_counter() - t]  # wall time of the warm-up steps: compiles show here
-    for i in range(warmup - 1):
-        t = time.perf_counter()
-        trainer.train_step(batches[(i + 1) % len(batches)])
-        out["first_steps_s"].append(time.perf_counter() - t)
-    torch.cuda.reset_peak_memory_stats()
-    last = {}
+    curve: list[tuple[float, float]] = []  # (loss, entropy) of every step, warm-up included
     count = iter(range(10**9))
+    last = {}
 
     def step():
         last.update(trainer.train_step(batches[next(count) % len(batches)]).metrics)
+        curve.append((last["loss"], last["entropy"]))
+
+    out["first_steps_s"] = []  # wall time of the warm-up steps: compiles show here
+    for _ in range(max(warmup, 1)):
+        t = time.perf_counter()
+        step()
+        out["first_steps_s"].append(time.perf_counter() - t)
+    out["first_loss"] = curve[0][0]  # before any update: parity with HF
+    torch.cuda.reset_peak_memory_stats()
 
     out["time_s"] = timed(step, steps)
     out["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
@@ -167,6 +173,7 @@ def bench_refractor(
     out.update(
         loss=last["loss"],
         grad_norm=last["grad_norm"],
+        curve=curve,
         timings={k: v for k, v in last.items() if k.startswith("timing_") and k.endswith("_total")},
     )
     return out
@@ -285,6 +292,8 @@ VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, train
         True,
         16384,
     ),
+    # fp8: the decoder projections' GEMMs in float8 through torchao (Hopper/Ada)
+    "fp8": ("refractor default + fp8 (float8 projections)", "auto", True, 16384),
     "rows": ("compiled layers + ckpt, one pass per 4k row", True, True, 0),
     "rows_noac": ("compiled layers, ckpt off, one pass per 4k row", False, True, 0),
     "eager": ("eager layers + ckpt, 16k-token passes", True, False, 16384),
@@ -313,6 +322,12 @@ def main() -> None:
         help="cycle 3 batches of 4, 3 and 2 rows whose lengths differ (no baseline)",
     )
     ap.add_argument("--no-baseline", action="store_true", help="skip the naive HF baseline")
+    ap.add_argument(
+        "--learning-rate",
+        type=float,
+        default=1e-6,
+        help="AdamW learning rate (raise it to compare loss curves, e.g. default vs fp8)",
+    )
     ap.add_argument(
         "--model-dir", default=None, help="a config dir to use instead of the Qwen2.5 shapes (dry runs)"
     )
@@ -407,6 +422,8 @@ def main() -> None:
                     tokens_per_forward=per_forward,
                     profile=prof,
                     cpu_offload=name == "offload",
+                    fp8=name == "fp8",
+                    learning_rate=args.learning_rate,
                 )
             except Exception as err:  # report and keep the other variants
                 print(f"{label}: failed: {type(err).__name__}: {str(err)[:800]}")
@@ -439,6 +456,8 @@ def main() -> None:
                     f"(warm {e['warm_s'] * 1e3:.1f} ms), "
                     f"peak +{e['peak_extra_gb']:.2f} GiB above the resident state (256 MiB buckets)"
                 )
+        if "default" in args.variants.split(",") and "fp8" in args.variants.split(","):
+            compare_fp8(entry, VARIANTS["default"][0], VARIANTS["fp8"][0])
         if not args.no_baseline and not args.vary and world == 1:
             base = bench_naive_hf(model_dir, batch, weights, max(1, args.warmup - 1), args.steps)
             release()
@@ -466,6 +485,29 @@ def main() -> None:
         results.append(entry)
         if rank0:
             save(results, args.out)
+
+
+def compare_fp8(entry: dict, default: str, fp8: str) -> None:
+    """fp8 against the default on the same batches: throughput, memory, and the per-step loss and
+    entropy curves (the relative gap of each step, largest over the run)."""
+    if default not in entry or fp8 not in entry:
+        return
+    base, r = entry[default], entry[fp8]
+    print(
+        f"ratio fp8 / default: {r['tok_s'] / base['tok_s']:.2f}x throughput, "
+        f"{base['peak_gb'] / r['peak_gb']:.2f}x less peak memory"
+    )
+    for i, metric in enumerate(("loss", "entropy")):
+        ours = [step[i] for step in r["curve"]]
+        ref = [step[i] for step in base["curve"]]
+        scale = max(abs(x) for x in ref) or 1.0  # a loss crosses zero: gaps relative to its largest value
+        gaps = [abs(a - b) / max(abs(b), 1e-9) for a, b in zip(ours, ref, strict=True)]
+        scaled = [abs(a - b) / scale for a, b in zip(ours, ref, strict=True)]
+        print(
+            f"   {metric} over {len(ref)} steps: default {ref[0]:.5f} -> {ref[-1]:.5f}, fp8 {ours[0]:.5f} -> "
+            f"{ours[-1]:.5f}; max relative gap {max(gaps):.2e} (step {gaps.index(max(gaps)) + 1}), "
+            f"max gap / largest |{metric}| {max(scaled):.2e}"
+        )
 
 
 def save(results: list[dict], out: str) -> None:

@@ -2,6 +2,7 @@
 # The GPU measurements behind bench/RESULTS.md, as named parts:
 #   bash bench/device_pending.sh trainer_1p5b trainer_sac     # 1 GPU (cold compile: minutes)
 #   bash bench/device_pending.sh trainer_vary                 # 1 GPU
+#   bash bench/device_pending.sh fp8_test trainer_fp8         # 1 Hopper GPU (torchao from .whl-ray)
 #   bash bench/device_pending.sh serving                      # 1 GPU
 #   bash bench/device_pending.sh fsdp_test fsdp_throughput    # 2 GPUs
 #   bash bench/device_pending.sh rl                           # 2 GPUs
@@ -46,6 +47,16 @@ run_part() {
     trainer_vary)
       part trainer_vary 420 python bench/bench_trainer.py --sizes 0.5b --variants default,full,sac --vary \
         --warmup 4 --steps 3 ;;
+    fp8_test)  # 1 Hopper GPU: fp8 steps against bf16, scales after each update, offload, plain export
+      mkdir -p "$OUT/fp8_test"
+      echo "=== fp8_test"
+      timeout 200 python -m pytest tests/trainer/test_fp8_gpu.py -m gpu -q -s -x >"$OUT/fp8_test/log.txt" 2>&1
+      echo "=== fp8_test: exit $?"; tail -n 15 "$OUT/fp8_test/log.txt" ;;
+    trainer_fp8)  # 1 Hopper GPU: default vs fp8; 0.5B over 50 steps at lr 1e-5 (throughput and loss curves)
+      part trainer_fp8 300 python bench/bench_trainer.py --sizes 0.5b --variants default,fp8 --warmup 2 \
+        --steps 48 --learning-rate 1e-5 --no-baseline
+      part trainer_fp8_1p5b 240 python bench/bench_trainer.py --sizes 1.5b --variants default,fp8 --warmup 2 \
+        --steps 3 --no-baseline ;;
     serving)
       part serving 300 python bench/bench_serving.py --model 0.5b --concurrency 384 --prompt-len 128 \
         --gen-len 512 --requests 768 ;;
@@ -74,7 +85,7 @@ run_part() {
       part multi_server 420 python bench/bench_rl.py --steps 6 --warmup 2 --modes \
         "2+inference_num_workers=3+eval_num_servers=1+evals=[{name: countdown, eval_every: 2, num_samples: 64, kwargs: {dataset_name: procedural}}],2+inference_num_workers=2+trainer_num_workers=2" ;;
     *)
-      echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary serving fsdp_test" \
+      echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary fp8_test trainer_fp8 serving fsdp_test" \
         "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" >&2 ;;
   esac
 }

@@ -272,6 +272,12 @@ REJECT = [
     ),
     ({"fsdp_context_parallel_size": 2, "seq_len": 4098}, "divisible by 2 x"),
     ({"fsdp_context_parallel_size": 2, "trainer_num_workers": 3}, "multiple of `fsdp_context_parallel_size`"),
+    ({"fp8": True, "train_backend": "megatron"}, "`fp8: true` needs `train_backend: fsdp`"),
+    ({"fp8": True, "pad_to_multiple_of": 8}, "needs `pad_to_multiple_of` (8) to be a multiple of 16"),
+    (
+        {"fp8": True, "fsdp_context_parallel_size": 8, "seq_len": 4096, "trainer_num_workers": 8},
+        "needs `pad_to_multiple_of` (64) to be a multiple of 128",
+    ),
     ({"environments": []}, "at least one environment"),
     ({"train_backend": "megatron"}, "not implemented yet"),
     ({"evals": [{"name": "math500"}], "inference_num_workers": 1}, "at least one of the 1 inference server"),
@@ -300,6 +306,8 @@ ACCEPT = [
     {"algorithm": "reinforce_pp", "advantage_norm": "batch"},
     {"inference_num_workers": 4, "inference_tensor_parallel_size": 2},
     {"fsdp_context_parallel_size": 2, "seq_len": 4096, "trainer_num_workers": 2},
+    {"fp8": True},  # the default pad multiples (64, 4096) suit float8 GEMMs
+    {"fp8": True, "trainer_pass_pad_multiple": 0},
     {"evals": [{"name": "math500"}], "inference_num_workers": 2},
     {"evals": [{"name": "math500"}], "inference_num_workers": 1, "eval_num_servers": 0},
     {"inference_num_workers": 1},  # no evals: eval_num_servers is irrelevant

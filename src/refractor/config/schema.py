@@ -28,6 +28,10 @@ MAX_MIB = 2**24  # buffers in MiB (16 TiB)
 MAX_GIB = 16384  # memory budgets in GiB (16 TiB)
 MAX_SECONDS = 10**7  # timeouts and intervals (about four months)
 
+# the decoder projections that can carry a LoRA adapter (refractor.models.lora.ALL_PROJECTIONS; a
+# test keeps the two equal: this module does not import torch)
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 _WANDB_CODE_EXCLUDES = [
     ".git",
     ".venv",
@@ -322,11 +326,41 @@ class TrainerKeys(_Strict):
         "running 1/N of its tokens with the row's keys and values all-gathered per layer (native models; "
         "exact: same loss and gradients as one rank).",
     )
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        description="[refractor] LoRA: rank of the adapters trained on a frozen base (0 = off: the whole "
+        "model trains). Native models (Llama / Qwen2 / Qwen3); the servers get the merged weights.",
+    )
+    lora_alpha: float = Field(
+        32.0, gt=0, description="[refractor] LoRA scale numerator: the update is (alpha / rank) B A."
+    )
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="[refractor] Dropout on the adapters' input (training only)."
+    )
+    lora_target_modules: tuple[str, ...] = Field(
+        LORA_PROJECTIONS,
+        description="[refractor] The decoder projections that get adapters (default: all attention and "
+        "MLP projections).",
+    )
+    lora_init: Literal["default", "gaussian"] = Field(
+        "default",
+        description="[refractor] Initialization of A (B starts at zero): default = Kaiming-uniform as "
+        "nn.Linear and PEFT, gaussian = normal with std 1/rank.",
+    )
     fsdp_cpu_offload: bool = Field(
         False,
         description="[refractor] FSDP2 keeps parameters, gradients and AdamW state in host memory (pinned "
         "on CUDA); each layer's parameters are copied to the GPU for its forward and backward and AdamW "
         "steps on the CPU: larger models fit fewer GPUs, at a cost in step time.",
+    )
+    fp8: bool = Field(
+        False,
+        description="[refractor] FSDP trainer: run the decoder layers' q/k/v/o and gate/up/down GEMMs in "
+        "float8 through torchao (tensorwise dynamic scaling; FSDP2 all-gathers those weights in float8). "
+        "Needs GPUs with FP8 tensor cores (compute capability >= 8.9: Hopper, Ada), refused elsewhere, and "
+        "token counts in multiples of 16 (pad_to_multiple_of). Master weights, checkpoints, export and "
+        "weight sync are unchanged; losses differ from bf16 by fp8 rounding.",
     )
     activation_checkpointing: bool | Literal["selective", "auto"] = Field(
         "auto",
@@ -832,6 +866,31 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
             e.append(
                 f"`trainer_num_workers` ({c.trainer_num_workers}) must be a multiple of "
                 f"`fsdp_context_parallel_size` ({c.fsdp_context_parallel_size})"
+            )
+    if c.fp8:
+        if c.train_backend != "fsdp":
+            e.append("`fp8: true` needs `train_backend: fsdp` (Megatron has `megatron_fp8`)")
+        # float8 GEMMs need token counts (the weight gradient's inner dimension) in multiples of 16,
+        # on every context-parallel rank's share of a pass too
+        align = 16 * c.fsdp_context_parallel_size
+        for key in ("pad_to_multiple_of", "trainer_pass_pad_multiple"):
+            if getattr(c, key) % align:
+                e.append(
+                    f"`fp8: true` needs `{key}` ({getattr(c, key)}) to be a multiple of {align} "
+                    "(16 x `fsdp_context_parallel_size`): float8 GEMMs take token counts in multiples of 16"
+                )
+    if c.lora_rank:
+        unknown = sorted(set(c.lora_target_modules) - set(LORA_PROJECTIONS))
+        if unknown or not c.lora_target_modules:
+            e.append(
+                f"`lora_target_modules` must name some of {', '.join(LORA_PROJECTIONS)}; got "
+                f"{', '.join(unknown) or 'none'}"
+            )
+        if c.train_backend != "fsdp":
+            e.append("`lora_rank` > 0 needs `train_backend: fsdp`")
+        if c.fp8:
+            e.append(
+                "`fp8: true` with `lora_rank` > 0 is not supported (the adapted projections would stay bf16)"
             )
     # Rules Telescope left unchecked (docs/config.md#validation).
     if c.train_backend == "megatron":

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from refractor.errors import RefractorUserError
 from refractor.trainer.checkpoint_files import FileRecord, find_damage, fsync_dir, record_files
+from refractor.trainer.fp8 import plain_tensors
 from refractor.trainer.timing import StepTimer
 
 CHECKPOINT_FORMAT = "refractor-dcp-1"
@@ -231,6 +232,7 @@ def save_checkpoint(
             tmp.mkdir(parents=True)
 
     def write_shards() -> None:
+        plain_tensors(state)  # fp8: the master weights, not torchao's float8 wrappers
         dcp.save(state, checkpoint_id=str(tmp))
         if save_rng:
             torch.save(rng_state(), tmp / f"rng_state_rank_{rank}.pt")
@@ -320,7 +322,9 @@ def _os_cause(err: BaseException) -> str:
 
 
 def load_checkpoint_state(path: str | Path, state: dict[str, Any], *, restore_rng: bool) -> None:
-    """Fill ``state`` (a DCP skeleton with the entries to read) in place from ``path``; call on every rank."""
+    """Fill ``state`` (a DCP skeleton with the entries to read) in place from ``path``; call on every rank.
+    Float8-wrapped weights (fp8) are replaced by plain views of their master tensors first."""
+    plain_tensors(state)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as err:

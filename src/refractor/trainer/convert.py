@@ -4,6 +4,11 @@ Runs offline in one process (no process group): the DCP shards of every rank are
 their stored shapes, the ``model.`` entries (already HF names) are cast to the export dtype and
 written as ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``,
 next to the base model's config, tokenizer and generation files kept in ``hf_meta/``.
+
+A LoRA checkpoint holds only its adapters. By default they are merged into the base model's weights
+(read from the base model directory recorded in the checkpoint: ``W + (alpha / rank) B A``);
+``--adapter`` writes a PEFT adapter folder instead (``adapter_config.json`` and
+``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` loads on the base model.
 """
 
 from __future__ import annotations
@@ -92,6 +97,9 @@ def export_hf(
     target = getattr(torch, name)
 
     weights = read_checkpoint_weights(ckpt)
+    lora = read_meta(ckpt).get("lora")
+    if lora is not None:
+        weights = merge_adapters(weights, lora, _base_model_dir(read_meta(ckpt)))
     if config.get("tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # the embedding is the head; HF re-ties on load
     weights = {k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
@@ -123,6 +131,75 @@ def export_hf(
     return out
 
 
+def _base_model_dir(meta: dict[str, Any]) -> Path:
+    """The base model directory a LoRA checkpoint was trained on."""
+    from refractor.trainer.checkpoint import CheckpointError
+
+    path = meta.get("base_model_path")
+    if path and (Path(path) / "config.json").is_file():
+        return Path(path)
+    from refractor.hub import resolve_model_path
+
+    try:
+        return resolve_model_path(meta["base_model"])
+    except Exception as err:  # noqa: BLE001 - named with the paths tried
+        raise CheckpointError(
+            f"the LoRA checkpoint's base model is not available: {path!r} has no config.json and "
+            f"{meta.get('base_model')!r} does not resolve ({err})"
+        ) from None
+
+
+def merge_adapters(adapters: dict[str, Any], lora: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """The base model's weights with every adapter merged (float32 arithmetic, base dtype kept)."""
+    from refractor.models.loading import iter_safetensors
+
+    scale = float(lora["lora_alpha"]) / int(lora["lora_rank"])
+    merged = {}
+    for name, weight in iter_safetensors(base_dir):
+        stem = name.removesuffix(".weight")
+        a, b = adapters.get(f"{stem}.lora_A.weight"), adapters.get(f"{stem}.lora_B.weight")
+        if a is not None and b is not None:
+            weight = (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+        merged[name] = weight
+    missing = {n.rsplit(".lora_", 1)[0] + ".weight" for n in adapters} - set(merged)
+    if missing:
+        raise ValueError(f"{base_dir} lacks the weights the adapters apply to: {', '.join(sorted(missing))}")
+    return merged
+
+
+def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write a PEFT LoRA adapter folder for the LoRA checkpoint ``checkpoint`` into ``out``."""
+    from safetensors.torch import save_file
+
+    from refractor.trainer.checkpoint import read_meta
+
+    ckpt, out = Path(checkpoint), Path(out)
+    meta = read_meta(ckpt)
+    lora = meta.get("lora")
+    if lora is None:
+        raise ValueError(f"{ckpt} holds full weights, not LoRA adapters: convert it without --adapter")
+    if (out / "adapter_config.json").exists() and not overwrite:
+        raise FileExistsError(f"{out} already holds an adapter; pass --overwrite to replace it")
+    adapters = read_checkpoint_weights(ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"base_model.model.{name}": t.contiguous() for name, t in adapters.items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": meta.get("base_model_path") or meta.get("base_model"),
+        "r": int(lora["lora_rank"]),
+        "lora_alpha": float(lora["lora_alpha"]),
+        "lora_dropout": float(lora["lora_dropout"]),
+        "target_modules": sorted(lora["lora_target_modules"]),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 def _split_shards(weights: dict[str, Any], max_bytes: int) -> list[dict[str, Any]]:
     shards: list[dict[str, Any]] = [{}]
     size = 0
@@ -144,12 +221,19 @@ def convert_command(
         "5GB", help="Largest safetensors file; bigger models are split with an index."
     ),
     overwrite: bool = typer.Option(False, help="Replace a model already in OUT."),
+    adapter: bool = typer.Option(
+        False, help="LoRA checkpoints: write a PEFT adapter folder instead of the merged model."
+    ),
 ) -> None:
-    """Convert a native checkpoint to an HF directory (safetensors + config + tokenizer)."""
+    """Convert a native checkpoint to an HF directory (safetensors + config + tokenizer); a LoRA
+    checkpoint to the merged model, or with --adapter to a PEFT adapter folder."""
     from refractor.trainer.checkpoint import CheckpointError
 
     try:
-        path = export_hf(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+        if adapter:
+            path = export_adapter(checkpoint, out, overwrite=overwrite)
+        else:
+            path = export_hf(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
     except (CheckpointError, ValueError, FileExistsError) as err:
         typer.secho(f"error: {err}", fg="red", err=True)
         raise typer.Exit(2) from None

@@ -73,10 +73,12 @@ def predicted_peak_bytes(
     mode: bool | str,
     world_size: int = 1,
     state_on_gpu: bool = True,
+    frozen_bytes: int = 0,
 ) -> int:
-    """One rank's predicted peak for ``mode`` (False, "selective" or True). ``state_on_gpu=False``
-    (``fsdp_cpu_offload``): the state lives in host memory."""
-    state = num_params * STATE_BYTES_PER_PARAM / world_size if state_on_gpu else 0
+    """One rank's predicted peak for ``mode`` (False, "selective" or True). ``num_params`` train
+    (master weights, gradients, AdamW state); ``frozen_bytes`` are weights that do not (a LoRA base).
+    ``state_on_gpu=False`` (``fsdp_cpu_offload``): the state lives in host memory."""
+    state = (num_params * STATE_BYTES_PER_PARAM + frozen_bytes) / world_size if state_on_gpu else 0
     selective = ACTIVATION_BYTES * shape.matmul_elements * tokens_per_pass
     full_layer = NO_CHECKPOINT_FACTOR * selective
     if mode is False:
@@ -95,10 +97,13 @@ def choose_checkpointing(
     budget_bytes: int,
     world_size: int = 1,
     state_on_gpu: bool = True,
+    frozen_bytes: int = 0,
 ) -> tuple[bool | str, dict[str, float]]:
     """(mode, predicted peak in GiB per mode): the first mode of ``MODES`` that fits, else True."""
     peaks = {
-        mode: predicted_peak_bytes(shape, num_params, tokens_per_pass, mode, world_size, state_on_gpu)
+        mode: predicted_peak_bytes(
+            shape, num_params, tokens_per_pass, mode, world_size, state_on_gpu, frozen_bytes
+        )
         for mode in MODES
     }
     chosen = next((mode for mode in MODES if peaks[mode] <= budget_bytes), True)

@@ -218,6 +218,7 @@ def _saved_ops() -> frozenset:
         "mm",
         "addmm",
         "bmm",
+        "_scaled_mm",  # fp8's float8 GEMMs
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",

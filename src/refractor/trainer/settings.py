@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from refractor.algorithms.loss import LossSettings
+from refractor.models.lora import LoraSettings
 from refractor.trainer.optim import LRSchedule
 
 
@@ -73,6 +74,7 @@ _SECTIONS: dict[str, type] = {
     "forward": ForwardSettings,
     "loss": LossSettings,
     "checkpoint": CheckpointSettings,
+    "lora": LoraSettings,
 }
 
 
@@ -88,6 +90,7 @@ class TrainerSettings:
     trainer_memory_fraction: float | None = None  # auto plans for this share of the GPU (None: 0.9)
     fsdp_cpu_offload: bool = False  # parameters, gradients and AdamW state in host memory
     fsdp_context_parallel_size: int = 1  # ranks that share each packed row (context_parallel.py)
+    fp8: bool = False  # decoder projections in float8 through torchao (fp8.py); Hopper/Ada GPUs only
     trainer_compile: bool = True  # CUDA only
     weight_broadcast_bucket_mb: int = 256
     track_gpu_events: bool = True  # false: of the step's spans only the whole `step` (wall clock)
@@ -95,6 +98,7 @@ class TrainerSettings:
     forward: ForwardSettings = field(default_factory=ForwardSettings)
     loss: LossSettings = field(default_factory=LossSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     @classmethod
     def config_keys(cls) -> list[str]:

@@ -26,6 +26,7 @@ from refractor.algorithms.loss import LossSettings, LossStats, loss_metrics, pol
 from refractor.algorithms.packing import build_micro_batch
 from refractor.records import MicroBatch, TrainBatch
 from refractor.trainer.distributed import all_reduce_
+from refractor.trainer.fp8 import after_optimizer_step
 from refractor.trainer.policy_model import PolicyModel
 from refractor.trainer.rows import merge_rows, pad_row
 from refractor.trainer.settings import TrainerSettings
@@ -47,12 +48,14 @@ class StepSettings:
     max_tokens_per_forward: int = 0  # rows of a minibatch are concatenated up to this (rows.py); 0 = off
     pass_pad_multiple: int = 0  # every pass is padded to a multiple of this (static compiled shapes); 0 = off
     context_parallel_size: int = 1  # ranks sharing each pass (context_parallel.py)
+    fp8: bool = False  # float8 GEMMs: every rank's share of a pass is a multiple of 16 tokens
 
     @property
     def pass_multiple(self) -> int:
         """Passes are padded to a multiple of this (0: not padded): the compiled shapes' multiple, and
-        2 x cp tokens so that a pass splits into the context-parallel chunks."""
-        split = 2 * self.context_parallel_size if self.context_parallel_size > 1 else 0
+        2 x cp tokens so that a pass splits into the context-parallel chunks (16 x cp with fp8)."""
+        cp = self.context_parallel_size
+        split = 16 * cp if self.fp8 else 2 * cp if cp > 1 else 0
         if not split or not self.pass_pad_multiple:
             return split or self.pass_pad_multiple
         return math.lcm(split, self.pass_pad_multiple)
@@ -76,6 +79,7 @@ class StepSettings:
             max_tokens_per_forward=forward.trainer_max_tokens_per_forward if on_cuda else 0,
             pass_pad_multiple=forward.trainer_pass_pad_multiple if compiled else 0,
             context_parallel_size=settings.fsdp_context_parallel_size,
+            fp8=settings.fp8,
         )
 
 
@@ -221,6 +225,7 @@ def run_step(
         with timer.span("optimizer", minibatch=g):
             if math.isfinite(norm):
                 optimizer.step()
+                after_optimizer_step(model)  # fp8: the updated weights' float8 scales (one all-reduce)
             else:  # a NaN/inf gradient would poison AdamW's moments: skip the update, keep going
                 outcome.skipped_updates += 1
     optimizer.zero_grad(set_to_none=True)  # free gradient memory between steps

@@ -8,22 +8,26 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 
+from refractor.models.lora import add_lora
 from refractor.records import StepResult, TrainBatch
 from refractor.trainer import checkpoint as ckpt
 from refractor.trainer.context_parallel import ContextGroup
 from refractor.trainer.distributed import init_distributed
+from refractor.trainer.fp8 import check_fp8, convert_to_float8
 from refractor.trainer.memory_plan import DEFAULT_MEMORY_FRACTION, LayerShape, choose_checkpointing
 from refractor.trainer.optim import build_lr_scheduler, build_optimizer
 from refractor.trainer.policy_model import (
@@ -98,6 +102,9 @@ class Trainer:
             random_init=random_init or init_checkpoint is not None,
             seed=settings.seed,
         )
+        self.lora = settings.lora
+        if self.lora.enabled:
+            self._add_adapters(lm)
         self.context = ContextGroup.create(settings.fsdp_context_parallel_size, self.device)
         # ranks of one context-parallel group run the same rows: the batch has one share per group
         self.dp_size = self.world_size // self.context.size
@@ -110,6 +117,9 @@ class Trainer:
         prepare_layers(
             self.model.layers, checkpoint_activations=self.activation_checkpointing, compile=self.compiled
         )
+        if settings.fp8:  # before sharding: FSDP2 then all-gathers the converted weights in float8
+            check_fp8(self.device)
+            convert_to_float8(self.model, precompute_scales=not settings.fsdp_cpu_offload)
         shard_model(
             self.model,
             param_dtype=self.compute_dtype,
@@ -123,7 +133,7 @@ class Trainer:
         optimizer = settings.optimizer
         # offloaded, AdamW steps on the host copies (the fused kernel is CUDA only)
         self.optimizer = build_optimizer(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapters only
             optimizer.learning_rate,
             optimizer.weight_decay,
             fused=self.info.is_cuda and not settings.fsdp_cpu_offload,
@@ -153,6 +163,25 @@ class Trainer:
             self.step_settings.max_tokens_per_forward or "one row",
         )
 
+    def _add_adapters(self, lm: torch.nn.Module) -> None:
+        """LoRA: the base frozen in the compute dtype (no fp32 master copy, no optimizer state),
+        adapters in the master dtype."""
+        if self.impl != "native":
+            raise ValueError(
+                f"lora_rank > 0 needs the native model (Llama / Qwen2 / Qwen3); {self.model_dir} runs on "
+                "HF transformers"
+            )
+        if self.compute_dtype is not None:
+            lm.to(self.compute_dtype)
+        count = add_lora(lm, self.lora, self.master_dtype, seed=self.settings.seed)
+        log.info(
+            "LoRA rank %d (alpha %g) on %s: %.2fM adapter parameters train, the base is frozen",
+            self.lora.lora_rank,
+            self.lora.lora_alpha,
+            ",".join(self.lora.lora_target_modules),
+            count / 1e6,
+        )
+
     def _checkpointing_mode(self, settings: TrainerSettings) -> bool | str:
         """``activation_checkpointing``, with ``auto`` resolved (``memory_plan``): on CUDA the fastest
         mode whose predicted peak fits ``trainer_memory_fraction`` of this rank's GPU; on CPU, true."""
@@ -166,14 +195,16 @@ class Trainer:
             return True
         fraction = settings.trainer_memory_fraction or DEFAULT_MEMORY_FRACTION
         budget = int(torch.cuda.get_device_properties(self.device).total_memory * fraction)
-        num_params = sum(p.numel() for p in self.model.parameters())
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
         chosen, predicted = choose_checkpointing(
             LayerShape.from_hf_config(self.hf_config),
-            num_params,
+            trained,
             tokens // self.context.size,  # a CP rank holds its share of each pass
             budget,
             self.world_size,
             state_on_gpu=not settings.fsdp_cpu_offload,
+            frozen_bytes=frozen,
         )
         log.info(
             "activation_checkpointing auto: %s (predicted peak GiB per rank %s; budget %.1f GiB = "
@@ -277,8 +308,18 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ checkpoints
+    def _state_options(self) -> StateDictOptions:
+        """LoRA checkpoints hold the adapters only: the frozen base is the run's ``model``."""
+        return (
+            StateDictOptions(ignore_frozen_params=True, strict=False)
+            if self.lora.enabled
+            else StateDictOptions()
+        )
+
     def _hf_model_state(self) -> dict[str, Any]:
-        return {hf_name(k): v for k, v in get_model_state_dict(self.model).items()}
+        return {
+            hf_name(k): v for k, v in get_model_state_dict(self.model, options=self._state_options()).items()
+        }
 
     def _require_checkpoint_dir(self) -> Path:
         if self.checkpoint_dir is None:
@@ -312,6 +353,9 @@ class Trainer:
             "model_dtype": str(self.master_dtype),
             "trainer_step": self._step,
         }
+        if self.lora.enabled:
+            meta["lora"] = asdict(self.lora)
+            meta["base_model_path"] = str(self.model_dir.resolve())
         return ckpt.save_checkpoint(
             root,
             step,
@@ -329,7 +373,7 @@ class Trainer:
     def _checkpoint_state(self, training_state: bool) -> dict[str, Any]:
         if not training_state:
             return {"model": self._hf_model_state(), "trainer": {"step": self._step}}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
         return {
             "model": {hf_name(k): v for k, v in model_sd.items()},
             "optimizer": optim_sd,
@@ -347,7 +391,8 @@ class Trainer:
                 f"{path} holds weights only (checkpoint_save_training_state was false) and "
                 f"cannot be resumed; start a new run from it with `model: {path}`"
             )
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        self._check_lora_checkpoint(path)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
         state = {
             "model": {hf_name(k): v for k, v in model_sd.items()},
             "optimizer": optim_sd,
@@ -360,6 +405,7 @@ class Trainer:
             self.optimizer,
             model_state_dict={LM_PREFIX + k: v for k, v in state["model"].items()},
             optim_state_dict=state["optimizer"],
+            options=self._state_options(),
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self._step = int(state["trainer"]["step"])
@@ -373,8 +419,44 @@ class Trainer:
             return None
         return self.load_checkpoint(which)
 
+    def _check_lora_checkpoint(self, path: Path) -> None:
+        """Adapters resume only on the base and adapter shape they were trained with."""
+        meta = ckpt.read_meta(path)
+        saved = meta.get("lora")
+        mine = asdict(self.lora) if self.lora.enabled else None
+        if saved is None and mine is None:
+            return
+        if saved is None or mine is None:
+            raise ckpt.CheckpointError(
+                f"{path} holds {'LoRA adapters' if saved else 'full weights'} but this trainer "
+                f"{'trains LoRA adapters' if mine else 'trains the full model'} (lora_rank)"
+            )
+        same_base = meta.get("base_model") == self.settings.model or meta.get("base_model_path") == str(
+            self.model_dir.resolve()
+        )
+        if not same_base:
+            raise ckpt.CheckpointError(
+                f"{path} holds LoRA adapters for base model {meta.get('base_model')!r}; this run's model "
+                f"is {self.settings.model!r}"
+            )
+
+        def shape(lora: dict) -> tuple:
+            return int(lora["lora_rank"]), tuple(lora["lora_target_modules"])
+
+        if shape(saved) != shape(mine):
+            raise ckpt.CheckpointError(
+                f"{path} holds LoRA adapters of rank {saved['lora_rank']} on "
+                f"{','.join(saved['lora_target_modules'])}; this run asks for rank {mine['lora_rank']} on "
+                f"{','.join(mine['lora_target_modules'])}"
+            )
+
     def load_weights(self, path: str | Path) -> None:
         """Load only the model weights of a native checkpoint (e.g. as a run's initial weights)."""
+        if ckpt.read_meta(path).get("lora") or self.lora.enabled:
+            raise ckpt.CheckpointError(
+                f"{path}: starting from a refractor checkpoint is not supported with LoRA adapters "
+                "(in the checkpoint or in this run); start from an HF model directory"
+            )
         state = {"model": self._hf_model_state()}
         ckpt.load_checkpoint_state(path, state, restore_rng=False)
         set_model_state_dict(self.model, {LM_PREFIX + k: v for k, v in state["model"].items()})

@@ -11,7 +11,9 @@ fp32 master weights for bf16 inference). On one rank there is no collective: the
 full tensors, cast into the bucket's buffer, and yielded as views of it.
 
 Names are HF names; a tied LM head appears once, as ``model.embed_tokens.weight`` (as in
-``named_parameters``; inference engines alias ``lm_head.weight`` to it).
+``named_parameters``; inference engines alias ``lm_head.weight`` to it). LoRA adapters are merged:
+a projection with an adapter is exported as ``W + scale * B A`` (its local rows from the local rows
+of ``B`` and the whole of ``A``, which is small), and the adapter tensors themselves are not sent.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from refractor.models.lora import LoRALinear, is_adapter_name, lora_modules
 from refractor.trainer.policy_model import hf_name
 
 WeightBucket = list[tuple[str, torch.Tensor]]
@@ -43,6 +46,15 @@ class _Slot:
     shape: torch.Size
     rows_per_rank: int  # ceil(dim0 / world): every rank's part is padded to this many rows
     offset: int  # element offset in the per-rank buffer
+    adapter: LoRALinear | None = None  # the projection's LoRA adapter, merged into ``param``
+
+    def local(self) -> torch.Tensor:
+        """This rank's rows of the exported tensor."""
+        if self.adapter is None:
+            return _local(self.param)
+        a, b = self.adapter.lora_A.weight, self.adapter.lora_B.weight
+        a_full = (a.full_tensor() if isinstance(a, DTensor) else a).detach()  # collective: slot order
+        return self.adapter.merged_weight(_local(self.param), a_full, _local(b))
 
     @property
     def row_numel(self) -> int:
@@ -61,7 +73,10 @@ def _plan(
     size = 0
     offset = 0
     current = None
+    adapters = {id(module.weight): module for _, module in lora_modules(model)}
     for name, param in model.named_parameters():
+        if is_adapter_name(name):
+            continue
         target = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
         nbytes = tensor_nbytes(param, target)
         if slots and (size + nbytes > bucket_bytes or target != current):
@@ -71,7 +86,7 @@ def _plan(
             offset = 0
         shape = param.shape  # a DTensor reports the full (global) shape
         rows = -(-shape[0] // world) if len(shape) else 1
-        slot = _Slot(hf_name(name), param, shape, rows, offset)
+        slot = _Slot(hf_name(name), param, shape, rows, offset, adapters.get(id(param)))
         slots.append(slot)
         size += nbytes
         offset += slot.padded_numel
@@ -106,7 +121,7 @@ def iter_weight_buckets(
     for target, slots in _plan(model, bucket_bytes, dtype, world if sharded else 1):
         where = device or _local(slots[0].param).device
         local = torch.zeros(sum(s.padded_numel for s in slots), dtype=target, device=where)
-        shards = [_local(s.param).reshape(-1) for s in slots]
+        shards = [s.local().reshape(-1) for s in slots]
         views = [local[s.offset : s.offset + shard.numel()] for s, shard in zip(slots, shards, strict=True)]
         torch._foreach_copy_(views, shards)  # cast + copy of every shard, a few kernels in all
         del views, shards
