@@ -106,6 +106,8 @@ def bench_refractor(
     cpu_offload: bool = False,
     fp8: bool = False,
     learning_rate: float = 1e-6,
+    lora_rank: int = 0,
+    context_parallel: int = 1,
 ) -> dict:
     """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
     from refractor.trainer import Trainer, policy_model
@@ -120,12 +122,17 @@ def bench_refractor(
         fsdp_cpu_offload=cpu_offload,
         fp8=fp8,
         learning_rate=learning_rate,
+        lora_rank=lora_rank,
+        lora_alpha=2.0 * max(lora_rank, 1),
+        fsdp_context_parallel_size=context_parallel,
     )
     trainer = Trainer(settings, random_init=True)
     out: dict = {
         "n_params": sum(p.numel() for p in trainer.model.parameters()),
         "checkpointing": str(trainer.activation_checkpointing).lower(),  # what auto chose
     }
+    if lora_rank:  # the weight sync's export: every adapter merged into its projection
+        out["merged_export_s"] = time_export(trainer)
     if export:
         # Weight export for sync (256 MiB bf16 buckets): time and peak memory above the resident
         # state; the tensors are kept on the CPU to load the same weights into the HF baseline.
@@ -294,6 +301,8 @@ VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, train
     ),
     # fp8: the decoder projections' GEMMs in float8 through torchao (Hopper/Ada)
     "fp8": ("refractor default + fp8 (float8 projections)", "auto", True, 16384),
+    # LoRA rank 64 on every projection, the base frozen in bf16; MFU still counts 6 N per token
+    "lora": ("refractor default + LoRA rank 64 (frozen bf16 base)", "auto", True, 16384),
     "rows": ("compiled layers + ckpt, one pass per 4k row", True, True, 0),
     "rows_noac": ("compiled layers, ckpt off, one pass per 4k row", False, True, 0),
     "eager": ("eager layers + ckpt, 16k-token passes", True, False, 16384),
@@ -322,6 +331,12 @@ def main() -> None:
         help="cycle 3 batches of 4, 3 and 2 rows whose lengths differ (no baseline)",
     )
     ap.add_argument("--no-baseline", action="store_true", help="skip the naive HF baseline")
+    ap.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        help="fsdp_context_parallel_size under torchrun: this many ranks share every row",
+    )
     ap.add_argument(
         "--learning-rate",
         type=float,
@@ -361,7 +376,7 @@ def main() -> None:
             seq_len=args.seq_len,
             pad_to_multiple_of=args.seq_len,
             pad_token_id=0,
-            num_dp_ranks=world,
+            num_dp_ranks=world // args.context_parallel,
         )
         real = sum(len(s.input_ids) for s in samples)
         rows = [[mb.num_tokens for mb in rank_rows] for rank_rows in batch.micro_batches]
@@ -376,7 +391,7 @@ def main() -> None:
                     seq_len=args.seq_len,
                     pad_to_multiple_of=64,
                     pad_token_id=0,
-                    num_dp_ranks=world,
+                    num_dp_ranks=world // args.context_parallel,
                 )
                 for k in range(1, 4)
             ]
@@ -424,6 +439,8 @@ def main() -> None:
                     cpu_offload=name == "offload",
                     fp8=name == "fp8",
                     learning_rate=args.learning_rate,
+                    lora_rank=64 if name == "lora" else 0,
+                    context_parallel=args.context_parallel,
                 )
             except Exception as err:  # report and keep the other variants
                 print(f"{label}: failed: {type(err).__name__}: {str(err)[:800]}")
@@ -449,6 +466,8 @@ def main() -> None:
             print("   warm-up steps (s, compiles included):", [round(x, 1) for x in r["first_steps_s"]])
             if "profile" in r:
                 print("   profile:", json.dumps(r["profile"]))
+            if "merged_export_s" in r:
+                print(f"   merged (LoRA) weight export, warm: {r['merged_export_s'] * 1e3:.1f} ms")
             if "export" in r:
                 e = r["export"]
                 print(

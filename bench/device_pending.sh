@@ -7,6 +7,8 @@
 #   bash bench/device_pending.sh fsdp_test fsdp_throughput    # 2 GPUs
 #   bash bench/device_pending.sh rl                           # 2 GPUs
 #   bash bench/device_pending.sh fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b   # 1, 2, 4 GPUs
+#   bash bench/device_pending.sh trainer_lora                 # 1 GPU
+#   bash bench/device_pending.sh fsdp_cp2                     # 2 GPUs (context parallelism)
 #   bash bench/device_pending.sh multi_server                 # 4 GPUs
 #   bash bench/device_pending.sh trainer_7b_offload           # 1 GPU of a machine with >= 256 GB RAM
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
@@ -81,12 +83,23 @@ run_part() {
     trainer_7b_offload)  # 1 GPU, but ~150 GB of host RAM: run it on a machine of several GPUs
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} part trainer_7b_offload 400 python bench/bench_trainer.py \
         --sizes 7b --variants offload --no-baseline --warmup 2 --steps 3 ;;
+    trainer_lora)  # 1 GPU: LoRA rank 64 vs full fine-tuning, 0.5B and a 7B shape (full FT of 7B does not fit)
+      part trainer_lora 300 python bench/bench_trainer.py --sizes 0.5b --variants default,lora --no-baseline \
+        --warmup 2 --steps 3
+      part trainer_lora_7b 300 python bench/bench_trainer.py --sizes 7b --variants lora --no-baseline \
+        --warmup 2 --steps 3 ;;
+    fsdp_cp2)  # 2 GPUs: 32k-token rows shared by 2 context-parallel ranks vs each rank holding whole rows
+      part fsdp_cp2 300 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b --seq-len 32768 \
+        --tokens 65536 --variants default --no-baseline --warmup 2 --steps 3 --context-parallel 2
+      part fsdp_cp1 300 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b --seq-len 32768 \
+        --tokens 65536 --variants default --no-baseline --warmup 2 --steps 3 ;;
     multi_server)  # 4 GPUs: 3 servers + 1 trainer rank (one of them an eval server), then 2 + 2
       part multi_server 420 python bench/bench_rl.py --steps 6 --warmup 2 --modes \
         "2+inference_num_workers=3+eval_num_servers=1+evals=[{name: countdown, eval_every: 2, num_samples: 64, kwargs: {dataset_name: procedural}}],2+inference_num_workers=2+trainer_num_workers=2" ;;
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary fp8_test trainer_fp8 serving fsdp_test" \
-        "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" >&2 ;;
+        "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" \
+        "trainer_lora fsdp_cp2" >&2 ;;
   esac
 }
 
