@@ -1,0 +1,107 @@
+"""The RL demonstration's pipeline at toy scale: a base model trained from scratch with SFT
+(bench/sft_base.py) is a normal HF checkpoint that the engine scores and `refractor train` trains with
+the example config (configs/examples/countdown_from_scratch.yaml), evals included."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refractor.config import load_config
+from refractor.telemetry.query import RunReader
+from refractor.train import run_training
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import sft_base  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft") / "base"
+    args = argparse.Namespace(
+        out=str(out),
+        size="toy",
+        steps=30,
+        examples=300,
+        tokens_per_batch=512,
+        lr=3e-3,
+        vocab_size=512,
+        device="cpu",
+        seed=0,
+    )
+    return out, sft_base.train(args)
+
+
+def test_worked_solutions_follow_the_expression():
+    assert sft_base.worked_solution("(57 + 3) * 2") == (
+        "<think> 57 + 3 = 60, 60 * 2 = 120 </think> <answer> (57 + 3) * 2 </answer>"
+    )
+
+
+@pytest.mark.slow
+def test_sft_learns_and_writes_an_hf_checkpoint(base_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from refractor.models import CausalAttention, load_model
+
+    out, result = base_model
+    losses = result["losses"]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Using the numbers [3, 5]"}], tokenize=False
+    )
+    ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = load_model(out, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+        got = ours.compute_logits(ours(ids, torch.arange(ids.numel()), CausalAttention()))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    accuracy = sft_base.held_out_accuracy(out, 4, max_tokens=24)
+    assert 0.0 <= accuracy <= 1.0
+
+
+@pytest.mark.slow
+def test_the_example_config_trains_the_base_with_evals(base_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("REFRACTOR_ENV_PATH", str(ROOT / "environments"))
+    out, _ = base_model
+    cfg = load_config(
+        ROOT / "configs" / "examples" / "countdown_from_scratch.yaml",
+        {
+            "model": str(out),
+            "run_dir": str(tmp_path / "runs"),
+            "ray_address": "",
+            "number_of_steps": 2,
+            "prompts_batch_size_for_trainer": 2,
+            "group_size": 4,
+            "max_concurrent_prompts_per_server": 4,
+            "max_tokens": 16,
+            "mixed_precision_dtype": None,
+            "kv_cache_memory_gb": 0.25,
+            "ray_inference_cpus_per_worker": 1,
+            "ray_trainer_cpus_per_worker": 1,
+            "colocate": False,
+            "eval_after_training": False,
+            "evals": [
+                {
+                    "name": "countdown",
+                    "eval_every": 1,
+                    "num_samples": 4,
+                    "kwargs": {"dataset_name": "procedural", "seed": 1},
+                }
+            ],
+        },
+    )
+    run_dir = run_training(cfg, quiet=True)
+    with RunReader(run_dir) as reader:
+        steps = reader.step_metrics()
+        assert [m["step"] for m in steps] == [0, 1]
+        assert any(k.startswith("eval/countdown/") for m in steps for k in m), steps
+        assert len(reader.rollouts(status="eval")) >= 4
