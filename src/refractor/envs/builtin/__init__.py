@@ -7,6 +7,7 @@ BUILTINS: dict[str, str] = {
     "deepscaler": "refractor.envs.builtin.math_problems:DeepScalerEnvironment",
     "wordle": "refractor.envs.builtin.wordle:WordleEnvironment",
     "code": "refractor.envs.builtin.code:CodeEnvironment",
+    "i3_code": "refractor.envs.builtin.code:I3CodeEnvironment",
     "calculator_tools": "refractor.envs.builtin.calculator_tools:CalculatorToolsEnvironment",
     "target_copy": "refractor.envs.builtin.target_copy:TargetCopyEnvironment",
 }

@@ -1,4 +1,4 @@
-"""Programming tasks whose tests run in a local sandbox.
+"""Programming tasks whose tests run in a sandbox: local (bubblewrap) or a hosted service.
 
 Reward = ``passed``: 1.0 iff every selected test passes. Diagnostics are per-sample metrics with
 Telescope's names (``pass_rate``, ``num_test_cases``, ``num_timeouts``, ``test_time``...) and
@@ -8,6 +8,9 @@ with that reason instead of being trained on a false zero.
 
 Dataset rows: ``question`` and ``info`` (dict or JSON text) whose ``tests`` (dict or JSON text)
 has ``inputs``, ``outputs`` and optionally ``fn_name`` (function-call style when non-empty).
+
+``i3_code`` is the same environment under Telescope's name and kwargs: ``provider`` (``local``,
+``e2b``, ``modal``, ``daytona``, ``prime``) and ``docker_image``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from refractor.envs.base import SingleTurnEnvironment, strip_eos
 from refractor.envs.builtin.code_tests import decode_test_value, run_tests, summarize
 from refractor.envs.data import load_rows, take
 from refractor.envs.parsers import extract_code_block, strip_think_tags
-from refractor.envs.sandbox import SandboxConfig, SandboxError, SandboxPool, get_provider
+from refractor.envs.sandbox import (
+    REMOTE_PROVIDERS,
+    SandboxConfig,
+    SandboxError,
+    SandboxPool,
+    check_provider_name,
+    get_provider,
+)
 from refractor.records import RewardResult, Sample, info_turn
 
 DEFAULT_DATASET = "PrimeIntellect/INTELLECT-3-RL"
@@ -64,6 +74,7 @@ class CodeEnvironment(SingleTurnEnvironment):
         test_workers: int = 2,
         memory_mb: int = 1024,
         sandbox_provider: str = "auto",
+        sandbox_image: str | None = None,
         allow_unisolated: bool = False,
         pool_size: int = 4,
         max_attempts: int = 2,
@@ -82,9 +93,14 @@ class CodeEnvironment(SingleTurnEnvironment):
         self.test_workers = test_workers
         self.max_attempts = max_attempts
         self.sandbox_provider = sandbox_provider
+        check_provider_name(sandbox_provider)
+        if sandbox_provider in REMOTE_PROVIDERS:
+            get_provider(sandbox_provider)  # a missing SDK or credentials fail here, not mid-run
         self.allow_unisolated = allow_unisolated
         self.pool_size = pool_size
-        self.sandbox_config = SandboxConfig(memory_mb=memory_mb, cpu_time_s=max(1, int(timeout_per_test) + 1))
+        self.sandbox_config = SandboxConfig(
+            memory_mb=memory_mb, cpu_time_s=max(1, int(timeout_per_test) + 1), image=sandbox_image
+        )
         self._pool: SandboxPool | None = None
         self._pool_loop: asyncio.AbstractEventLoop | None = None
 
@@ -124,7 +140,8 @@ class CodeEnvironment(SingleTurnEnvironment):
     def _current_pool(self) -> SandboxPool:
         loop = asyncio.get_running_loop()
         if self._pool is None or self._pool_loop is not loop:  # pools are bound to one event loop
-            provider_kwargs = {"allow_unisolated": True} if self.allow_unisolated else {}
+            local = self.sandbox_provider not in REMOTE_PROVIDERS
+            provider_kwargs = {"allow_unisolated": True} if self.allow_unisolated and local else {}
             provider = get_provider(self.sandbox_provider, **provider_kwargs)
             self._pool = SandboxPool(provider, self.sandbox_config, size=self.pool_size)
             self._pool_loop = loop
@@ -198,3 +215,11 @@ class CodeEnvironment(SingleTurnEnvironment):
         if first_error:
             turns.append(info_turn("error", first_error[:INFO_LIMIT], "stderr"))
         return turns
+
+
+class I3CodeEnvironment(CodeEnvironment):
+    """``code`` under Telescope's name: the same tasks and rewards; ``provider`` picks where tests run
+    (``local`` is the bubblewrap sandbox) and ``docker_image`` the image of a hosted sandbox."""
+
+    def __init__(self, provider: str = "local", docker_image: str | None = None, **kwargs: Any) -> None:
+        super().__init__(sandbox_provider=provider, sandbox_image=docker_image, **kwargs)
