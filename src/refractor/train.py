@@ -237,6 +237,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     logs = start_log_collector(store, paths)
     sinks = []
     ray_host = RayHost()
+    ray_settings = RaySettings.from_config(cfg, run_dir=str(paths.root))
     connection = None
     servers = None
     trainers = None
@@ -259,7 +260,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         startup.mark("ray_init_start")
         loaded: list = []  # the tokenizer: importing transformers takes seconds, the cluster start too
         connection = ray_host.connect(
-            RaySettings.from_config(cfg, run_dir=str(paths.root)),
+            ray_settings,
             meanwhile=lambda: loaded.append(load_tokenizer(cfg)),
         )
         (tokenizer,) = loaded
@@ -427,7 +428,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             try:
                 store.close(status)
             finally:
-                ray_host.close(connection is not None and connection.started_local)
+                ray_host.close(ray_settings.shuts_down(connection))
     return paths.root
 
 

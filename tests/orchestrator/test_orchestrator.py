@@ -15,6 +15,7 @@ from orch_fakes import (
     wait_until,
 )
 
+from refractor.errors import RunSetupError
 from refractor.inference.client import InferenceServerError
 from refractor.orchestrator import Orchestrator, OrchestratorSettings
 
@@ -156,6 +157,69 @@ def test_multiturn_off_policy_counts_every_turn(tok):
         assert text.count("<|im_start|>assistant") == 2 and "again 1" in text
         trained = tok.decode([t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m])
         assert "again" not in trained and trained.count("yes no") == 2
+
+
+class PreparingEnv(ToyEnv):
+    """``prepare_resources`` waits for ``ready`` (a slow sandbox pool), or fails."""
+
+    def __init__(self, ready: asyncio.Event, fail: bool = False) -> None:
+        super().__init__()
+        self.ready = ready
+        self.fail_prepare = fail
+        self.prepared = False
+
+    async def prepare_resources(self) -> None:
+        await self.ready.wait()
+        if self.fail_prepare:
+            raise OSError("no sandbox image")
+        self.prepared = True
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_eager_prepare_resources_holds_rollouts_until_every_env_is_prepared(tok, eager):
+    cfg = make_config(number_of_steps=1, eager_prepare_resources=eager)
+
+    async def main():
+        env = PreparingEnv(asyncio.Event())
+        orch, [server], _, _ = build(tok, cfg, envs=[env])
+        task = asyncio.create_task(orch.run())
+        if eager:
+            await settle()
+            assert server.calls == []  # nothing generated while an environment prepares
+        else:
+            await wait_until(lambda: server.calls, "rollouts started beside the preparation")
+        assert not env.prepared
+        env.ready.set()
+        await task
+        assert env.prepared and server.calls
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_failing_prepare_resources_ends_the_run_naming_the_environment(tok, eager):
+    cfg = make_config(number_of_steps=3, eager_prepare_resources=eager)
+
+    async def main():
+        ready = asyncio.Event()
+        ready.set()
+        orch, _, _, _ = build(tok, cfg, envs=[PreparingEnv(ready, fail=True)], manual=True)
+        with pytest.raises(RunSetupError, match=r"environment `toy`: prepare_resources\(\) failed: OSError"):
+            await orch.run()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy,second_turn_priority", [("priority", -1), ("fcfs", 0)])
+def test_scheduling_policy_decides_whether_later_turns_go_first(tok, policy, second_turn_priority):
+    """fcfs sends every request with priority 0: both engines then serve in arrival order."""
+    cfg = make_config(env_names=("chat",), number_of_steps=1, vllm_scheduling_policy=policy)
+    orch, [server], _, _ = build(tok, cfg, envs=[ToyChatEnv(max_turns=2)])
+    asyncio.run(orch.run())
+    first = [r.priority for r in server.calls if "again" not in r.prompt_text]
+    later = [r.priority for r in server.calls if "again" in r.prompt_text]
+    assert first and later
+    assert set(first) == {0} and set(later) == {second_turn_priority}
 
 
 @pytest.mark.parametrize("individual,free_after", [(True, True), (True, False), (False, False)])

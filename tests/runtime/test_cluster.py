@@ -106,6 +106,15 @@ def test_an_empty_address_starts_a_local_cluster_and_a_second_call_joins_it(loca
     assert again.started_local is False  # already connected: nothing started, nothing to stop
 
 
+def test_the_run_leaves_a_joined_cluster_only_with_ray_shutdown_on_exit(local_ray):
+    joined = init_ray(settings(address=""))
+    assert joined.started_local is False
+    assert settings().shuts_down(local_ray) and settings().shuts_down(joined) is False
+    cfg = RefractorConfig(model="some/model", environments=[{"name": "countdown"}], ray_shutdown_on_exit=True)
+    assert RaySettings.from_config(cfg, run_dir="/runs/x").shuts_down(joined)
+    assert settings(shutdown_on_exit=True).shuts_down(None) is False  # nothing was connected
+
+
 def test_a_reservation_too_large_for_the_cluster_names_the_keys(local_ray):
     cpus = ray.cluster_resources()["CPU"]
     with pytest.raises(ClusterError) as err:

@@ -56,6 +56,10 @@ def test_settings_are_read_once_from_the_config(tmp_path):
     assert (s.rendezvous_host, s.weight_transfer_host, s.weight_sync.control_token) == (None, None, None)
     one = TrainerGroupSettings.from_config(cfg, pad_token_id=5, control_token="secret", single_node=True)
     assert (one.rendezvous_host, one.weight_transfer_host) == ("127.0.0.1", "127.0.0.1")
+    # ray_broadcast_prefer_loopback_if_single_node: false puts the weight transfer on the node's address
+    routed = group_config("some/model", tmp_path, ray_broadcast_prefer_loopback_if_single_node=False)
+    no_loopback = TrainerGroupSettings.from_config(routed, pad_token_id=5, single_node=True)
+    assert (no_loopback.rendezvous_host, no_loopback.weight_transfer_host) == ("127.0.0.1", None)
     assert one.weight_sync.control_token == "secret" and "secret" not in repr(one)
 
 

@@ -146,7 +146,9 @@ class RayKeys(_Strict):
         True, description="Use 127.0.0.1 for the broadcast rendezvous on one node."
     )
     ray_shutdown_on_exit: bool = Field(
-        False, description="Shut the Ray cluster down on exit (standalone eval)."
+        False,
+        description="At the end of a run, also leave a Ray cluster the run joined (ray.shutdown(): this "
+        "process disconnects, the cluster goes on); a cluster the run started always stops.",
     )
     ray_inference_cpus_per_worker: float = Field(
         4.0, ge=0, le=MAX_CPUS, description="CPUs per inference server bundle."
@@ -265,7 +267,9 @@ class OrchestratorKeys(_Strict):
         "defaults to false without them).",
     )
     eager_prepare_resources: bool = Field(
-        False, description="Await every env's prepare_resources() before the rollout loop."
+        False,
+        description="Await every env's prepare_resources() (sandbox pools...) before the baseline eval and "
+        "the first rollout; false: they run beside the first rollouts. A failure stops the run, named.",
     )
     reward_timeout_s: float = Field(
         120.0,
@@ -581,7 +585,9 @@ class InferenceKeys(_Strict):
         "before it, so the host's bookkeeping overlaps the GPU's work.",
     )
     vllm_scheduling_policy: Literal["priority", "fcfs"] = Field(
-        "priority", description="Scheduling; priority favours later turns."
+        "priority",
+        description="priority: a rollout's later turns are served before waiting requests; fcfs: arrival "
+        "order (every request has priority 0). Both engines.",
     )
     enable_thinking: bool = Field(False, description="Passed as enable_thinking to apply_chat_template.")
     chat_template: str | None = Field(None, description="Replaces the tokenizer's chat template.")
@@ -719,6 +725,11 @@ IGNORED_KEYS: dict[str, str] = {
     "event_upload_interval_seconds": "events go to the local run store, not W&B archives",
     "rollout_block_size": "rollouts go to the local run store, not W&B archives",
     "megatron_global_batch_size": "unused in Telescope too",
+    "inference_base_port": "each server listens on a free port the OS picks (the URLs are in the run "
+    "store), so runs sharing a machine never collide",
+    "weight_broadcast_pin_memory": "the Megatron backend is not implemented yet",
+    "weight_broadcast_free_grad_buffers": "gradients are always freed at the end of each step, before the "
+    "weight update",
 }
 
 # Where a default differs from Telescope's on purpose (checked by the tests;

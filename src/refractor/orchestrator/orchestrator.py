@@ -27,6 +27,7 @@ from typing import Any
 
 from refractor.algorithms.advantages import is_zero_advantage_group, score_group
 from refractor.envs.base import Environment
+from refractor.errors import RunSetupError
 from refractor.orchestrator.async_gate import CheckpointGate, CheckpointSchedule, StepCounters, VersionPins
 from refractor.orchestrator.batching import Batch, BatchAssembler
 from refractor.orchestrator.chat import run_chat_tokens
@@ -157,6 +158,11 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         self.dispatch.start()
         self._failure = loop.create_future()
+        preparing = asyncio.create_task(self._prepare_resources(), name="refractor-prepare-resources")
+        if self.settings.eager_prepare_resources:
+            await preparing  # before the baseline eval and the first rollout
+        else:  # rollouts start at once; a failure still ends the run
+            preparing.add_done_callback(self._background_failure)
         if self.evals is not None:
             await self.evals.before_training(self)  # the baseline eval, before any rollout
         self._event("training_loop_start")
@@ -175,9 +181,9 @@ class Orchestrator:
             completed = True
         finally:
             self.dispatch.stopping = True
-            for task in (dispatch, train, *telemetry):
+            for task in (preparing, dispatch, train, *telemetry):
                 task.cancel()
-            await asyncio.gather(dispatch, train, *telemetry, return_exceptions=True)
+            await asyncio.gather(preparing, dispatch, train, *telemetry, return_exceptions=True)
             await self._cancel_all(DiscardReason.SHUTDOWN)
             await self.rollout_events.flush()
             self.prompts.close()
@@ -230,6 +236,23 @@ class Orchestrator:
 
     def _prepare(self, ref: PromptRef) -> PreparedPrompt:
         return prepare_prompt(self.envs[ref.env_name], ref.index, self.chat, ref.ordinal)
+
+    async def _prepare_resources(self) -> None:
+        """Every environment's ``prepare_resources()`` (sandbox pools...), side by side."""
+
+        async def prepare(name: str, env: Environment) -> None:
+            try:
+                await env.prepare_resources()
+            except Exception as err:  # noqa: BLE001 - user environments raise anything; name the env
+                raise RunSetupError(
+                    f"environment `{name}`: prepare_resources() failed: {type(err).__name__}: {err}"
+                ) from err
+
+        await asyncio.gather(*(prepare(name, env) for name, env in self.envs.items()))
+
+    def _background_failure(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self._failure.done():
+            self._failure.set_exception(task.exception())
 
     # ------------------------------------------------------------------ finished groups
     def _complete_group(self, group: Group) -> None:

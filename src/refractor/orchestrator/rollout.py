@@ -150,6 +150,9 @@ class RolloutSettings:
     reward_timeout_s: float = 120.0
     eos_token: str = ""
     seed: int | None = None  # run seed; set: every request carries its sampling_seed()
+    # vllm_scheduling_policy priority: a rollout's later turns go before waiting requests (-turn);
+    # fcfs: every request has priority 0, so both engines serve in arrival order
+    later_turns_first: bool = True
 
     @classmethod
     def from_config(cls, cfg: Any, eos_token: str) -> RolloutSettings:
@@ -162,6 +165,7 @@ class RolloutSettings:
             reward_timeout_s=cfg.reward_timeout_s,
             eos_token=eos_token,
             seed=cfg.seed if cfg.deterministic_rollouts else None,
+            later_turns_first=cfg.vllm_scheduling_policy == "priority",
         )
 
 
@@ -302,7 +306,9 @@ async def _generate_turns(run: SampleRun) -> None:
             )
             with hooks.span("generation", rollout, turn=index, server=server.name, lane=rollout.lane) as span:
                 result = await server.generate(
-                    prompt_ids, replace(base, max_tokens=budget, seed=seed), priority=-index
+                    prompt_ids,
+                    replace(base, max_tokens=budget, seed=seed),
+                    priority=-index if settings.later_turns_first else 0,
                 )
                 span.update(finish_reason=result.finish_reason, completion_tokens=len(result.token_ids))
                 if result.server_request_id is not None:

@@ -28,6 +28,8 @@ class OrchestratorSettings:
     enable_thinking: bool
     seed: int
     prompt_prefetch_buffer_size: int  # 0: prompts are prepared when a group needs one
+    # await every environment's prepare_resources() before the first rollout; false: they run beside it
+    eager_prepare_resources: bool
     rollout: RolloutSettings  # its eos_token is the tokenizer's, filled in by the orchestrator
     advantages: AdvantageSettings
     filters: FilterSettings
@@ -56,6 +58,7 @@ class OrchestratorSettings:
             enable_thinking=cfg.enable_thinking,
             seed=cfg.seed,
             prompt_prefetch_buffer_size=cfg.prompt_prefetch_buffer_size if cfg.enable_prompt_prefetch else 0,
+            eager_prepare_resources=cfg.eager_prepare_resources,
             rollout=RolloutSettings.from_config(cfg, eos_token=""),
             advantages=AdvantageSettings.from_config(cfg),
             filters=FilterSettings.from_config(cfg),

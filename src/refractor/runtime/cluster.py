@@ -116,6 +116,8 @@ class RaySettings:
     propagate_run_dir: bool
     run_dir: str
     placement_timeout_s: int
+    # ray_shutdown_on_exit: also leave a cluster the run joined (a cluster it started always stops)
+    shutdown_on_exit: bool = False
 
     @classmethod
     def from_config(cls, cfg, run_dir: str) -> RaySettings:
@@ -131,7 +133,14 @@ class RaySettings:
             propagate_run_dir=cfg.ray_propagate_run_dir,
             run_dir=run_dir,
             placement_timeout_s=cfg.ray_placement_timeout_s,
+            shutdown_on_exit=cfg.ray_shutdown_on_exit,
         )
+
+    def shuts_down(self, connection: RayConnection | None) -> bool:
+        """Whether the run's end calls ``ray.shutdown()``: always for a cluster the run started; for
+        one it joined (where it only disconnects this process, the cluster goes on), with
+        ``shutdown_on_exit``, so a caller that runs on afterwards (a notebook) is off the cluster."""
+        return connection is not None and (connection.started_local or self.shutdown_on_exit)
 
 
 def build_runtime_env(s: RaySettings) -> dict[str, Any]:
