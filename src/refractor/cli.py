@@ -17,9 +17,14 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    # plain help text: the boxed layout cuts long flag names (--decode-steps-between-prefills) to fit
+    # 80 columns, which is also the width a piped --help gets
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
 )
-config_app = typer.Typer(help="Inspect and validate configuration files.", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Inspect and validate configuration files.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(config_app, name="config")
 err_console = Console(stderr=True)
 

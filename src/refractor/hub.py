@@ -47,6 +47,6 @@ def resolve_model_path(model: str) -> Path:
     except Exception as err:  # not in the cache (and we never download at run time)
         raise ModelNotFoundError(
             f"model `{model}` is neither a local directory nor in the Hugging Face cache "
-            f"({type(err).__name__}). Download it first (`huggingface-cli download {model}`) "
+            f"({type(err).__name__}). Download it first (`hf download {model}`) "
             "or pass a local path."
         ) from None

@@ -44,8 +44,8 @@ def test_quiet_mode_prints_plain_lines_with_eta():
     sink.log_step(1, {"reward_sum_mean": 1.0})
     sink.close()
     assert out.getvalue().splitlines() == [
-        "step 1/4 reward=0.625 kl=0.0123 tokens/s=4321 eta=0:00:30",  # 10 s/step, 3 steps left
-        "step 2/4 reward=1.000 kl=- tokens/s=- eta=0:00:20",
+        "step 1/4 reward=0.625 train_infer_kl=0.0123 tokens/s=4321 eta=0:00:30",  # 10 s/step, 3 steps left
+        "step 2/4 reward=1.000 train_infer_kl=- tokens/s=- eta=0:00:20",
     ]
 
 

@@ -14,6 +14,24 @@ from refractor.inference.access import API_KEY_ENV, CONTROL_TOKEN_ENV, MIN_SECRE
 from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 
 
+def resolve_model(model: str, max_model_len: int | None) -> tuple[Path, int]:
+    """The model's directory (a local path, the HF cache or refractor-testing/<name>, the same for
+    both engines) and the sequence limit: ``max_model_len``, else the model's
+    ``max_position_embeddings``."""
+    import json
+
+    from refractor.hub import ModelNotFoundError, resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+    except ModelNotFoundError as err:
+        raise typer.BadParameter(str(err), param_hint="--model") from None
+    if max_model_len is None:
+        config = json.loads((path / "config.json").read_text())
+        max_model_len = int(config.get("max_position_embeddings") or 4096)
+    return path, max_model_len
+
+
 def serve(
     model: str = typer.Option(
         ..., "--model", "-m", help="HF checkpoint dir, HF id in the local cache, or refractor-testing/<name>."
@@ -24,7 +42,11 @@ def serve(
     ),
     port: int = typer.Option(8000, "--port"),
     dtype: str = typer.Option("auto", "--dtype", help="auto: checkpoint dtype on GPU, float32 on CPU."),
-    max_model_len: int = typer.Option(4096, "--max-model-len"),
+    max_model_len: int | None = typer.Option(
+        None,
+        "--max-model-len",
+        help="Longest sequence, prompt and output (default: the model's max_position_embeddings).",
+    ),
     max_num_seqs: int = typer.Option(256, "--max-num-seqs"),
     max_num_batched_tokens: int | None = typer.Option(None, "--max-num-batched-tokens"),
     kv_cache_memory_gb: float | None = typer.Option(
@@ -114,6 +136,10 @@ def serve(
         raise typer.BadParameter(f"--api-key must be at least {MIN_SECRET_CHARS} characters")
     if chat_template and len(chat_template) < 4096 and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
+    if engine not in ("native", "vllm"):
+        raise typer.BadParameter(f"--engine must be native or vllm, got {engine!r}")
+    path, max_model_len = resolve_model(model, max_model_len)
+    served_model_name = served_model_name or model  # clients keep using the name they gave
     if engine == "vllm":
         # Branch point owned by the vLLM integration (refractor.inference.vllm.launcher).
         from refractor.inference.vllm.launcher import VllmServerSettings, serve_vllm
@@ -132,7 +158,7 @@ def serve(
             enable_prefix_caching=enable_prefix_caching,
         )
         serve_vllm(
-            model,
+            path,
             host,
             port,
             settings,
@@ -141,8 +167,6 @@ def serve(
             enable_docs=enable_docs,
         )
         return
-    if engine != "native":
-        raise typer.BadParameter(f"--engine must be native or vllm, got {engine!r}")
     import logging
 
     from refractor.inference.engine import EngineConfig

@@ -67,7 +67,7 @@ class ConsoleSink:
                 MofNCompleteColumn(),
                 BarColumn(bar_width=24),
                 TextColumn(
-                    "reward [cyan]{task.fields[reward]}[/]  KL [magenta]{task.fields[kl]}[/]  "
+                    "reward [cyan]{task.fields[reward]}[/]  train/infer KL [magenta]{task.fields[kl]}[/]  "
                     "tok/s [green]{task.fields[tps]}[/]"
                 ),
                 TimeElapsedColumn(),
@@ -112,7 +112,8 @@ class ConsoleSink:
             self._progress.update(self._task, completed=step + 1, reward=reward, kl=kl, tps=tps)
         else:
             line = (
-                f"step {step + 1}/{self.total_steps} reward={reward} kl={kl} tokens/s={tps} "
+                # the KL is the trainer's log-probs against the servers' (kl_divergence_inference)
+                f"step {step + 1}/{self.total_steps} reward={reward} train_infer_kl={kl} tokens/s={tps} "
                 f"eta={_eta(self.eta_seconds(step + 1))}"
             )
             self.stream.write(line + "\n")

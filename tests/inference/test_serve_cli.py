@@ -1,0 +1,40 @@
+"""`refractor serve`'s arguments: one model resolution for both engines, the sequence limit from the
+model's config, readable help."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from refractor.cli import app
+from refractor.inference.serve_cli import resolve_model
+
+
+def test_model_names_resolve_and_the_length_defaults_to_the_models(tiny_qwen2_path):
+    path, length = resolve_model("refractor-testing/tiny-qwen2", None)
+    assert path == tiny_qwen2_path and length == 2048  # the tiny model's max_position_embeddings
+    assert resolve_model(str(tiny_qwen2_path), 300) == (tiny_qwen2_path, 300)
+    with pytest.raises(typer.BadParameter, match="hf download no/such-model"):
+        resolve_model("no/such-model", None)
+
+
+def test_vllm_gets_the_resolved_directory_and_the_given_name(tiny_qwen2_path, monkeypatch):
+    calls = {}
+
+    def fake_serve_vllm(model, host, port, settings, **kwargs):
+        calls.update(model=model, settings=settings)
+
+    monkeypatch.setattr("refractor.inference.vllm.launcher.serve_vllm", fake_serve_vllm)
+    result = CliRunner().invoke(app, ["serve", "--model", "refractor-testing/tiny-qwen2", "--engine", "vllm"])
+    assert result.exit_code == 0, result.output
+    assert calls["model"] == tiny_qwen2_path
+    assert calls["settings"].max_model_len == 2048
+    assert calls["settings"].served_model_name == "refractor-testing/tiny-qwen2"
+
+
+def test_help_shows_whole_flag_names():
+    result = CliRunner().invoke(app, ["serve", "--help"], terminal_width=80)
+    assert result.exit_code == 0
+    for flag in ("--decode-steps-between-prefills", "--async-scheduling / --no-async-scheduling"):
+        assert flag in result.output, result.output
