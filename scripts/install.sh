@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install refractor for CPU use on a fresh Linux machine (what the README and CI run).
+# Install refractor for CPU use on a fresh Linux machine (what the README and CI run), into the
+# project's own virtual environment .venv/ (run things with .venv/bin/refractor, or after
+# `source .venv/bin/activate`):
 #   bash scripts/install.sh            # CPU torch + refractor (native engine)
 #   bash scripts/install.sh --vllm     # + the CPU build of vLLM 0.32
 #   bash scripts/install.sh --dev      # + test tools and the OS packages the tests use
@@ -16,7 +18,24 @@ for arg in "$@"; do
   esac
 done
 
-PIP="python3 -m pip"
+# 0. A virtual environment of the project's own: stock Debian 12 / Ubuntu 24.04 Pythons refuse
+#    `pip install` outside one (PEP 668), and it keeps refractor out of whichever interpreter is
+#    first on PATH. Debian ships venv support as a separate package (python3-venv).
+if [ ! -x .venv/bin/python ]; then
+  if ! python3 -m venv .venv 2>/dev/null; then
+    rm -rf .venv
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+      python3 -m venv .venv
+    else
+      echo "python3 cannot create a virtual environment: install python3-venv (sudo apt-get install" \
+        "python3-venv) and run this script again" >&2
+      exit 1
+    fi
+  fi
+fi
+PY="$PWD/.venv/bin/python"
+PIP="$PY -m pip"
 TORCH_VERSION="2.13.0"
 
 # 1. A CPU build of torch first, so no dependency can pull a multi-GB CUDA wheel.
@@ -45,4 +64,5 @@ $PIP install -e ".[${EXTRAS}]"
 if [ "$WITH_DEV" = 1 ] && command -v npm >/dev/null 2>&1; then
   (cd frontend && npm ci --no-audit --no-fund)
 fi
-python3 -c "import refractor, torch; print('refractor', refractor.__version__, '| torch', torch.__version__)"
+"$PY" -c "import refractor, torch; print('refractor', refractor.__version__, '| torch', torch.__version__)"
+echo "installed into .venv/: run .venv/bin/refractor, or \`source .venv/bin/activate\` first"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,8 @@ def test_readme_setup_command_is_what_ci_installs_with():
 
 
 def _ruff(*args: str) -> subprocess.CompletedProcess:
-    ruff = shutil.which("ruff")
+    beside = Path(sys.executable).with_name("ruff")  # the virtual environment's, active or not
+    ruff = str(beside) if beside.is_file() else shutil.which("ruff")
     assert ruff, "ruff is part of the dev extra"
     paths = [
         p for p in ("src", "tests", "bench", "environments", "train.py", "eval.py") if (ROOT / p).exists()
