@@ -47,6 +47,9 @@ def test_examples_exist():
         "wordle",
         "code",
         "quickstart",
+        "dapo_math",
+        "deepscaler",
+        "i3_code",
     } <= names
 
 
