@@ -157,3 +157,30 @@ def test_raw_prompts_and_multi_turn_evals(server, chat):
 
 def InferenceClientNamed(url: str) -> InferenceClient:  # noqa: N802 - reads like the class it builds
     return InferenceClient(url, name="server-0", control_token=TEST_CONTROL_TOKEN)
+
+
+def test_each_prompt_is_handed_over_once_when_all_its_completions_are_done(server, chat):
+    entry = EvalEntry(name="letters", pass_k={"at_k": {"metrics": ["has_a"], "k": [3]}})
+    ev = LetterEval()
+    ev._name = "letters"
+    task = build_task(LoadedEval(entry, ev, 3, parse_pass_k(entry.pass_k)), chat, settings(chat))
+    handed: list[list] = []
+
+    def on_prompt_done(rows):
+        assert all(r.status == "eval" for r in rows)  # every completion finished (or failed)
+        assert not any("pass@3/has_a" in r.sample_metrics for r in rows)  # before the pass values
+        handed.append([r.rollout_id for r in rows])
+
+    runner = EvalRunner(chat, lanes_per_server=2)
+    servers = [CountingServer(server.url, "a")]
+
+    async def main():
+        try:
+            return await runner.execute(runner.plan([task], 1, EvalIds()), servers, 1, on_prompt_done)
+        finally:
+            await servers[0].client.close()
+
+    [result] = asyncio.run(main())
+    assert sorted(map(sorted, handed)) == sorted(
+        sorted(r.rollout_id for r in result.rollouts if r.prompt_index == i) for i in range(3)
+    )

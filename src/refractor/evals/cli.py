@@ -1,4 +1,5 @@
-"""``refractor evals``: list the dedicated evals visible from here (any environment is an eval too)."""
+"""``refractor evals``: list the dedicated evals visible from here (any environment is an eval too).
+``refractor eval``: run the evals of a config on saved models, without training."""
 
 from __future__ import annotations
 
@@ -32,5 +33,43 @@ def evals_command(
     Console(width=200).print(table)
 
 
+def eval_command(
+    ctx: typer.Context,
+    config: str = typer.Option(None, "--config", "-c", help="Eval config YAML (docs/evals.md)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue a run: skip prompts already evaluated."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run of the same name."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress lines, only the table."),
+) -> None:
+    """Evaluate a model, a checkpoint or every checkpoint of a run (no training): servers as in
+    training, results in runs/<run_name>/run.db and printed as a table.
+
+    Any key can be overridden: `refractor eval --config e.yaml --checkpoint_dir runs/x --steps "[10, 20]"`.
+    """
+    from refractor.config import ConfigError
+    from refractor.errors import RefractorUserError
+    from refractor.evals.standalone import print_summary, run_standalone_evals
+    from refractor.evals.standalone_config import load_eval_config
+    from refractor.runtime import stop_signals
+
+    err = Console(stderr=True)
+    try:
+        keys, cfg = load_eval_config(config, list(ctx.args))
+        stop_signals.install()
+        run_dir, summaries = run_standalone_evals(keys, cfg, resume=resume, overwrite=overwrite, quiet=quiet)
+    except ConfigError as e:
+        err.print(f"[bold red]error:[/] invalid configuration\n{e}", highlight=False)
+        raise typer.Exit(2) from None
+    except RefractorUserError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err.print(f"[bold red]error:[/] interrupted ({stop_signals.signal_name()})", highlight=False)
+        raise typer.Exit(stop_signals.exit_code()) from None
+    print_summary(summaries, run_dir)
+
+
 def register(app: typer.Typer) -> None:
     app.command("evals")(evals_command)
+    app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+        eval_command
+    )

@@ -253,25 +253,39 @@ class EvalRunner:
         return EvalPlan(step, list(tasks), rollouts)
 
     async def execute(
-        self, plan: EvalPlan, servers: Sequence[InferenceServer], version: int
+        self,
+        plan: EvalPlan,
+        servers: Sequence[InferenceServer],
+        version: int,
+        on_prompt_done: Callable[[list[EvalRollout]], None] | None = None,
     ) -> list[EvalResult]:
-        """Run every completion of ``plan`` on ``servers`` (which hold weights ``version``)."""
+        """Run every completion of ``plan`` on ``servers`` (which hold weights ``version``).
+        ``on_prompt_done`` gets a prompt's completions as soon as all of them are done (before the
+        prompt's pass values are written into them), so a caller can store them as they come."""
         if not servers:
             raise ValueError("evals need at least one inference server")
         start = self.clock()
         finished = [start] * len(plan.tasks)
         jobs = deque(
-            (t, plan.tasks[t].prompts[p], r)
+            (t, p, r)
             for t, per_prompt in enumerate(plan.rollouts)
             for p, completions in enumerate(per_prompt)
             for r in completions
         )
+        remaining = {
+            (t, p): len(completions)
+            for t, per_prompt in enumerate(plan.rollouts)
+            for p, completions in enumerate(per_prompt)
+        }
 
         async def worker(server: InferenceServer, lane: int) -> None:
             while jobs:
-                t, prompt, rollout = jobs.popleft()
-                await self._complete(plan.tasks[t], prompt, rollout, server, lane, version)
+                t, p, rollout = jobs.popleft()
+                await self._complete(plan.tasks[t], plan.tasks[t].prompts[p], rollout, server, lane, version)
                 finished[t] = max(finished[t], self.clock())
+                remaining[(t, p)] -= 1
+                if remaining[(t, p)] == 0 and on_prompt_done is not None:
+                    on_prompt_done(plan.rollouts[t][p])
 
         await asyncio.gather(*(worker(s, lane) for s in servers for lane in range(self.lanes_per_server)))
         return [
