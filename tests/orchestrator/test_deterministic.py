@@ -237,7 +237,7 @@ def test_resume_matches_the_uninterrupted_run(tok):
     _, full, _, _, _ = run_det(tok, cfg, timing_seed=1)
     # stop after step 1 (its checkpoint), resume from the saved state with other timing
     _, first, _, _, _ = run_det(tok, cfg.model_copy(update={"number_of_steps": 2}), timing_seed=2)
-    [(saved_step, state)] = [c for c in first.checkpoints if c[0] == 1]
+    [(saved_step, state)] = [c for c in first.checkpoints if c[0] == 2]
     orch, second, _, _, _ = run_det(tok, cfg, timing_seed=3, state=state)
     assert [s for s, _ in second.steps] == [2, 3]
     assert orch.pins.resumed_version == 2

@@ -335,8 +335,8 @@ def test_checkpoint_waits_for_quiet_trainer_and_state_resumes(tok):
     )
     orch, _, trainer, _ = build(tok, cfg, answer=alternating)
     asyncio.run(orch.run())
-    assert trainer.log.index("checkpoint 1") < trainer.log.index("train 2")
-    assert [s for s, _ in trainer.checkpoints] == [1, 3]
+    assert trainer.log.index("checkpoint 2") < trainer.log.index("train 2")
+    assert [s for s, _ in trainer.checkpoints] == [2, 4]  # named by the steps completed
     state = trainer.checkpoints[0][1]
     assert state["counters"]["trainer_step"] == 2 and state["counters"]["loaded_version"] == 2
 

@@ -96,7 +96,7 @@ def metrics_of(reader: RunReader) -> dict[int, dict[str, float]]:
 def test_resumed_run_matches_the_uninterrupted_run(tmp_path):
     uninterrupted = run_training(det_cfg(tmp_path, "a"), quiet=True)
     interrupted = run_training(det_cfg(tmp_path, "b", number_of_steps=2), quiet=True)
-    assert (Path(interrupted) / "checkpoints" / "step_1").is_dir()  # named by the step it was saved after
+    assert (Path(interrupted) / "checkpoints" / "step_2").is_dir()  # named by the steps completed
     run_training(det_cfg(tmp_path, "b", resume_from_checkpoint=True), quiet=True)
 
     with RunReader(uninterrupted) as a, RunReader(interrupted) as b:
@@ -113,4 +113,4 @@ def test_resumed_run_matches_the_uninterrupted_run(tmp_path):
         assert [{g[0][11] for g in batch_of(a, s)} for s in range(3)] == [{0}, {0}, {2}]  # start_version
         # the task varies: completions differ across samples (sampling really ran with the seeds)
         assert len({row[2] for group in batch_of(a, 0) for row in group}) > 1
-    assert os.path.isdir(Path(interrupted) / "checkpoints" / "step_2")
+    assert os.path.isdir(Path(interrupted) / "checkpoints" / "step_3")

@@ -112,7 +112,7 @@ def test_every_checkpoint_of_a_quickstart_run_gives_one_eval_row_per_step(tmp_pa
     )
     keys, cfg = load_eval_config(config, ["--run_dir", str(runs), "--ray_address", ""])
     run_dir, summaries = run_standalone_evals(keys, cfg, quiet=True)
-    # step_0 and step_1 hold versions 1 and 2: reported at steps 1 and 2, as training reports its evals
+    # step_1 and step_2 hold versions 1 and 2: reported at steps 1 and 2, as training reports its evals
     assert [(s.step, s.name) for s in summaries] == [(1, "repeat_letter"), (2, "repeat_letter")]
     with RunReader(run_dir) as reader:
         steps = reader.step_metrics()

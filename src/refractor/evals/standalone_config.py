@@ -119,8 +119,8 @@ class EvalTarget:
 
 
 def _target(path: Path, step: int | None, key: str) -> EvalTarget:
-    """``step`` None: a refractor checkpoint ``step_N`` (saved after training step N, 0-indexed)
-    holds version N + 1 (``trainer_step`` in its meta.json); an HF directory ``step_N``: N; else 0."""
+    """``step`` None: a refractor checkpoint ``step_N`` (saved after N completed training steps)
+    holds version N (``trainer_step`` in its meta.json); an HF directory ``step_N``: N; else 0."""
     native = (path / NATIVE_MARKER).is_file()
     if not native and not (path / HF_MARKER).is_file():
         raise EvalTargetError(

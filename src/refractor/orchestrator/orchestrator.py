@@ -346,7 +346,8 @@ class Orchestrator:
             await self._train_one(step, batch, waited=self.clock() - wait_start)
             if self.ckpt_gate.must_save_after(step):
                 self._event("checkpoint_save_start", step=step)
-                spans = await self.trainer.save_checkpoint(step, self.state_dict())
+                # named by the steps completed (step_10 after the tenth), as evals report them
+                spans = await self.trainer.save_checkpoint(step + 1, self.state_dict())
                 self._event("checkpoint_save_done", step=step)
                 self.store.log_events(spans or [], step=step)
                 for item in self.ckpt_gate.on_saved():
