@@ -197,7 +197,9 @@ def test_generate_endpoint_matches_vllm_shape(server, hf):
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": list(range(3, 600))}, "max_model_len"),
         ("/v1/completions", {"prompt": [1, 100000]}, "token ids"),
-        ("/v1/completions", {"prompt": [1, 2], "stream": True}, "stream"),
+        ("/v1/completions", {"prompt": [1, 2], "stream": True, "logprobs": 1}, "not streamed"),
+        ("/v1/completions", {"prompt": [1, 2], "echo": True, "logprobs": 1}, "echo with logprobs"),
+        ("/v1/completions", {"prompt": list(range(3, 600)), "stream": True}, "max_model_len"),
         ("/v1/completions", {"prompt": [1, 2], "presence_penalty": 1.0}, "presence_penalty"),
         ("/inference/v1/generate", {"token_ids": [-1, 2]}, "negative"),
         ("/inference/v1/generate", {"token_ids": []}, "token_ids"),
@@ -462,3 +464,91 @@ def test_request_bodies_over_the_limit_are_413(tiny_qwen2_path):
         assert response.status_code == 413, response.text
         assert "limit is 1048576 bytes" in response.json()["error"]["message"]
     assert small.status_code == 200
+
+
+def test_streamed_completions_and_chat_equal_the_whole_answers(server):
+    """SSE through the official client: the streamed pieces add up to the non-streamed answer (same
+    seed), choices finish once with the same reason, stop strings never leak into the stream, the
+    usage comes last when asked, and echo puts the prompt first."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    body = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": 24,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 7,
+    }
+    whole = client.completions.create(**body, extra_body={"ignore_eos": True})
+    texts, reasons, usage = {}, {}, None
+    for chunk in client.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                assert c.index not in reasons
+                reasons[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 48
+
+    # a stop string taken from the free text: the stream stops before it and never shows it
+    free = whole.choices[0].text
+    stop = next(
+        free[i : i + 2] for i in range(3, len(free) - 1) if free[i : i + 2].strip() == free[i : i + 2]
+    )
+    stopped = "".join(
+        c.text
+        for chunk in client.completions.create(
+            **{**body, "n": 1}, stop=[stop], stream=True, extra_body={"ignore_eos": True}
+        )
+        for c in chunk.choices
+    )
+    assert stop not in stopped and free.startswith(stopped)
+
+    echoed = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True, temperature=0)
+    assert echoed.choices[0].text.startswith("Echo me")
+    streamed_echo = "".join(
+        c.text
+        for chunk in client.completions.create(
+            model=MODEL, prompt="Echo me", max_tokens=3, echo=True, temperature=0, stream=True
+        )
+        for c in chunk.choices
+    )
+    assert streamed_echo == echoed.choices[0].text
+
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=1.0, seed=3
+    )
+    pieces, roles, finish = [], [], []
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=1.0, seed=3, stream=True
+    ):
+        assert chunk.object == "chat.completion.chunk"
+        for c in chunk.choices:
+            roles += [c.delta.role] if c.delta.role else []
+            pieces.append(c.delta.content or "")
+            finish += [c.finish_reason] if c.finish_reason else []
+    assert roles == ["assistant"] and "".join(pieces) == chat.choices[0].message.content
+    assert finish == [chat.choices[0].finish_reason]
+
+
+def test_a_stream_the_client_leaves_is_aborted(server):
+    url = server.url
+    body = {"prompt": [1, 2, 3], "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["object"] == "text_completion"
+    deadline = time.monotonic() + 10
+    while _metrics(url)["vllm:num_requests_running"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    metrics = _metrics(url)
+    assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from refractor.inference.engine import LLMEngine
 from refractor.inference.engine.sampling_params import SamplingParams
+from refractor.inference.engine.sequence import RequestOutput
 from refractor.inference.engine_wire import (
     EngineInfo,
     EngineStatus,
@@ -110,10 +111,18 @@ async def _serve(
         "finish": transfer.finish,
     }
     requests: dict[str, asyncio.Task] = {}
+    pending_partials: list[asyncio.Future] = []  # sends in flight (kept referenced until done)
 
-    async def run_request(rid: str, prompt: list[int], params: dict, priority: int) -> None:
+    def send_partial(rid: str, out: RequestOutput) -> None:  # on this loop, in step order
+        pending_partials.append(asyncio.ensure_future(push.send(pack(["partial", rid, encode_output(out)]))))
+        pending_partials[:] = [p for p in pending_partials if not p.done()]
+
+    async def run_request(rid: str, prompt: list[int], params: dict, priority: int, stream: bool) -> None:
         try:
-            out = await engine.generate(prompt, SamplingParams(**params), rid, priority)
+            on_partial = (lambda out: send_partial(rid, out)) if stream else None
+            out = await engine.generate(
+                prompt, SamplingParams(**params), rid, priority, on_partial=on_partial
+            )
             await push.send(pack(["output", rid, encode_output(out), status()]))
         except asyncio.CancelledError:
             pass  # the server stopped waiting (its client went away); the engine aborted the request
@@ -148,8 +157,8 @@ async def _serve(
             message = unpack(await pull.recv())
             kind = message[0]
             if kind == "generate":
-                _, rid, prompt, params, priority = message
-                requests[rid] = asyncio.create_task(run_request(rid, prompt, params, priority))
+                _, rid, prompt, params, priority, stream = message
+                requests[rid] = asyncio.create_task(run_request(rid, prompt, params, priority, stream))
             elif kind == "cancel":
                 task = requests.get(message[1])
                 if task is not None:

@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -81,6 +82,7 @@ class EngineProcessClient:
         self._push: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._requests: dict[str, asyncio.Future] = {}
+        self._partials: dict[str, Callable[[RequestOutput], None]] = {}  # streamed requests' callbacks
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._dead: str | None = None
@@ -151,10 +153,16 @@ class EngineProcessClient:
 
     def _dispatch(self, message: list) -> None:
         kind = message[0]
-        if kind == "output":  # with the status after it: /metrics counts this request at once
+        if kind == "partial":  # a streamed request's output so far
+            callback = self._partials.get(message[1])
+            if callback is not None:
+                callback(decode_output(message[2]))
+        elif kind == "output":  # with the status after it: /metrics counts this request at once
             self._update_status(message[3])
+            self._partials.pop(message[1], None)
             _settle(self._requests.pop(message[1], None), decode_output(message[2]))
         elif kind == "request_error":
+            self._partials.pop(message[1], None)
             _settle(self._requests.pop(message[1], None), error=rebuild_error(message[2], message[3]))
         elif kind == "reply":
             self._update_status(message[3])
@@ -194,6 +202,7 @@ class EngineProcessClient:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        on_partial: Callable[[RequestOutput], None] | None = None,
     ) -> RequestOutput:
         push = await self._connected()
         request_id = request_id or uuid.uuid4().hex
@@ -201,10 +210,16 @@ class EngineProcessClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         future = asyncio.get_running_loop().create_future()
         self._requests[request_id] = future
-        await push.send(pack(["generate", request_id, list(prompt_token_ids), asdict(params), priority]))
+        if on_partial is not None:
+            self._partials[request_id] = on_partial
+        stream = on_partial is not None
+        await push.send(
+            pack(["generate", request_id, list(prompt_token_ids), asdict(params), priority, stream])
+        )
         try:
             return await future
         except asyncio.CancelledError:
+            self._partials.pop(request_id, None)
             if self._requests.pop(request_id, None) is not None and self._dead is None:
                 push.send(pack(["cancel", request_id]))  # queued at once; nobody waits for it
             raise

@@ -89,12 +89,18 @@ class _SamplingFields(_Body):
         )
 
 
+class StreamOptions(_Body):
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # accepted; the usage comes in the last chunk only
+
+
 class CompletionRequest(_SamplingFields):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     skip_special_tokens: bool = True
@@ -110,10 +116,12 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _flags(self):
-        if self.stream:
-            raise ValueError("stream=true is not supported by the native engine")
-        if self.echo:
-            raise ValueError("echo=true is not supported by the native engine")
+        if self.stream and self.logprobs is not None:
+            raise ValueError("logprobs are not streamed by the native engine: use stream=false for them")
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo with logprobs (the prompt's log-probs) is not supported by the native engine"
+            )
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -136,6 +144,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     skip_special_tokens: bool = True
@@ -147,8 +156,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _flags(self):
-        if self.stream:
-            raise ValueError("stream=true is not supported by the native engine")
+        if self.stream and self.logprobs:
+            raise ValueError("logprobs are not streamed by the native engine: use stream=false for them")
         return self
 
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 
+from refractor.errors import one_line
 from refractor.inference.engine import RequestOutput, SamplingParams
+from refractor.inference.engine.async_engine import stream_outputs
 from refractor.inference.request_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,6 +26,7 @@ from refractor.inference.request_schemas import (
 from refractor.inference.server_state import BadRequest, ServerState, run_until_disconnect
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 class OrjsonResponse(Response):
@@ -35,12 +40,15 @@ class OrjsonResponse(Response):
         return orjson.dumps(content)
 
 
-def fast_json(route: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[Response]]:
-    """The route's dict answered as an ``OrjsonResponse`` (FastAPI passes a Response through as is)."""
+def fast_json(
+    route: Callable[..., Awaitable[Any]],
+) -> Callable[..., Awaitable[Response]]:
+    """The route's dict answered as an ``OrjsonResponse``; a Response (a stream) goes out as it is."""
 
     @functools.wraps(route)
     async def answer(*args: Any, **kwargs: Any) -> Response:
-        return OrjsonResponse(await route(*args, **kwargs))
+        result = await route(*args, **kwargs)
+        return result if isinstance(result, Response) else OrjsonResponse(result)
 
     return answer
 
@@ -84,14 +92,19 @@ def _sampling(body, logprobs: int | None, default_max_tokens: int | None) -> Sam
         raise BadRequest(str(err)) from None
 
 
-async def _run(
-    request: Request, state: ServerState, jobs: list[tuple[str, list[int], SamplingParams, int]]
-) -> list[RequestOutput] | None:
-    """Generate every job concurrently; None if the client went away (everything aborted)."""
+Job = tuple[str, list[int], SamplingParams, int]  # request id, prompt ids, sampling, priority
+
+
+def _check_jobs(state: ServerState, jobs: list[Job]) -> None:
     for rid, ids, params, _ in jobs:
         _check_prompt(state, ids, params)
         if rid in state.active_request_ids:
             raise BadRequest(f"request id {rid!r} is already in flight")
+
+
+async def _run(request: Request, state: ServerState, jobs: list[Job]) -> list[RequestOutput] | None:
+    """Generate every job concurrently; None if the client went away (everything aborted)."""
+    _check_jobs(state, jobs)
 
     async def all_jobs() -> list[RequestOutput]:
         tasks = [
@@ -116,6 +129,98 @@ async def _run(
     for output in outputs or []:
         state.metrics.observe(output)
     return outputs
+
+
+async def _stream_jobs(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(job index, output so far) of every job as the engine steps; each job's last item is its final
+    output. Closing the iterator (the client went away) aborts what still runs."""
+    progress: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, rid: str, ids: list[int], params: SamplingParams, priority: int) -> None:
+        try:
+            async for output in stream_outputs(state.engine, ids, params, rid, priority):
+                progress.put_nowait((index, output, None))
+        except Exception as err:  # noqa: BLE001 - reported in the stream, which has started
+            progress.put_nowait((index, None, err))
+        else:
+            progress.put_nowait((index, None, None))
+
+    ids = {rid for rid, *_ in jobs}
+    state.active_request_ids |= ids
+    tasks = [asyncio.ensure_future(pump(i, *job)) for i, job in enumerate(jobs)]
+    try:
+        running = len(tasks)
+        while running:
+            index, output, error = await progress.get()
+            if error is not None:
+                raise error
+            if output is None:
+                running -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        state.active_request_ids -= ids
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """Server-sent events: one ``data:`` line per chunk, ``data: [DONE]`` last; an error after the
+    stream started is sent as a chunk with ``error`` (the status line is gone by then)."""
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        except (BadRequest, ValueError) as err:
+            yield (
+                b"data: "
+                + orjson.dumps({"error": {"message": str(err), "type": "BadRequestError", "code": 400}})
+                + b"\n\n"
+            )
+        except Exception as err:  # noqa: BLE001 - the client gets the reason; the server goes on
+            log.exception("a streamed request failed")
+            message = {"message": one_line(err), "type": type(err).__name__, "code": 500}
+            yield b"data: " + orjson.dumps({"error": message}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+class _Deltas:
+    """The text of each streamed sequence sent so far; ``next`` gives what is new. Text that could be
+    the start of a stop string, or an incomplete UTF-8 character, is held back until it is decided."""
+
+    def __init__(self, text: _Text, stops: list[str]):
+        self.text = text
+        self.stops = stops
+        self.sent: dict[tuple[int, int], str] = {}
+        self.finished: set[tuple[int, int]] = set()
+
+    def ends(self, key: tuple[int, int], choice) -> bool:
+        """Whether this output is the first to carry the sequence's finish reason."""
+        if choice.finish_reason is None or key in self.finished:
+            return False
+        self.finished.add(key)
+        return True
+
+    def next(self, key: tuple[int, int], choice) -> str:
+        if choice.finish_reason is not None:
+            visible = self.text.completion(choice.token_ids, choice.stop_reason)
+        else:
+            visible = self.text.tokenizer.decode(choice.token_ids, skip_special_tokens=self.text.skip)
+            visible = visible.rstrip("\ufffd")
+            hold = max(
+                (k for stop in self.stops for k in range(1, len(stop)) if visible.endswith(stop[:k])),
+                default=0,
+            )
+            visible = visible[: len(visible) - hold]
+        sent = self.sent.get(key, "")
+        if not visible.startswith(sent):  # the decoding of earlier tokens changed: send the difference on
+            sent = sent[: len(visible)]
+        self.sent[key] = visible
+        return visible[len(sent) :]
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
@@ -165,7 +270,7 @@ def _completion_logprobs(text: _Text, choice, k: int) -> dict[str, Any]:
 
 @router.post("/v1/completions")
 @fast_json
-async def completions(body: CompletionRequest, request: Request) -> dict[str, Any]:
+async def completions(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
     _check_model(state, body.model)
     params = _sampling(body, body.logprobs, 16)
@@ -175,17 +280,21 @@ async def completions(body: CompletionRequest, request: Request) -> dict[str, An
         for p in body.prompts()
     ]
     jobs = [(f"cmpl-{base}-{i}", ids, params, body.priority) for i, ids in enumerate(prompts)]
+    text = _Text(state.tokenizer, body.skip_special_tokens, body.return_tokens_as_token_ids)
+    echoed = [_echo(state, body, p, ids) for p, ids in zip(body.prompts(), prompts, strict=True)]
+    if body.stream:
+        _check_jobs(state, jobs)
+        return _sse(_completion_chunks(state, body, jobs, params, text, echoed, f"cmpl-{base}"))
     outputs = await _run(request, state, jobs)
     if outputs is None:
         return {}
-    text = _Text(state.tokenizer, body.skip_special_tokens, body.return_tokens_as_token_ids)
     choices = []
     for p, output in enumerate(outputs):
         for choice in output.outputs:
             choices.append(
                 {
                     "index": p * params.n + choice.index,
-                    "text": text.completion(choice.token_ids, choice.stop_reason),
+                    "text": echoed[p] + text.completion(choice.token_ids, choice.stop_reason),
                     "logprobs": _completion_logprobs(text, choice, body.logprobs)
                     if body.logprobs is not None
                     else None,
@@ -203,6 +312,66 @@ async def completions(body: CompletionRequest, request: Request) -> dict[str, An
         "choices": choices,
         "usage": _usage(outputs),
     }
+
+
+def _echo(state: ServerState, body: CompletionRequest, prompt: str | list[int], ids: list[int]) -> str:
+    """With ``echo``, the prompt's text (a token-id prompt decoded) starts each completion's text."""
+    if not body.echo:
+        return ""
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+async def _completion_chunks(
+    state: ServerState,
+    body: CompletionRequest,
+    jobs: list[Job],
+    params: SamplingParams,
+    text: _Text,
+    echoed: list[str],
+    completion_id: str,
+) -> AsyncIterator[dict[str, Any]]:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": state.created,
+            "model": state.model_name,
+            "choices": choices,
+            **extra,
+        }
+
+    deltas = _Deltas(text, params.stop)
+    finals: dict[int, RequestOutput] = {}
+    for p, echo in enumerate(echoed):
+        if echo:
+            yield chunk(
+                [
+                    {"index": p * params.n + c, "text": echo, "logprobs": None, "finish_reason": None}
+                    for c in range(params.n)
+                ]
+            )
+    async for p, output in _stream_jobs(state, jobs):
+        choices = []
+        for choice in output.outputs:
+            delta = deltas.next((p, choice.index), choice)
+            ends = deltas.ends((p, choice.index), choice)
+            if delta or ends:
+                choices.append(
+                    {
+                        "index": p * params.n + choice.index,
+                        "text": delta,
+                        "logprobs": None,
+                        "finish_reason": choice.finish_reason if ends else None,
+                        "stop_reason": choice.stop_reason,
+                    }
+                )
+        if all(c.finish_reason is not None for c in output.outputs):
+            finals[p] = output
+            state.metrics.observe(output)
+        if choices:
+            yield chunk(choices)
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield chunk([], usage=_usage([finals[p] for p in sorted(finals)]))
 
 
 async def _chat_prompt(
@@ -230,7 +399,7 @@ def _render_chat_prompt(
 
 @router.post("/v1/chat/completions")
 @fast_json
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
     _check_model(state, body.model)
     top = body.top_logprobs or 0
@@ -239,11 +408,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
         params.max_tokens = body.max_completion_tokens
     rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
     prompt = await _chat_prompt(state, body, body.chat_template_kwargs)
+    text = _Text(state.tokenizer, body.skip_special_tokens, body.return_tokens_as_token_ids)
+    if body.stream:
+        jobs = [(rid, prompt, params, body.priority)]
+        _check_jobs(state, jobs)
+        return _sse(_chat_chunks(state, body, jobs, params, text))
     outputs = await _run(request, state, [(rid, prompt, params, body.priority)])
     if outputs is None:
         return {}
     (output,) = outputs
-    text = _Text(state.tokenizer, body.skip_special_tokens, body.return_tokens_as_token_ids)
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         token = text.token(token_id)
@@ -289,6 +462,66 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
         # refractor's addition: the engine's account of the request's time (docs/metrics.md#latency)
         "latency": output.latency(),
     }
+
+
+async def _chat_chunks(
+    state: ServerState, body: ChatCompletionRequest, jobs: list[Job], params: SamplingParams, text: _Text
+) -> AsyncIterator[dict[str, Any]]:
+    rid = jobs[0][0]
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": state.created,
+            "model": state.model_name,
+            "choices": choices,
+            **extra,
+        }
+
+    yield chunk(
+        [
+            {
+                "index": c,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for c in range(params.n)
+        ]
+    )
+    deltas = _Deltas(text, params.stop)
+    final = None
+    async for _, output in _stream_jobs(state, jobs):
+        choices = []
+        for choice in output.outputs:
+            delta = deltas.next((0, choice.index), choice)
+            if delta:
+                choices.append(
+                    {
+                        "index": choice.index,
+                        "delta": {"content": delta},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            if deltas.ends((0, choice.index), choice):
+                choices.append(
+                    {
+                        "index": choice.index,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": choice.finish_reason,
+                        "stop_reason": choice.stop_reason,
+                    }
+                )
+        if all(c.finish_reason is not None for c in output.outputs):
+            final = output
+            state.metrics.observe(output)
+        if choices:
+            yield chunk(choices)
+    if final is not None and body.stream_options is not None and body.stream_options.include_usage:
+        yield chunk([], usage=_usage([final]))
 
 
 @router.post("/inference/v1/generate")

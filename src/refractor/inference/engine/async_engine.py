@@ -15,7 +15,8 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        # streamed requests (engine thread only): their progress goes out after every step
+        self._partials: dict[str, _PartialSink] = {}
         self._hold_new = False  # pause(mode="wait") in progress: new requests wait their turn
         self._held: list[Callable[[], None]] = []
         self._stats = engine.stats()
@@ -68,7 +71,20 @@ class AsyncLLMEngine:
                 self._fail_all(err)
                 continue
             self._deliver(outputs)
+            self._publish_partials()
             self._stats = self.engine.stats()
+
+    def _publish_partials(self) -> None:
+        """Each streamed request that got tokens in this step: its output so far, to its caller."""
+        for request_id, sink in self._partials.items():
+            request = self.engine.requests.get(request_id)
+            if request is None:
+                continue
+            counts = tuple(seq.num_output_tokens for seq in request.seqs)
+            if counts != sink.counts:
+                sink.counts = counts
+                with contextlib.suppress(RuntimeError):  # a closed caller loop: nobody listens
+                    sink.loop.call_soon_threadsafe(sink.callback, self.engine.partial_output(request_id))
 
     def _drain_commands(self) -> None:
         while True:
@@ -80,6 +96,7 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
         for output in outputs:
+            self._partials.pop(output.request_id, None)
             waiter = self._waiters.pop(output.request_id, None)
             if waiter is None:
                 continue
@@ -130,8 +147,12 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        on_partial: Callable[[RequestOutput], None] | None = None,
     ) -> RequestOutput:
-        """Run one request to completion. Cancelling the awaiting task aborts it and frees its KV."""
+        """Run one request to completion. Cancelling the awaiting task aborts it and frees its KV.
+
+        ``on_partial`` (a streamed request) is called on the caller's loop with the output so far
+        after each engine step that added tokens to it, before the final output is returned."""
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
@@ -147,6 +168,8 @@ class AsyncLLMEngine:
         def add_now() -> None:
             self.engine.add_request(request_id, prompt_token_ids, params, priority)
             self._waiters[request_id] = (loop, result)
+            if on_partial is not None:
+                self._partials[request_id] = _PartialSink(loop, on_partial)
 
         await self._call_async(add)
         try:
@@ -334,6 +357,39 @@ class AsyncLLMEngine:
         self._running = False
         self._wakeup.set()
         self._thread.join(timeout=10)
+
+
+@dataclass
+class _PartialSink:
+    loop: asyncio.AbstractEventLoop
+    callback: Callable[[RequestOutput], None]
+    counts: tuple[int, ...] = ()  # output tokens per sequence when last published
+
+
+async def stream_outputs(
+    engine: Any,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    request_id: str | None = None,
+    priority: int = 0,
+) -> AsyncIterator[RequestOutput]:
+    """One request's outputs so far (finish reasons None while a sequence runs), then its final
+    output. ``engine``: anything with ``AsyncLLMEngine.generate``'s signature (the engine process's
+    client too). Closing the iterator early aborts the request."""
+    progress: asyncio.Queue = asyncio.Queue()
+    task = asyncio.ensure_future(
+        engine.generate(prompt_token_ids, params, request_id, priority, on_partial=progress.put_nowait)
+    )
+    task.add_done_callback(lambda _: progress.put_nowait(None))
+    try:
+        while (partial := await progress.get()) is not None:
+            yield partial
+        yield task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 def _post(

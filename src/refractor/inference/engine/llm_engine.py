@@ -434,11 +434,20 @@ class LLMEngine:
         return next((s for s in seq.params.stop if s in tail), None)
 
     def _pop_output(self, request_id: str, error: str | None = None) -> RequestOutput:
-        request = self.requests.pop(request_id)
+        return self._output(request_id, self.requests.pop(request_id), error)
+
+    def partial_output(self, request_id: str) -> RequestOutput:
+        """A request in flight, so far: the tokens recorded up to now (a streamed request's progress;
+        with async scheduling, the launched step's tokens are not recorded yet)."""
+        return self._output(request_id, self.requests[request_id], partial=True)
+
+    def _output(
+        self, request_id: str, request: _Request, error: str | None = None, partial: bool = False
+    ) -> RequestOutput:
         return RequestOutput(
             request_id,
             request.prompt_token_ids,
-            [CompletionOutput.from_sequence(s) for s in request.seqs],
+            [CompletionOutput.from_sequence(s, partial) for s in request.seqs],
             request.arrival_time,
             request.first_token_time,
             error=error,

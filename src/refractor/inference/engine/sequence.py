@@ -124,19 +124,22 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     logprobs: list[float]  # processed log-prob of each sampled token
-    finish_reason: str  # stop | length | abort | error (its request failed in an engine step)
+    # stop | length | abort | error (its request failed in an engine step); None in a partial output
+    # of a sequence still running (a streamed request's progress)
+    finish_reason: str | None
     stop_reason: int | str | None
     weight_versions: list[WeightVersionSpan]
     ranks: list[int] = field(default_factory=list)  # present when the request asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @classmethod
-    def from_sequence(cls, seq: Sequence) -> CompletionOutput:
+    def from_sequence(cls, seq: Sequence, partial: bool = False) -> CompletionOutput:
+        """The sequence's output; ``partial``: so far, with no finish reason while it runs."""
         return cls(
             seq.index,
             seq.output_token_ids,
             list(seq.logprobs),
-            seq.finish_reason or "abort",
+            seq.finish_reason if partial else seq.finish_reason or "abort",
             seq.stop_reason,
             [WeightVersionSpan(s.version, s.start, s.end) for s in seq.version_spans],
             list(seq.ranks),
