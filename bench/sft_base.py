@@ -36,7 +36,6 @@ SIZES = {  # Qwen2 shapes: hidden, layers, heads, kv heads, intermediate
     "small": (384, 8, 6, 2, 1024),
     "medium": (512, 12, 8, 2, 1536),
 }
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def worked_solution(expression: str) -> str:
@@ -75,31 +74,11 @@ def sft_examples(count: int, seed: int = SFT_SEED) -> list[tuple[list[dict], str
 
 
 def build_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE trained on ``texts``, ChatML template, ``<|im_end|>`` as EOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """Byte-level BPE trained on ``texts``, ChatML template, ``<|im_end|>`` as EOS (the test models'
+    tokenizer recipe on this corpus)."""
+    from refractor.testing.tiny_models import build_tokenizer as build
 
-    from refractor.testing.tiny_models import CHATML_TEMPLATE
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        additional_special_tokens=["<|im_start|>"],
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+    return build(texts, vocab_size)
 
 
 def encode(examples, tokenizer) -> list[tuple[list[int], int]]:

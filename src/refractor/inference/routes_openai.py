@@ -188,6 +188,22 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _chunk_maker(state: ServerState, answer_id: str, kind: str) -> Callable[..., dict[str, Any]]:
+    """One streamed answer's chunks: ``chunk(choices, **extra)`` with the answer's id, object, model."""
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": answer_id,
+            "object": kind,
+            "created": state.created,
+            "model": state.model_name,
+            "choices": choices,
+            **extra,
+        }
+
+    return chunk
+
+
 class _Deltas:
     """The text of each streamed sequence sent so far; ``next`` gives what is new. Text that could be
     the start of a stop string, or an incomplete UTF-8 character, is held back until it is decided."""
@@ -330,16 +346,7 @@ async def _completion_chunks(
     echoed: list[str],
     completion_id: str,
 ) -> AsyncIterator[dict[str, Any]]:
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": state.created,
-            "model": state.model_name,
-            "choices": choices,
-            **extra,
-        }
-
+    chunk = _chunk_maker(state, completion_id, "text_completion")
     deltas = _Deltas(text, params.stop)
     finals: dict[int, RequestOutput] = {}
     for p, echo in enumerate(echoed):
@@ -469,16 +476,7 @@ async def _chat_chunks(
 ) -> AsyncIterator[dict[str, Any]]:
     rid = jobs[0][0]
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": state.created,
-            "model": state.model_name,
-            "choices": choices,
-            **extra,
-        }
-
+    chunk = _chunk_maker(state, rid, "chat.completion.chunk")
     yield chunk(
         [
             {

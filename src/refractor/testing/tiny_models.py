@@ -74,8 +74,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("REFRACTOR_CACHE", Path.home() / ".cache" / "refractor"))
 
 
-def build_tokenizer():
-    """A byte-level BPE tokenizer trained on the fixed corpus, with EOS/pad and a ChatML template."""
+def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = TOKENIZER_VOCAB_SIZE):
+    """A byte-level BPE tokenizer trained on ``corpus`` (default: the fixed test corpus), with EOS/pad
+    and a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,12 +84,12 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.train_from_iterator(_CORPUS if corpus is None else corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
