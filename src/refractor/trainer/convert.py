@@ -78,7 +78,7 @@ def export_hf(
 
     ckpt = Path(checkpoint)
     out = Path(out)
-    read_meta(ckpt)  # raises a clear error for a directory that is not a checkpoint
+    meta = read_meta(ckpt)  # raises a clear error for a directory that is not a checkpoint
     damage = checkpoint_damage(ckpt, checksums=False)
     if damage is not None:
         raise CheckpointError(f"{ckpt} cannot be converted: {damage}")
@@ -97,9 +97,8 @@ def export_hf(
     target = getattr(torch, name)
 
     weights = read_checkpoint_weights(ckpt)
-    lora = read_meta(ckpt).get("lora")
-    if lora is not None:
-        weights = merge_adapters(weights, lora, _base_model_dir(read_meta(ckpt)))
+    if meta.get("lora") is not None:
+        weights = merge_adapters(weights, meta["lora"], _base_model_dir(meta))
     if config.get("tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # the embedding is the head; HF re-ties on load
     weights = {k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}

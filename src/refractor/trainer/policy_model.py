@@ -103,9 +103,8 @@ class PolicyModel(nn.Module):
         logprobs, entropy = chunked_logprobs_entropy(
             hidden, self.lm_head_weight(), following, temperature=temperature, chunk_size=chunk_size
         )
-        zero = logprobs.new_zeros(
-            1
-        )  # position 0 predicts nothing; the last token's successor is not in the row
+        # position 0 predicts nothing; the last token's successor is not in the row
+        zero = logprobs.new_zeros(1)
         return (
             torch.cat([zero, shard.gather_shared(logprobs)[:-1]]),
             torch.cat([zero, shard.gather_shared(entropy)[:-1]]),

@@ -386,12 +386,13 @@ class Trainer:
         root = self._require_checkpoint_dir()
         step = ckpt.resolve_checkpoint_step(root, which)
         path = ckpt.checkpoint_path(root, step)
-        if not ckpt.read_meta(path).get("training_state"):
+        meta = ckpt.read_meta(path)
+        if not meta.get("training_state"):
             raise ckpt.CheckpointError(
                 f"{path} holds weights only (checkpoint_save_training_state was false) and "
                 f"cannot be resumed; start a new run from it with `model: {path}`"
             )
-        self._check_lora_checkpoint(path)
+        self._check_lora_checkpoint(path, meta)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
         state = {
             "model": {hf_name(k): v for k, v in model_sd.items()},
@@ -419,9 +420,9 @@ class Trainer:
             return None
         return self.load_checkpoint(which)
 
-    def _check_lora_checkpoint(self, path: Path) -> None:
-        """Adapters resume only on the base and adapter shape they were trained with."""
-        meta = ckpt.read_meta(path)
+    def _check_lora_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
+        """Adapters resume only on the base and adapter shape they were trained with (``meta``: the
+        checkpoint's meta.json)."""
         saved = meta.get("lora")
         mine = asdict(self.lora) if self.lora.enabled else None
         if saved is None and mine is None:
