@@ -83,10 +83,17 @@ class LoRALinear(nn.Linear):
         update = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))
         return out + (self.scale * update).to(out.dtype)
 
-    @torch.no_grad()
     def merged_weight(self, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
         """``weight + scale * B A`` in float32 (any rows of ``weight`` with the same rows of ``B``)."""
-        return weight.float() + self.scale * (lora_b.float() @ lora_a.float())
+        return merge_lora(weight, lora_a, lora_b, self.scale)
+
+
+@torch.no_grad()
+def merge_lora(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A projection's weight with its adapter merged, ``weight + scale * B A``, in float32."""
+    return weight.float() + scale * (lora_b.float() @ lora_a.float())
 
 
 def init_adapter(module: LoRALinear, how: str, rank: int, generator: torch.Generator | None = None) -> None:

@@ -151,6 +151,7 @@ def _base_model_dir(meta: dict[str, Any]) -> Path:
 def merge_adapters(adapters: dict[str, Any], lora: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     """The base model's weights with every adapter merged (float32 arithmetic, base dtype kept)."""
     from refractor.models.loading import iter_safetensors
+    from refractor.models.lora import merge_lora
 
     scale = float(lora["lora_alpha"]) / int(lora["lora_rank"])
     merged = {}
@@ -158,7 +159,7 @@ def merge_adapters(adapters: dict[str, Any], lora: dict[str, Any], base_dir: Pat
         stem = name.removesuffix(".weight")
         a, b = adapters.get(f"{stem}.lora_A.weight"), adapters.get(f"{stem}.lora_B.weight")
         if a is not None and b is not None:
-            weight = (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+            weight = merge_lora(weight, a, b, scale).to(weight.dtype)
         merged[name] = weight
     missing = {n.rsplit(".lora_", 1)[0] + ".weight" for n in adapters} - set(merged)
     if missing:
