@@ -57,8 +57,9 @@ def test_fp8_steps_track_bf16_and_export_plain_tensors(aligned_model):
     assert max(loss_gaps) < 5e-2
     assert reference[-1]["loss"] < reference[0]["loss"] and metrics[-1]["loss"] < metrics[0]["loss"]
 
-    # the scales were computed from the weights of the last update (step.py calls after_optimizer_step)
-    q_proj = fp8.model.layers[0].self_attn.q_proj.weight.to_local()
+    # the scales were computed from the weights of the last update (step.py calls after_optimizer_step);
+    # torchao stores them on the DTensor's own local tensor (to_local() returns a fresh wrapper)
+    q_proj = fp8.model.layers[0].self_attn.q_proj.weight._local_tensor
     amax = q_proj._tensor.abs().max().double()
     expected = torch.finfo(torch.float8_e4m3fn).max / amax
     assert q_proj._precomputed_scale.item() == pytest.approx(expected.item(), rel=1e-6)

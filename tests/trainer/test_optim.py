@@ -54,3 +54,63 @@ def test_scheduler_drives_adamw_lr_and_warmup_starts_at_zero():
 def test_unknown_schedule_is_a_clear_error():
     with pytest.raises(ValueError, match="lr_scheduler"):
         LRSchedule("exponential", 0, 10, 0.0)(5)
+
+
+def _fsdp_pair():
+    """Two identical FSDP2-sharded models (DTensor parameters on a 1-rank gloo mesh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from refractor.trainer.distributed import init_distributed
+
+    init_distributed(device="cpu")
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3, bias=False))
+        fully_shard(model[0])
+        fully_shard(model)
+        models.append(model)
+    return models
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_shard_local_adamw_equals_stock_adamw_on_dtensors(weight_decay):
+    from torch.distributed.tensor import DTensor
+
+    from refractor.trainer.optim import ShardLocalAdamW
+
+    ours_model, stock_model = _fsdp_pair()
+    assert all(isinstance(p, DTensor) for p in ours_model.parameters())
+    ours = build_optimizer(ours_model.parameters(), 1e-2, weight_decay)
+    assert isinstance(ours, ShardLocalAdamW)
+    stock = torch.optim.AdamW(stock_model.parameters(), lr=1e-2, weight_decay=weight_decay)
+    ours_sched = build_lr_scheduler(ours, LRSchedule("linear", 1, 5, 0.1))
+    stock_sched = build_lr_scheduler(stock, LRSchedule("linear", 1, 5, 0.1))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):  # the first step creates the state (stock path); the rest run on local shards
+        x = torch.randn(7, 6, generator=gen)
+        for model, optimizer, sched in ((ours_model, ours, ours_sched), (stock_model, stock, stock_sched)):
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sched.step()
+    assert ours._state_ready()  # steps 2-4 took the local-shard path
+    for a, b in zip(ours_model.parameters(), stock_model.parameters(), strict=True):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+    for pa, pb in zip(ours_model.parameters(), stock_model.parameters(), strict=True):
+        sa, sb = ours.state[pa], stock.state[pb]
+        assert set(sa) == set(sb) and torch.equal(sa["step"], sb["step"]) and sa["step"].item() == 4
+        assert isinstance(sa["exp_avg"], DTensor)  # the stock layout: checkpoints see a plain AdamW
+        assert torch.equal(sa["exp_avg_sq"].full_tensor(), sb["exp_avg_sq"].full_tensor())
+
+
+def test_shard_local_adamw_skips_parameters_without_gradients():
+    (model, _) = _fsdp_pair()
+    optimizer = build_optimizer(model.parameters(), 1e-2, 0.0)
+    for frozen_second in (False, True):
+        model[2].weight.requires_grad_(not frozen_second)
+        model(torch.ones(2, 6)).sum().backward()
+        before = model[2].weight.full_tensor().clone()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert torch.equal(model[2].weight.full_tensor(), before) == frozen_second

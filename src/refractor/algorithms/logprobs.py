@@ -41,17 +41,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
     """One chunk's raw logits [C, V] (matmul dtype) -> log-prob of targets, entropy, logsumexp."""
     z = logits.to(_compute_dtype(logits.dtype)) / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z - lse[:, None]
-    # H = -sum p log p (not lse - E_p[z], which cancels badly for peaked rows)
-    entropy = -(torch.exp(logp) * logp).sum(-1)
-    return logp.gather(1, targets[:, None]).squeeze(1), entropy, lse
+    m = z.amax(dim=-1, keepdim=True)
+    shifted = z - m
+    e = torch.exp(shifted)
+    total = e.sum(-1)
+    # H = log S - sum(e * shifted) / S with e = exp(z - max): both terms are >= 0, so nothing cancels
+    # for peaked rows (unlike lse - E_p[z]), and both sums share one pass over the chunk
+    log_total = torch.log(total)
+    entropy = log_total - (e * shifted).sum(-1) / total
+    lse = m.squeeze(1) + log_total
+    return shifted.gather(1, targets[:, None]).squeeze(1) - log_total, entropy, lse
 
 
 def _chunk_grad_logits(logits, targets, lse, entropy, grad_logprobs, grad_entropy, temperature: float):
-    """Gradient w.r.t. one chunk's raw logits, in the matmul dtype.
+    """Gradient w.r.t. one chunk's raw logits, in the matmul dtype, in one elementwise pass.
 
     d lp/dz = onehot(y) - p ;  d H/dz = -p * (log p + H) ;  z = logits / T.
+    The one-hot term is a comparison with the column index rather than a scatter, so the compiled
+    version writes the gradient in the same kernel that reads the logits.
     """
     logp = logits.to(_compute_dtype(logits.dtype)) / temperature - lse[:, None]
     probs = torch.exp(logp)
@@ -62,7 +69,8 @@ def _chunk_grad_logits(logits, targets, lse, entropy, grad_logprobs, grad_entrop
         coeff = coeff - grad_logprobs[:, None]
     grad = probs * coeff
     if grad_logprobs is not None:
-        grad = grad.scatter_add(1, targets[:, None], grad_logprobs[:, None].to(grad.dtype))
+        columns = torch.arange(logits.shape[1], device=logits.device)
+        grad = grad + torch.where(columns[None, :] == targets[:, None], grad_logprobs[:, None], 0.0)
     return (grad / temperature).to(logits.dtype)
 
 
@@ -77,6 +85,18 @@ def _kernel(name: str, fn, on_cuda: bool):
     if name not in _compiled:
         _compiled[name] = torch.compile(fn, dynamic=None)
     return _compiled[name]
+
+
+def _accumulate_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with ``out`` in fp32 and ``a``, ``b`` in a 16-bit dtype.
+
+    On CUDA the GEMM adds its fp32 accumulators into ``out`` in its epilogue (cuBLAS beta = 1), instead
+    of writing a 16-bit product that a second kernel reads and adds (a [V, H] round trip per chunk);
+    elsewhere, and for other dtypes, the product is added to ``out``."""
+    if out.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and out.dtype == torch.float32:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        out.add_(a @ b)
 
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
@@ -123,7 +143,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             if need_h:
                 grad_h[s:e] = grad_z @ weight
             if need_w:
-                grad_w.add_(grad_z.t() @ hidden[s:e])
+                _accumulate_matmul(grad_w, grad_z.t(), hidden[s:e])
             del grad_z
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 

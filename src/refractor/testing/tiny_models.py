@@ -227,6 +227,20 @@ QWEN25_15B_SHAPE = TinyModelSpec(
     vocab_size=151936,
     torch_dtype="bfloat16",
 )
+QWEN25_3B_SHAPE = TinyModelSpec(
+    arch="qwen2",
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    vocab_size=151936,
+    torch_dtype="bfloat16",
+)
 QWEN25_7B_SHAPE = TinyModelSpec(
     arch="qwen2",
     hidden_size=3584,
@@ -244,10 +258,15 @@ QWEN25_7B_SHAPE = TinyModelSpec(
 
 
 def qwen25_shaped(size: str = "0.5b", *, with_weights: bool = True) -> Path:
-    """A random-weight model with Qwen2.5-0.5B (1.5B, 7B) shapes, for GPU benchmarks.
+    """A random-weight model with Qwen2.5-0.5B (1.5B, 3B, 7B) shapes, for GPU benchmarks.
 
     ``with_weights=False`` writes only config + tokenizer (cheap); benchmarks then initialize
     weights randomly on the device, which is far faster than writing ~1 GB of safetensors.
     """
-    spec = {"0.5b": QWEN25_05B_SHAPE, "1.5b": QWEN25_15B_SHAPE, "7b": QWEN25_7B_SHAPE}[size.lower()]
+    spec = {
+        "0.5b": QWEN25_05B_SHAPE,
+        "1.5b": QWEN25_15B_SHAPE,
+        "3b": QWEN25_3B_SHAPE,
+        "7b": QWEN25_7B_SHAPE,
+    }[size.lower()]
     return build_tiny_model(spec, with_weights=with_weights)
