@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python bench/bench_engine.py [--concurrency 64,256] [--prompt-len 128]
         [--gen-len 512] [--hf-gen-len 128] [--skip-checks] [--compare-fused-projections]
-        [--out results.json]
+        [--compare-lora RANK] [--out results.json]
 
 Workload: random-weight Qwen2.5-0.5B shape (bf16), ``c`` concurrent requests of 128 random
 prompt tokens, 512 sampled tokens each (T=1, ignore EOS). Reported per concurrency: output tokens/s
@@ -11,7 +11,8 @@ over the whole run and over the decode phase, TTFT, the memory-bandwidth bound o
 (HF runs fewer new tokens to fit the time budget; its tokens/s only drops with length, so the
 ratio is conservative). ``--compare-fused-projections`` runs every concurrency again on an
 engine with ``fuse_projections=False`` (separate q/k/v and gate/up GEMMs; the default fuses them)
-and prints the ratio.
+and prints the ratio. ``--compare-lora RANK`` does the same with runtime LoRA adapters of that rank on
+every projection (``lora_sync: adapter``) against the engine without them.
 """
 
 from __future__ import annotations
@@ -247,6 +248,12 @@ def main() -> None:
         action="store_true",
         help="also run every concurrency with the host a decode step ahead (async_scheduling)",
     )
+    parser.add_argument(
+        "--compare-lora",
+        type=int,
+        default=0,
+        help="also run every concurrency with runtime LoRA adapters of this rank on every projection",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -364,6 +371,26 @@ def main() -> None:
             )
         c = max(concurrencies)
         del engine, model  # the comparison below runs on the default model again
+        torch.cuda.empty_cache()
+        model, _ = random_qwen_05b()
+        engine = LLMEngine(model, engine_config)
+    if args.compare_lora:  # lora_sync: adapter; the adapter GEMMs run whatever B holds (zero here)
+        del engine, model
+        torch.cuda.empty_cache()
+        model, _ = random_qwen_05b()
+        engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__, "lora_rank": args.compare_lora}))
+        bench_engine(engine, 8, args.prompt_len, 16)  # warm-up
+        for c in concurrencies:
+            r = bench_engine(engine, c, args.prompt_len, args.gen_len)
+            plain = results[f"engine_{c}"]["decode_tok_s"]
+            r["lora_decode_ratio"] = r["decode_tok_s"] / plain
+            results[f"engine_lora_{c}"] = r
+            log(
+                f"engine with rank-{args.compare_lora} adapters c={c}: decode tok/s {r['decode_tok_s']:.0f}; "
+                f"without {plain:.0f} ({r['lora_decode_ratio']:.3f}x)"
+            )
+        c = max(concurrencies)
+        del engine, model
         torch.cuda.empty_cache()
         model, _ = random_qwen_05b()
         engine = LLMEngine(model, engine_config)

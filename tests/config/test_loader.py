@@ -294,6 +294,9 @@ REJECT = [
     ({"resume_from_checkpoint": -1}, "a step >= 0"),
     ({"number_of_minibatches": 200}, "exceeds the samples per step"),
     ({"evals": [{"name": "a"}, {"name": "a"}], "inference_num_workers": 4}, "must be unique"),
+    ({"lora_sync": "adapter"}, "`lora_sync: adapter` needs `lora_rank` > 0"),
+    ({"lora_sync": "adapter", "lora_rank": 8, "inference_engine": "vllm"}, "needs the native engine"),
+    ({"lora_sync": "adapter", "lora_rank": 8, "inference_sleep_level": 2}, "use `inference_sleep_level: 1`"),
 ]
 
 ACCEPT = [
@@ -316,6 +319,14 @@ ACCEPT = [
     {"use_tis": True, "tis_mode": "icepop", "tis_floor": 0.5},
     {"checkpoint_every": 5, "resume_from_checkpoint": True},
     {"checkpoint_every": True, "resume_from_checkpoint": 3},
+    {"lora_sync": "adapter", "lora_rank": 8, "inference_engine": "native"},
+    {
+        "lora_sync": "adapter",
+        "lora_rank": 8,
+        "inference_sleep_level": 2,
+        "inference_sleep_during_training": False,
+    },
+    {"lora_sync": "merged", "lora_rank": 8, "inference_engine": "vllm"},
 ]
 
 

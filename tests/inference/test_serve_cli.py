@@ -38,3 +38,20 @@ def test_help_shows_whole_flag_names():
     assert result.exit_code == 0
     for flag in ("--decode-steps-between-prefills", "--async-scheduling / --no-async-scheduling"):
         assert flag in result.output, result.output
+
+
+def test_lora_flags_give_the_native_engine_its_adapter_shape(monkeypatch):
+    configs = []
+    monkeypatch.setattr(
+        "refractor.inference.server.run_native_server",
+        lambda *a, engine_config, **kw: configs.append(engine_config),
+    )
+    serve = ["serve", "--model", "refractor-testing/tiny-qwen2"]
+    result = CliRunner().invoke(app, [*serve, "--lora-rank", "8", "--lora-target-modules", "q_proj, v_proj"])
+    assert result.exit_code == 0, result.output
+    assert (configs[0].lora_rank, configs[0].lora_target_modules) == (8, ("q_proj", "v_proj"))
+    result = CliRunner().invoke(app, [*serve, "--lora-rank", "8", "--lora-target-modules", "qkv"])
+    assert result.exit_code != 0 and "--lora-target-modules" in result.output and "qkv" in result.output
+    result = CliRunner().invoke(app, [*serve, "--engine", "vllm", "--lora-rank", "8"])
+    assert result.exit_code != 0 and "native engine only" in result.output
+    assert CliRunner().invoke(app, serve).exit_code == 0 and configs[-1].lora_rank == 0  # no adapters

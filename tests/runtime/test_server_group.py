@@ -125,6 +125,19 @@ def test_native_engine_process_reaches_the_command_line(spawned, tmp_path):
     assert "--engine-process" in spawned.argv and "--no-engine-process" not in spawned.argv
 
 
+def test_adapter_sync_gives_the_native_servers_the_trainers_adapter_shape(spawned, tmp_path):
+    lora = dict(lora_rank=8, lora_target_modules=("q_proj", "down_proj"))
+    settings = ServerGroupSettings.from_config(server_config(**lora, lora_sync="adapter"), 0.9)
+    launch_server(settings, "native", tmp_path / "s.log", TOKEN)
+    assert option(spawned.argv, "--lora-rank") == "8"
+    assert option(spawned.argv, "--lora-target-modules") == "q_proj,down_proj"
+    # merged weights need no adapter buffers on the servers
+    launch_server(
+        ServerGroupSettings.from_config(server_config(**lora), 0.9), "native", tmp_path / "m.log", TOKEN
+    )
+    assert option(spawned.argv, "--lora-rank") == "0" and "--lora-target-modules" not in spawned.argv
+
+
 def test_vllm_server_command_line(spawned, tmp_path):
     settings = ServerGroupSettings.from_config(server_config(inference_host="0.0.0.0"), 0.9)
     launch_server(settings, "vllm", tmp_path / "s.log", TOKEN)

@@ -176,28 +176,33 @@ def test_grpo_learns_and_a_zero_learning_rate_does_not(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_runs_and_the_servers_sample_from_the_merged_adapters(tmp_path):
+@pytest.mark.parametrize(("lora_sync", "steps"), [("merged", 4), ("adapter", 2)])
+def test_lora_runs_and_the_servers_sample_from_the_trained_adapters(tmp_path, lora_sync, steps):
     """LoRA end to end, synchronous: each step's rollouts come from the weights the trainer just
-    pushed, merged from its adapters, so the trainer's log-probs of those tokens equal the server's
+    pushed, merged from its adapters (lora_sync: merged) or its adapters alone, applied by the
+    servers at run time (adapter), so the trainer's log-probs of those tokens equal the server's
     (kl_divergence_inference ~ 0). Servers sent the base weights instead of the merged ones gave
     0.06 by the last step (measured with the merge removed from the export)."""
     run_dir = run_training(
         quick_cfg(
             tmp_path,
-            number_of_steps=4,
+            number_of_steps=steps,
             max_async_rollout=0,
             lora_rank=16,
             lora_alpha=32,
+            lora_sync=lora_sync,
             learning_rate=0.1,
             entropy_coef=0.1,  # a gradient at every step, whatever the rewards
         ),
         quiet=True,
     )
     with RunReader(run_dir) as reader:
-        steps = reader.step_metrics(["kl_divergence_inference", "grad_norm"])
-    assert len(steps) == 4 and all(m["grad_norm"] > 0 for m in steps)
-    assert all(m["kl_divergence_inference"] < 1e-3 for m in steps), steps
+        metrics = reader.step_metrics(["kl_divergence_inference", "grad_norm"])
+    assert len(metrics) == steps and all(m["grad_norm"] > 0 for m in metrics)
+    assert all(m["kl_divergence_inference"] < 1e-3 for m in metrics), metrics
     assert "LoRA rank 16" in (run_dir / "logs" / "trainer-0.log").read_text()
+    server_log = (run_dir / "logs" / "server-0.log").read_text()
+    assert ("runtime LoRA adapters of rank 16" in server_log) == (lora_sync == "adapter"), server_log[:2000]
 
 
 @pytest.mark.slow

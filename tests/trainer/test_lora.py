@@ -118,12 +118,15 @@ def _lora_run(trainer, world_size: int) -> dict:
     trainer.save_checkpoint()
     params = full_params(trainer)
     export = {n: t.clone() for b in iter_weight_buckets(trainer.model, 2**16, torch.float32) for n, t in b}
+    adapters = iter_weight_buckets(trainer.model, 2**12, torch.float32, adapters=True)  # lora_sync: adapter
+    adapter_export = {n: t.clone() for b in adapters for n, t in b}
     metrics.append(trainer.train_step(batches[2]).metrics)
     return {
         "initial": initial,
         "metrics": metrics,
         "params": params,
         "export": export,
+        "adapter_export": adapter_export,
         "final": full_params(trainer),
         "third_batch": batches[2],
     }
@@ -156,7 +159,7 @@ def lora_single(tiny_qwen2_path, tmp_path_factory):
 
 
 def test_lora_trains_the_adapters_only_and_exports_merged_weights(lora_single):
-    from refractor.models.lora import is_adapter_name
+    from refractor.models.lora import ADAPTER_SCALE_NAME, is_adapter_name
 
     initial, params = lora_single["initial"], lora_single["params"]
     adapters = [n for n in params if is_adapter_name(n)]
@@ -172,6 +175,11 @@ def test_lora_trains_the_adapters_only_and_exports_merged_weights(lora_single):
     assert list(lora_single["export"]) == list(want)
     for name, t in want.items():
         torch.testing.assert_close(lora_single["export"][name], t, rtol=1e-6, atol=1e-6, msg=name)
+    # lora_sync: adapter exports the adapters themselves, then the scale
+    exported = lora_single["adapter_export"]
+    assert list(exported) == [*adapters, ADAPTER_SCALE_NAME]
+    assert all(torch.equal(exported[n], params[n]) for n in adapters)
+    assert exported[ADAPTER_SCALE_NAME].tolist() == [LORA_KEYS["lora_alpha"] / RANK]
 
 
 def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(lora_single, tiny_qwen2_path):
@@ -247,9 +255,14 @@ def test_two_lora_ranks_equal_one(lora_single, tiny_qwen2_path, tmp_path):
         torch.testing.assert_close(
             rank0["final"][name], p, rtol=0, atol=1e-2 * LORA_KEYS["learning_rate"], msg=name
         )
-    assert rank1["export"] == {}  # rank 0 receives the gathered weights
+    assert rank1["export"] == rank1["adapter_export"] == {}  # rank 0 receives the gathered weights
     for name, t in lora_single["export"].items():
         torch.testing.assert_close(rank0["export"][name], t, rtol=0, atol=1e-5, msg=name)
+    assert list(rank0["adapter_export"]) == list(lora_single["adapter_export"])
+    for name, t in lora_single["adapter_export"].items():  # gathered from the two ranks' shards
+        torch.testing.assert_close(
+            rank0["adapter_export"][name], t, rtol=0, atol=1e-2 * LORA_KEYS["learning_rate"]
+        )
 
 
 def test_convert_writes_the_merged_model_and_a_peft_adapter_with_the_same_logits(lora_single, tmp_path):

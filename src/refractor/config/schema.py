@@ -334,7 +334,7 @@ class TrainerKeys(_Strict):
         0,
         ge=0,
         description="[refractor] LoRA: rank of the adapters trained on a frozen base (0 = off: the whole "
-        "model trains). Native models (Llama / Qwen2 / Qwen3); the servers get the merged weights.",
+        "model trains). Native models (Llama / Qwen2 / Qwen3); lora_sync says what the servers get.",
     )
     lora_alpha: float = Field(
         32.0, gt=0, description="[refractor] LoRA scale numerator: the update is (alpha / rank) B A."
@@ -351,6 +351,13 @@ class TrainerKeys(_Strict):
         "default",
         description="[refractor] Initialization of A (B starts at zero): default = Kaiming-uniform as "
         "nn.Linear and PEFT, gaussian = normal with std 1/rank.",
+    )
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="[refractor] What the weight sync pushes with LoRA: merged = every adapted weight as "
+        "W + (alpha / rank) B A (every engine serves it); adapter = only the adapters (A, B and the scale, "
+        "a small fraction of the bytes), applied at run time by the native engine over the base it loaded "
+        "from `model` (not with vLLM).",
     )
     fsdp_cpu_offload: bool = Field(
         False,
@@ -902,6 +909,19 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
         if c.fp8:
             e.append(
                 "`fp8: true` with `lora_rank` > 0 is not supported (the adapted projections would stay bf16)"
+            )
+    if c.lora_sync == "adapter":
+        if not c.lora_rank:
+            e.append("`lora_sync: adapter` needs `lora_rank` > 0 (there are no adapters to push)")
+        if c.inference_engine == "vllm":
+            e.append(
+                "`lora_sync: adapter` needs the native engine (vLLM's LoRA adapters are not wired to the "
+                "weight sync); use `lora_sync: merged` or `inference_engine: native`"
+            )
+        if c.inference_sleep_level == 2 and c.inference_sleep_during_training is not False:
+            e.append(
+                "`lora_sync: adapter` with `inference_sleep_level: 2`: sleeping servers would discard the "
+                "base weights and an adapter push does not refill them; use `inference_sleep_level: 1`"
             )
     # Rules Telescope left unchecked (docs/config.md#validation).
     if c.train_backend == "megatron":

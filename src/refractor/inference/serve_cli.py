@@ -90,6 +90,19 @@ def serve(
         help="Native engine: run the engine in a process of its own, apart from HTTP and tokenization "
         "(in one process they share one GIL).",
     ),
+    lora_rank: int = typer.Option(
+        0,
+        "--lora-rank",
+        min=0,
+        help="Native engine: serve LoRA adapters of this rank, applied at run time over the loaded model "
+        "and set by adapter weight updates (lora_sync: adapter); 0: none.",
+    ),
+    lora_target_modules: str | None = typer.Option(
+        None,
+        "--lora-target-modules",
+        help="Native engine, with --lora-rank: the projections that carry adapters, comma-separated "
+        "(default: all of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).",
+    ),
     seed: int = typer.Option(0, "--seed"),
     served_model_name: str | None = typer.Option(None, "--served-model-name"),
     chat_template: str | None = typer.Option(
@@ -140,6 +153,10 @@ def serve(
         raise typer.BadParameter(f"--engine must be native or vllm, got {engine!r}")
     path, max_model_len = resolve_model(model, max_model_len)
     served_model_name = served_model_name or model  # clients keep using the name they gave
+    if engine == "vllm" and lora_rank:
+        raise typer.BadParameter(
+            "runtime LoRA adapters are served by the native engine only", param_hint="--lora-rank"
+        )
     if engine == "vllm":
         # Branch point owned by the vLLM integration (refractor.inference.vllm.launcher).
         from refractor.inference.vllm.launcher import VllmServerSettings, serve_vllm
@@ -172,6 +189,8 @@ def serve(
     from refractor.inference.engine import EngineConfig
     from refractor.inference.server import run_native_server
 
+    targets = _lora_targets(lora_target_modules)
+
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig(
         max_model_len=max_model_len,
@@ -188,6 +207,8 @@ def serve(
         max_prefill_delay_ms=max_prefill_delay_ms,
         async_scheduling=async_scheduling,
         seed=seed,
+        lora_rank=lora_rank,
+        lora_target_modules=targets,
     )
     run_native_server(
         model,
@@ -204,6 +225,22 @@ def serve(
         log_level=log_level,
         engine_process=engine_process,
     )
+
+
+def _lora_targets(names: str | None) -> tuple[str, ...]:
+    """``--lora-target-modules`` as a tuple of projections (None: all of them)."""
+    from refractor.models.lora import ALL_PROJECTIONS
+
+    if names is None:
+        return ALL_PROJECTIONS
+    targets = tuple(t.strip() for t in names.split(",") if t.strip())
+    unknown = sorted(set(targets) - set(ALL_PROJECTIONS))
+    if unknown or not targets:
+        raise typer.BadParameter(
+            f"must name some of {', '.join(ALL_PROJECTIONS)}; got {', '.join(unknown) or 'none'}",
+            param_hint="--lora-target-modules",
+        )
+    return targets
 
 
 def _control_token(enabled: bool, token: str | None) -> str | None:

@@ -240,9 +240,14 @@ def run_native_server(
         max_request_body_bytes=max_request_body_bytes,
         weight_transfer=engine.weight_transfer() if engine_process else None,
     )
+    lora = (
+        f"runtime LoRA adapters of rank {config.lora_rank} on {','.join(config.lora_target_modules)}, "
+        if config.lora_rank
+        else ""
+    )
     print(
         f"refractor native server (pid {os.getpid()}, {where}): {path} on {device}, "
-        f"max_model_len {engine.max_model_len}, "
+        f"max_model_len {engine.max_model_len}, {lora}"
         f"serving http://{host}:{port}",
         flush=True,
     )  # the first line of the server's log

@@ -7,9 +7,13 @@ vLLM server has in dev mode (``refractor.weight_sync.control_plane`` calls it), 
 ``/reset_prefix_cache``, ``/shutdown_weight_transfer_engine``. ``/pause``, ``/resume`` and
 ``/is_paused`` belong to the server itself (``refractor.inference.server``). The data plane is
 the same code vLLM workers run (``refractor.weight_sync.data_plane.BucketReceiver``); the engine
-only has to offer ``update_weights(named_tensors, version)``, ``weight_version`` and
-``named_parameters()`` (sync or async). Blocking work (rendezvous, receiving) runs in threads so
-the server keeps answering ``/health`` meanwhile.
+only has to offer ``update_weights(named_tensors, version)``, ``weight_version``,
+``named_parameters()`` and ``update_names(adapters)`` (sync or async). Blocking work (rendezvous,
+receiving) runs in threads so the server keeps answering ``/health`` meanwhile.
+
+An update holds the model's weights or, with ``lora_sync: adapter``, LoRA adapters and their scale
+(``refractor.inference.engine.lora``); the coverage the canary checks is counted against the names a
+complete update of that kind writes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pydantic import ValidationError
 from refractor.errors import one_line
 from refractor.inference.request_schemas import InitInfo, UpdateInfo, UpdateWeightsBody
 from refractor.inference.server_state import BadRequest, invalid_request
+from refractor.models.lora import is_adapter_update_name
 from refractor.weight_sync.data_plane import BucketReceiver, MalformedStream
 from refractor.weight_sync.process_group import (
     CollectiveTimeout,
@@ -213,7 +218,7 @@ async def _receive_and_load(state: WeightTransfer, update_info: UpdateInfo) -> N
         if isinstance(err, MalformedStream | CollectiveTimeout):  # the sender's stream, not this server
             raise BadRequest(message) from None
         raise HTTPException(500, message) from err
-    names = {name for name, _ in engine.named_parameters()}
+    names = set(engine.update_names(any(is_adapter_update_name(name) for name, _ in received)))
     start = time.perf_counter()
     try:
         # the KV of running requests is kept here; /reset_prefix_cache decides whether it is recomputed

@@ -27,6 +27,10 @@ PROJECTIONS = {
 }
 ALL_PROJECTIONS = tuple(name for names in PROJECTIONS.values() for name in names)
 LORA_INITS = ("default", "gaussian")
+# merged: servers get W + scale B A for every adapted weight; adapter: only A, B and the scale
+LORA_SYNC_MODES = ("merged", "adapter")
+# the one tensor of an adapter push that is not an adapter weight: ``scale`` as a float32 [1]
+ADAPTER_SCALE_NAME = "lora.scale"
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class LoraSettings:
     lora_dropout: float = 0.0
     lora_target_modules: tuple[str, ...] = ALL_PROJECTIONS
     lora_init: str = "default"  # default | gaussian
+    lora_sync: str = "merged"  # merged | adapter (LORA_SYNC_MODES)
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +66,15 @@ class LoraSettings:
             raise ValueError(f"lora_init must be one of {', '.join(LORA_INITS)}, got {self.lora_init!r}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_sync not in LORA_SYNC_MODES:
+            raise ValueError(f"lora_sync must be one of {', '.join(LORA_SYNC_MODES)}, got {self.lora_sync!r}")
+        if self.lora_sync == "adapter" and not self.enabled:
+            raise ValueError("lora_sync: adapter needs lora_rank > 0")
+
+    @property
+    def pushes_adapters(self) -> bool:
+        """Whether the weight sync sends the adapters alone (else the merged weights)."""
+        return self.enabled and self.lora_sync == "adapter"
 
 
 class LoRALinear(nn.Linear):
@@ -146,3 +160,13 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
 
 def is_adapter_name(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def is_adapter_update_name(name: str) -> bool:
+    """A tensor of an adapter push: an adapter weight or the scale."""
+    return name == ADAPTER_SCALE_NAME or is_adapter_name(name)
+
+
+def adapter_target(name: str) -> str:
+    """The projection an adapter weight belongs to: ``...self_attn.q_proj.lora_A.weight`` -> q_proj."""
+    return name.rsplit(".lora_", 1)[0].rpartition(".")[2]

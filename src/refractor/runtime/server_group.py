@@ -68,6 +68,9 @@ class NativeEngineArgs:
     enable_prefix_caching: bool = True
     engine_process: bool = False
     async_scheduling: bool = True
+    # lora_sync: adapter: the adapter buffers the servers allocate (0: none); targets comma-separated
+    lora_rank: int = 0
+    lora_target_modules: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class ServerGroupSettings:
                 enable_prefix_caching=cfg.enable_prefix_caching,
                 engine_process=cfg.native_engine_process,
                 async_scheduling=cfg.native_async_scheduling,
+                **_runtime_lora(cfg),
             ),
             vllm=VllmServerSettings.from_config(
                 cfg,
@@ -118,6 +122,14 @@ class ServerGroupSettings:
                 enable_sleep_mode=enable_sleep_mode,
             ),
         )
+
+
+def _runtime_lora(cfg: Any) -> dict[str, Any]:
+    """The native servers' adapter buffers: the trainer's adapter shape with ``lora_sync: adapter``
+    (they then get the adapters alone), none otherwise (they get merged or full weights)."""
+    if not cfg.lora_rank or cfg.lora_sync != "adapter":
+        return {}
+    return {"lora_rank": cfg.lora_rank, "lora_target_modules": ",".join(cfg.lora_target_modules)}
 
 
 def bind_host(requested: str) -> str:

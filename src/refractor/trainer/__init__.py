@@ -41,7 +41,8 @@ model_impl="auto", random_init=False, compile=None)``
 
 ``trainer.export_weight_buckets(bucket_mb=None, dtype=None) -> Iterator[list[tuple[str, Tensor]]]``
     Full tensors with HF names, bucket by bucket, cast to the inference dtype. Every rank iterates
-    (the gathers are collectives); only rank 0 receives tensors, other ranks get empty lists.
+    (the gathers are collectives); only rank 0 receives tensors, other ranks get empty lists. With
+    LoRA: the merged weights, or with ``lora_sync: adapter`` the adapters and their scale alone.
 
 ``trainer.save_checkpoint(step=None, extra_files=None) -> Path``
     Collective. Atomic ``<checkpoint_dir>/step_<N>`` (DCP shards, RNG, hf_meta/, meta.json,

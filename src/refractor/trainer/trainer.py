@@ -301,10 +301,15 @@ class Trainer:
     ) -> Iterator[WeightBucket]:
         """Full weights with HF names in buckets of ``bucket_mb`` MiB (default ``weight_broadcast_bucket_mb``)
         cast to ``dtype`` (default: the checkpoint's dtype). Iterate on every rank; rank 0 gets the
-        tensors."""
+        tensors. ``lora_sync: adapter``: the LoRA adapters and their scale instead (the servers hold
+        the base they loaded from ``model``, the weights this trainer froze)."""
         mb = bucket_mb or self.settings.weight_broadcast_bucket_mb
         return iter_weight_buckets(
-            self.model, mb * 2**20, dtype or self.inference_dtype(), device=self.device
+            self.model,
+            mb * 2**20,
+            dtype or self.inference_dtype(),
+            device=self.device,
+            adapters=self.lora.pushes_adapters,
         )
 
     # ------------------------------------------------------------------ checkpoints

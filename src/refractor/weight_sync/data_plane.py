@@ -136,6 +136,8 @@ class SendStats:
     bucket_timings: tuple[BucketTiming, ...] = ()
     drained_from: float = 0.0  # unix seconds: the last bucket was issued, and its broadcasts ...
     finished: float = 0.0  # ... had all finished
+    # every byte rank 0 broadcast for this update: headers, metadata, payloads (or IPC handles), END
+    wire_bytes: int = 0
 
 
 # --- sender ----------------------------------------------------------------------------------
@@ -174,8 +176,11 @@ class BucketSender:
         metadata_sent = False
         timings: list[BucketTiming] = []
         waited_from = time.time()
+        wire_bytes = 0
 
         def issue(tensor: torch.Tensor) -> None:
+            nonlocal wire_bytes
+            wire_bytes += tensor.numel() * tensor.element_size()
             in_flight.append((g.broadcast_async(tensor), tensor))
 
         def drain(keep: int) -> None:
@@ -243,6 +248,7 @@ class BucketSender:
             tuple(timings),
             drained_from,
             finished,
+            wire_bytes,
         )
 
     def _send_handle(

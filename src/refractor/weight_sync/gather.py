@@ -14,6 +14,9 @@ Names are HF names; a tied LM head appears once, as ``model.embed_tokens.weight`
 ``named_parameters``; inference engines alias ``lm_head.weight`` to it). LoRA adapters are merged:
 a projection with an adapter is exported as ``W + scale * B A`` (its local rows from the local rows
 of ``B`` and the whole of ``A``, which is small), and the adapter tensors themselves are not sent.
+With ``adapters=True`` it is the other way round (``lora_sync: adapter``): only the adapter tensors,
+gathered and bucketed the same way, then one last bucket holding the scale (``ADAPTER_SCALE_NAME``,
+float32) for the engine that applies them at run time over the base it loaded itself.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from refractor.models.lora import LoRALinear, is_adapter_name, lora_modules
+from refractor.models.lora import ADAPTER_SCALE_NAME, LoRALinear, is_adapter_name, lora_modules
 from refractor.trainer.policy_model import hf_name
 
 WeightBucket = list[tuple[str, torch.Tensor]]
@@ -66,16 +69,17 @@ class _Slot:
 
 
 def _plan(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, world: int
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, world: int, adapters_only: bool
 ) -> Iterator[tuple[torch.dtype, list[_Slot]]]:
-    """Buckets of slots, each with one dtype (a dtype change closes the bucket)."""
+    """Buckets of slots, each with one dtype (a dtype change closes the bucket): the merged weights,
+    or with ``adapters_only`` the adapter tensors alone."""
     slots: list[_Slot] = []
     size = 0
     offset = 0
     current = None
-    adapters = {id(module.weight): module for _, module in lora_modules(model)}
+    adapters = {} if adapters_only else {id(module.weight): module for _, module in lora_modules(model)}
     for name, param in model.named_parameters():
-        if is_adapter_name(name):
+        if is_adapter_name(name) != adapters_only:
             continue
         target = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
         nbytes = tensor_nbytes(param, target)
@@ -101,7 +105,11 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def iter_weight_buckets(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, device: torch.device | None = None
+    model: nn.Module,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    adapters: bool = False,
 ) -> Iterator[WeightBucket]:
     """Yield ``[(hf_name, full_tensor)]`` buckets; call on every rank, consume on rank 0.
 
@@ -109,7 +117,7 @@ def iter_weight_buckets(
     are offloaded to host memory, so the gather runs on its backend); floating tensors are cast to
     ``dtype``. Every rank yields the same number of buckets. The tensors of a bucket share one
     buffer: keep a bucket only as long as it is needed (the next one is gathered when the iterator
-    advances).
+    advances). ``adapters``: the LoRA adapters and their scale instead of the weights (module doc).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -118,7 +126,27 @@ def iter_weight_buckets(
         isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in model.parameters()
     )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for target, slots in _plan(model, bucket_bytes, dtype, world if sharded else 1):
+    scales = {module.scale for _, module in lora_modules(model)}
+    if adapters and len(scales) != 1:
+        raise ValueError("an adapter export needs a model with LoRA adapters of one scale (lora_rank > 0)")
+    yield from _gathered(model, bucket_bytes, dtype, device, adapters, world if sharded else 1, rank)
+    if adapters:
+        scale = torch.tensor([scales.pop()], dtype=torch.float32, device=device)
+        yield [(ADAPTER_SCALE_NAME, scale)] if rank == 0 else []
+
+
+def _gathered(
+    model: nn.Module,
+    bucket_bytes: int,
+    dtype: torch.dtype | None,
+    device: torch.device | None,
+    adapters: bool,
+    world: int,
+    rank: int,
+) -> Iterator[WeightBucket]:
+    """The buckets of ``_plan``, gathered over ``world`` ranks (1: the local tensors are whole)."""
+    sharded = world > 1
+    for target, slots in _plan(model, bucket_bytes, dtype, world, adapters):
         where = device or _local(slots[0].param).device
         local = torch.zeros(sum(s.padded_numel for s in slots), dtype=target, device=where)
         shards = [s.local().reshape(-1) for s in slots]

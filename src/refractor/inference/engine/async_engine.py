@@ -329,6 +329,10 @@ class AsyncLLMEngine:
         """Live parameters by HF name; read them while paused (e.g. for checksums)."""
         return self.engine.named_parameters()
 
+    def update_names(self, adapters: bool) -> list[str]:
+        """The names a complete weight (or LoRA adapter) update writes (``LLMEngine.update_names``)."""
+        return self.engine.update_names(adapters)
+
     # ---- introspection / lifecycle -----------------------------------------------------------
     async def connect(self) -> None:
         """Nothing to connect: the engine thread runs in this process (an engine process's client

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from refractor.models.lora import ALL_PROJECTIONS
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -46,6 +48,10 @@ class EngineConfig:
     # host waits for each step's tokens before it prepares the next
     async_scheduling: bool = True
     seed: int = 0
+    # runtime LoRA (engine/lora.py): adapter buffers of this rank on these projections, allocated at
+    # load and filled by adapter weight updates (lora_sync: adapter); 0: none, no extra work
+    lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ALL_PROJECTIONS
 
     def __post_init__(self) -> None:
         for key in ("max_model_len", "max_num_seqs", "block_size"):
@@ -57,6 +63,14 @@ class EngineConfig:
         if not self.max_prefill_delay_ms >= 0:
             raise ValueError(
                 f"EngineConfig.max_prefill_delay_ms must be >= 0, got {self.max_prefill_delay_ms}"
+            )
+        if self.lora_rank < 0:
+            raise ValueError(f"EngineConfig.lora_rank must be >= 0, got {self.lora_rank}")
+        unknown = sorted(set(self.lora_target_modules) - set(ALL_PROJECTIONS))
+        if unknown or (self.lora_rank and not self.lora_target_modules):
+            raise ValueError(
+                f"EngineConfig.lora_target_modules must name some of {', '.join(ALL_PROJECTIONS)}; got "
+                f"{', '.join(self.lora_target_modules) or 'none'}"
             )
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

@@ -20,6 +20,7 @@ import torch
 from refractor.errors import one_line
 from refractor.inference.engine.block_manager import BlockManager
 from refractor.inference.engine.config import EngineConfig
+from refractor.inference.engine.lora import EngineAdapters, describe_update
 from refractor.inference.engine.model_runner import ModelRunner
 from refractor.inference.engine.sampler import (
     DeviceSample,
@@ -35,6 +36,7 @@ from refractor.inference.engine.sequence import CompletionOutput, RequestOutput,
 from refractor.inference.engine.sleep import EngineMemory, ParameterArena
 from refractor.inference.engine.transfer import to_device
 from refractor.models import CausalLM, load_model, read_hf_config
+from refractor.models.lora import is_adapter_update_name
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,12 @@ class LLMEngine:
         self.model = model.eval().requires_grad_(False)
         if self.config.fuse_projections:  # before the arena and the CUDA graphs take the parameters
             self.model.fuse_projections()
+        # runtime LoRA: buffers allocated now, before the CUDA graphs capture their addresses
+        self.adapters = (
+            EngineAdapters.attach(self.model, self.config.lora_rank, self.config.lora_target_modules)
+            if self.config.lora_rank
+            else None
+        )
         self.device = next(model.parameters()).device
         self.eos_token_ids = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.detokenize = detokenize  # only needed for stop strings
@@ -519,6 +527,13 @@ class LLMEngine:
         """The live parameters by HF name (read-only use: checksums, debugging); a fused part is a view."""
         return self.model.named_hf_parameters()
 
+    def update_names(self, adapters: bool) -> list[str]:
+        """Every name a complete update writes: the parameters, or with ``adapters`` the LoRA adapter
+        buffers and the scale (none on an engine without LoRA)."""
+        if adapters:
+            return [] if self.adapters is None else self.adapters.names
+        return [name for name, _ in self.named_parameters()]
+
     @torch.inference_mode()
     def update_weights(
         self,
@@ -533,14 +548,16 @@ class LLMEngine:
         (exact; vLLM's default); False keeps the stale KV (PipelineRL-style). An empty iterable only
         sets the version. Returns the number of tensors copied.
 
+        An update carries either weights or LoRA adapters (``...lora_A.weight``, ``...lora_B.weight``
+        and ``ADAPTER_SCALE_NAME``: written into the engine's adapter buffers, engine/lora.py).
+
         Atomic: every tensor is checked first (a known name, the parameter's shape, a floating dtype,
         only finite values), and one bad tensor fails the whole update with nothing written and the
         version unchanged.
         """
-        updates = self._checked_update(named_tensors)
+        updates = self._checked_update(list(named_tensors))
         self._record_launched()  # its tokens were sampled with the weights being replaced
-        for param, tensor in updates:
-            target = param if self.memory is None else self.memory.write_target(param)
+        for target, tensor in updates:
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         copied = len(updates)
         if version is not None:
@@ -550,11 +567,55 @@ class LLMEngine:
         return copied
 
     def _checked_update(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+        self, named_tensors: list[tuple[str, torch.Tensor]]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, value) pairs of an update (a parameter's host copy while it sleeps offloaded);
+        ValueError naming every problem."""
+        adapter = [name for name, _ in named_tensors if is_adapter_update_name(name)]
+        if adapter and len(adapter) < len(named_tensors):
+            other = next(name for name, _ in named_tensors if not is_adapter_update_name(name))
+            raise ValueError(
+                f"update_weights: an update carries the model's weights or LoRA adapters, not both "
+                f"(got {other!r} and {adapter[0]!r}); nothing was written"
+            )
+        if adapter and self.adapters is None:
+            raise ValueError(
+                f"update_weights: the update carries LoRA adapters ({describe_update(named_tensors)}) but "
+                "this server has no adapter buffers (start it with --lora-rank and --lora-target-modules); "
+                "nothing was written"
+            )
+        floating = [(name, t) for name, t in named_tensors if t.is_floating_point()]
+        errors = [
+            f"{name!r} has dtype {t.dtype}, expected a floating-point tensor"
+            for name, t in named_tensors
+            if not t.is_floating_point()
+        ]
+        if adapter:
+            writes, more = self.adapters.plan(floating)
+        else:
+            writes, more = self._weight_destinations(floating)
+        errors += more
+        if writes:  # one device sync for the whole update, not one per tensor
+            finite = torch.stack([torch.isfinite(t).all().to(self.device) for _, _, t in writes]).tolist()
+            non_finite = [repr(n) for (n, _, _), ok in zip(writes, finite, strict=True) if not ok]
+            if non_finite:
+                errors.append(f"non-finite values (NaN or Inf) in {', '.join(non_finite)}")
+        updates = [(target, value) for _, target, value in writes]
+        if updates and self.memory is not None and self.memory.weights_discarded:
+            errors.append(
+                "the weights were discarded by sleep(level=2): wake_up(['weights']) before updating them"
+            )
+        if errors:
+            raise ValueError("update_weights: " + "; ".join(errors) + "; nothing was written")
+        return updates
+
+    def _weight_destinations(
+        self, named_tensors: list[tuple[str, torch.Tensor]]
+    ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list[str]]:
+        """(name, parameter, value) of each tensor of a weight update, and the names or shapes that do
+        not fit."""
         tied = self.model.lm_head is None
         updates = []
-        names = []
         errors = []
         for name, tensor in named_tensors:
             if name == "lm_head.weight" and tied:
@@ -566,23 +627,10 @@ class LLMEngine:
                 continue
             if tuple(tensor.shape) != tuple(param.shape):
                 errors.append(f"{name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            elif not tensor.is_floating_point():
-                errors.append(f"{name!r} has dtype {tensor.dtype}, expected a floating-point tensor")
             else:
-                updates.append((param, tensor))
-                names.append(name)
-        if updates:  # one device sync for the whole update, not one per tensor
-            finite = torch.stack([torch.isfinite(t).all().to(self.device) for _, t in updates]).tolist()
-            non_finite = [repr(n) for n, ok in zip(names, finite, strict=True) if not ok]
-            if non_finite:
-                errors.append(f"non-finite values (NaN or Inf) in {', '.join(non_finite)}")
-        if updates and self.memory is not None and self.memory.weights_discarded:
-            errors.append(
-                "the weights were discarded by sleep(level=2): wake_up(['weights']) before updating them"
-            )
-        if errors:
-            raise ValueError("update_weights: " + "; ".join(errors) + "; nothing was written")
-        return updates
+                target = param if self.memory is None else self.memory.write_target(param)
+                updates.append((name, target, tensor))
+        return updates, errors
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         """Forget the cached KV of finished prefixes (it was computed with other weights).
