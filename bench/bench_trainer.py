@@ -108,12 +108,14 @@ def bench_refractor(
     learning_rate: float = 1e-6,
     lora_rank: int = 0,
     context_parallel: int = 1,
+    stack_projections: bool = False,
 ) -> dict:
     """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
     from refractor.trainer import Trainer, policy_model
 
     batches = batches if isinstance(batches, list) else [batches]
     policy_model.COMPILE_DYNAMIC = compile == "dynamic"
+    policy_model.STACK_PROJECTIONS = stack_projections
     settings = trainer_settings(
         model_dir,
         activation_checkpointing=activation_checkpointing,
@@ -283,6 +285,8 @@ VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, train
         16384,
     ),
     "full": ("compiled layers + full ckpt, 16k-token passes", True, True, 16384),
+    # the default with q/k/v and gate/up each as one GEMM over stacked weights
+    "stacked": ("refractor default + stacked q/k/v and gate/up GEMMs", "auto", True, 16384),
     # fsdp_cpu_offload: parameters, gradients and AdamW state in pinned host memory (16 bytes per
     # parameter of host RAM: a 7B shape needs a machine with ~150 GB)
     "offload": ("compiled layers, checkpointing auto, CPU offload, 16k-token passes", "auto", True, 16384),
@@ -441,6 +445,7 @@ def main() -> None:
                     learning_rate=args.learning_rate,
                     lora_rank=64 if name == "lora" else 0,
                     context_parallel=args.context_parallel,
+                    stack_projections=name == "stacked",
                 )
             except Exception as err:  # report and keep the other variants
                 print(f"{label}: failed: {type(err).__name__}: {str(err)[:800]}")

@@ -188,3 +188,36 @@ def test_shape_mismatch_is_reported(tmp_path, tiny_qwen2_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="_proj.weight.*has shape"):
         load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_path", "tiny_llama_path"])  # with and without q/k/v biases
+def test_stacked_projections_equal_separate_ones_in_float64(fixture, request):
+    """The trainer's stacked q/k/v and gate/up GEMMs: same outputs and per-parameter gradients as the
+    separate projections, parameter names unchanged; a LoRA projection is left unstacked."""
+    from refractor.models.lora import LoraSettings, add_lora
+
+    path = request.getfixturevalue(fixture)
+    separate = load_model(path).double()
+    stacked = load_model(path).double()
+    assert stacked.stack_projections() == 2 * len(stacked.model.layers)
+    assert [n for n, _ in stacked.named_parameters()] == [n for n, _ in separate.named_parameters()]
+    ids = torch.randint(0, separate.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for model in (separate, stacked):
+        logits = model.compute_logits(model(ids, torch.arange(40), CausalAttention()))
+        logits.square().mean().backward()
+        outs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-12, atol=1e-12)
+    for name, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+    with_lora = load_model(path)
+    add_lora(
+        with_lora,
+        LoraSettings(lora_rank=2, lora_alpha=4.0, lora_target_modules=("q_proj",)),
+        torch.float32,
+        seed=0,
+    )
+    # attention keeps its separate projections (q is a LoRA one); gate/up are plain and stacked
+    assert with_lora.stack_projections() == len(with_lora.model.layers)
+    assert not with_lora.model.layers[0].self_attn.stack_projections

@@ -72,6 +72,24 @@ class FusedLinear(nn.Module):
                 yield f"{name}.{kind}", self.part(name, kind)
 
 
+def stacked_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """The outputs of ``linears`` (plain Linears that read the same ``x``) from one GEMM over their
+    weights stacked on the output dim.
+
+    The trainer's form of ``FusedLinear``: the parameters stay separate (HF names, FSDP2 shards, LoRA
+    targets and checkpoints are untouched) and each forward concatenates the gathered weights, a copy
+    of a few MB per layer, for one large GEMM in place of three small ones (q/k/v) or two (gate/up);
+    autograd splits the weight gradient back into the parts."""
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+    return F.linear(x, weight, bias).split([linear.out_features for linear in linears], dim=-1)
+
+
+def _plain(*modules: nn.Module) -> bool:
+    # a subclass (LoRA, float8 training linears) has its own forward, which stacking would bypass
+    return all(type(m) is nn.Linear for m in modules)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -92,6 +110,7 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.stack_projections = False  # stack_projections_if_plain(): q/k/v through stacked_linear
 
     def forward(
         self,
@@ -102,10 +121,12 @@ class SelfAttention(nn.Module):
         layer_index: int,
     ) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv_proj is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
+        if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x)
+        elif self.stack_projections:
+            q, k, v = stacked_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -124,6 +145,11 @@ class SelfAttention(nn.Module):
             self.qkv_proj = FusedLinear({"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj})
             del self.q_proj, self.k_proj, self.v_proj
 
+    def stack_projections_if_plain(self) -> bool:
+        """Run q/k/v as one GEMM over stacked weights when all three are plain Linears."""
+        self.stack_projections = self.qkv_proj is None and _plain(self.q_proj, self.k_proj, self.v_proj)
+        return self.stack_projections
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -135,12 +161,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.stack_projections = False  # as SelfAttention.stack_projections, for gate/up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
+        if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x)
+        elif self.stack_projections:
+            gate, up = stacked_linear(x, (self.gate_proj, self.up_proj))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(ops.silu_mul(gate, up))
 
     @torch.no_grad()
@@ -149,6 +178,11 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             self.gate_up_proj = FusedLinear({"gate_proj": self.gate_proj, "up_proj": self.up_proj})
             del self.gate_proj, self.up_proj
+
+    def stack_projections_if_plain(self) -> bool:
+        """Run gate/up as one GEMM over stacked weights when both are plain Linears."""
+        self.stack_projections = self.gate_up_proj is None and _plain(self.gate_proj, self.up_proj)
+        return self.stack_projections
 
 
 class DecoderLayer(nn.Module):

@@ -82,6 +82,15 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
+    def stack_projections(self) -> int:
+        """Run q/k/v and gate/up each as one GEMM over weights concatenated at every forward (the
+        trainer: parameters stay separate; ``layers.stacked_linear``), where the projections are plain
+        Linears (not LoRA or float8 ones); returns how many groups are stacked."""
+        return sum(
+            layer.self_attn.stack_projections_if_plain() + layer.mlp.stack_projections_if_plain()
+            for layer in self.model.layers
+        )
+
     def named_hf_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter by its HF name, in the unfused order; a fused part is a row-slice view."""
         for module_name, module in self.named_modules():

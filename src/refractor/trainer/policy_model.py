@@ -174,6 +174,11 @@ def load_lm(
 # is impractically slow (bench/RESULTS.md); torch's automatic dynamic (None) would switch to it at the
 # second distinct length. bench_trainer.py variant ``dyn`` sets True.
 COMPILE_DYNAMIC: bool | None = False
+# q/k/v and gate/up of the native model's plain projections as one GEMM each over weights stacked at
+# every forward (``CausalLM.stack_projections``). Off: on an H200 at 0.5B the larger GEMMs gained no
+# more than the compiled backward lost writing the parts' gradients into one buffer (bench/RESULTS.md);
+# bench_trainer.py variant ``stacked`` turns it on.
+STACK_PROJECTIONS = False
 
 
 def prepare_layers(layers: nn.ModuleList, *, checkpoint_activations: bool | str, compile: bool) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from refractor.models.lora import add_lora
 from refractor.records import StepResult, TrainBatch
 from refractor.trainer import checkpoint as ckpt
+from refractor.trainer import policy_model
 from refractor.trainer.context_parallel import ContextGroup
 from refractor.trainer.distributed import init_distributed
 from refractor.trainer.fp8 import check_fp8, convert_to_float8
@@ -120,6 +121,8 @@ class Trainer:
         if settings.fp8:  # before sharding: FSDP2 then all-gathers the converted weights in float8
             check_fp8(self.device)
             convert_to_float8(self.model, precompute_scales=not settings.fsdp_cpu_offload)
+        # after LoRA and fp8 swapped their projections in: only plain Linears are stacked
+        stacked = lm.stack_projections() if policy_model.STACK_PROJECTIONS and self.impl == "native" else 0
         shard_model(
             self.model,
             param_dtype=self.compute_dtype,
@@ -151,7 +154,7 @@ class Trainer:
         self.skipped_updates = 0
         log.info(
             "trainer rank %d/%d on %s: %s model, master %s, compute %s, activation checkpointing %s, "
-            "compiled layers %s, tokens per forward %s",
+            "compiled layers %s, tokens per forward %s, %d projection groups stacked into one GEMM",
             self.rank,
             self.world_size,
             self.device,
@@ -161,6 +164,7 @@ class Trainer:
             self.activation_checkpointing,
             self.compiled,
             self.step_settings.max_tokens_per_forward or "one row",
+            stacked,
         )
 
     def _add_adapters(self, lm: torch.nn.Module) -> None:
