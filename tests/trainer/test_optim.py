@@ -73,17 +73,20 @@ def _fsdp_pair():
     return models
 
 
+@pytest.mark.parametrize("fused", [False, True])  # the fused kernel runs on the host too
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_shard_local_adamw_equals_stock_adamw_on_dtensors(weight_decay):
+def test_shard_local_adamw_equals_stock_adamw_on_dtensors(weight_decay, fused):
     from torch.distributed.tensor import DTensor
 
     from refractor.trainer.optim import ShardLocalAdamW
 
     ours_model, stock_model = _fsdp_pair()
     assert all(isinstance(p, DTensor) for p in ours_model.parameters())
-    ours = build_optimizer(ours_model.parameters(), 1e-2, weight_decay)
+    ours = build_optimizer(ours_model.parameters(), 1e-2, weight_decay, fused=fused)
     assert isinstance(ours, ShardLocalAdamW)
-    stock = torch.optim.AdamW(stock_model.parameters(), lr=1e-2, weight_decay=weight_decay)
+    stock = torch.optim.AdamW(
+        stock_model.parameters(), lr=1e-2, weight_decay=weight_decay, fused=fused or None
+    )
     ours_sched = build_lr_scheduler(ours, LRSchedule("linear", 1, 5, 0.1))
     stock_sched = build_lr_scheduler(stock, LRSchedule("linear", 1, 5, 0.1))
     gen = torch.Generator().manual_seed(1)

@@ -134,12 +134,13 @@ class Trainer:
             self.load_weights(init_checkpoint)
 
         optimizer = settings.optimizer
-        # offloaded, AdamW steps on the host copies (the fused kernel is CUDA only)
+        # the fused AdamW kernel on the GPU and on the host alike (offloaded state steps on the host,
+        # where it runs 6-7x the default per-tensor loop: bench/RESULTS.md)
         self.optimizer = build_optimizer(
             [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapters only
             optimizer.learning_rate,
             optimizer.weight_decay,
-            fused=self.info.is_cuda and not settings.fsdp_cpu_offload,
+            fused=True,
         )
         self.scheduler = build_lr_scheduler(self.optimizer, optimizer.schedule)
         self.loss_settings = settings.loss
