@@ -67,6 +67,21 @@ def test_varlen_segments_give_each_query_exactly_its_samples_keys_up_to_itself()
         assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
 
 
+def test_segments_are_never_traced_by_the_compiled_layers():
+    """The varlen segments come from a Python loop over the row: under the compiled decoder layers
+    Dynamo would unroll it (a 32k row did not finish a step). It is excluded from tracing, and a
+    compiled caller still gets the eager result."""
+    from torch._dynamo.testing import CompileCounter
+
+    docs = _row_ids()
+    positions = shard_positions(docs.numel(), CP, 0)
+    counter = CompileCounter()
+    compiled = torch.compile(lambda d, p: query_segments(d, p)[1] * 1, backend=counter, fullgraph=False)
+    torch._dynamo.reset()
+    assert torch.equal(compiled(docs, positions), query_segments(docs, positions)[1])
+    assert counter.op_count <= 1  # at most the multiply after the call: nothing of the loop was captured
+
+
 def _settings(model_path, **keys):
     return make_settings(model_path, weight_decay=0.01, **keys)
 

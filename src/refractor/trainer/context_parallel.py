@@ -28,7 +28,7 @@ gloo on CPU, ``tests/trainer/test_context_parallel.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -101,7 +101,6 @@ class RowShard:
     document_ids: torch.Tensor  # [T] the whole row's sample ids (-1: padding)
     positions: torch.Tensor  # [T / cp] positions of this rank's tokens in the row, ascending
     order: torch.Tensor  # [T] index into the rank-major gathered tokens giving row order
-    _segments: Any = field(default=None, repr=False)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a whole-row [T, ...] tensor."""
@@ -150,6 +149,13 @@ class ContextParallelAttention:
     def __init__(self, shard: RowShard) -> None:
         self.shard = shard
         self._mask: torch.Tensor | None = None
+        self._varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if shard.document_ids.is_cuda and varlen_attention_available():
+            # Here, eagerly, not at the first attention call inside the compiled layers: Dynamo would
+            # unroll query_segments' Python loop over the row (tens of seconds for an 8k row on CPU;
+            # a 32k row never finished its first step on two GPUs).
+            index, cu_q, cu_k, _, _ = query_segments(shard.document_ids, shard.positions)
+            self._varlen = (index, cu_q, cu_k)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
         kv = self.shard.gather(torch.cat([k, v], dim=1))  # one collective for both
@@ -158,17 +164,17 @@ class ContextParallelAttention:
 
     def attend(self, q: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor) -> torch.Tensor:
         """This rank's queries [T / cp, H, D] against the whole row's keys and values [T, H_kv, D]."""
-        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attention_available():
-            index, cu_q, cu_k, max_q, max_k = self._segments()
-            return varlen_causal_attention(q, k_row[index], v_row[index], cu_q, max_q, cu_k, max_k)
+        if self._varlen is not None and q.dtype in (torch.bfloat16, torch.float16):
+            index, cu_q, cu_k = self._varlen
+            # the kernel takes the longest segments' lengths as launch bounds; the shard's and the row's
+            # lengths bound them and stay the same for every row of a pass length, so the compiled
+            # layers see the same integers (no recompile per row)
+            return varlen_causal_attention(
+                q, k_row[index], v_row[index], cu_q, q.shape[0], cu_k, k_row.shape[0]
+            )
         if self._mask is None:
             self._mask = row_mask(self.shard.document_ids, self.shard.positions)
         return masked_attention(q, k_row, v_row, self._mask)
-
-    def _segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-        if self.shard._segments is None:
-            self.shard._segments = query_segments(self.shard.document_ids, self.shard.positions)
-        return self.shard._segments
 
 
 def row_mask(document_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -182,6 +188,7 @@ def row_mask(document_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return (same & ~pad[:, None]) | (own & pad[:, None])
 
 
+@torch.compiler.disable  # a Python loop over the row: never traced (see ContextParallelAttention)
 def query_segments(
     document_ids: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
