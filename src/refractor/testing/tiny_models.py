@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,19 +227,8 @@ QWEN25_15B_SHAPE = TinyModelSpec(
     vocab_size=151936,
     torch_dtype="bfloat16",
 )
-QWEN25_3B_SHAPE = TinyModelSpec(
-    arch="qwen2",
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=128,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    vocab_size=151936,
-    torch_dtype="bfloat16",
+QWEN25_3B_SHAPE = replace(
+    QWEN25_15B_SHAPE, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16
 )
 QWEN25_7B_SHAPE = TinyModelSpec(
     arch="qwen2",
