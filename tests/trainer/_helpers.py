@@ -86,3 +86,35 @@ def quiet_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(1)
+
+
+def first_minibatch_gradients(trainer, batch) -> dict[str, torch.Tensor]:
+    """Full gradients (HF names) of the first minibatch's loss as the step computes it, no update."""
+    from refractor.algorithms.loss import policy_loss
+    from refractor.trainer.policy_model import hf_name
+    from refractor.trainer.step import group_minibatches
+
+    groups = group_minibatches(batch.micro_batches[trainer.dp_rank], trainer.step_settings, trainer.device)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    for mb in groups[0]:
+        logprobs, entropy = trainer.model(
+            mb, trainer.step_settings.temperature, trainer.step_settings.chunk_size
+        )
+        out = policy_loss(
+            logprobs,
+            mb.rollout_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            mb.document_ids,
+            trainer.loss_settings,
+            mb.loss_normalizer,
+            entropy=entropy,
+        )
+        out.loss.backward()
+    grads = {
+        hf_name(n): p.grad.full_tensor().clone()
+        for n, p in trainer.model.named_parameters()
+        if p.grad is not None  # a frozen (LoRA base) parameter has none
+    }
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return grads

@@ -16,7 +16,15 @@ from refractor.models.attention import block_causal_mask
 from refractor.trainer import Trainer
 from refractor.trainer.context_parallel import query_segments, row_mask, shard_positions
 
-from ._helpers import free_port, full_params, make_samples, make_settings, pack, quiet_env
+from ._helpers import (
+    first_minibatch_gradients,
+    free_port,
+    full_params,
+    make_samples,
+    make_settings,
+    pack,
+    quiet_env,
+)
 
 quiet_env()
 CP = 2
@@ -90,37 +98,9 @@ def _batches(dp: int):
     return [pack(make_samples(n=7, seed=40 + i), num_dp_ranks=dp, step=i) for i in range(2)]
 
 
-def _gradients(trainer: Trainer, batch) -> dict[str, torch.Tensor]:
-    """Full gradients of the first minibatch's loss (as the step computes it), without an update."""
-    from refractor.algorithms.loss import policy_loss
-    from refractor.trainer.policy_model import hf_name
-    from refractor.trainer.step import group_minibatches
-
-    groups = group_minibatches(batch.micro_batches[trainer.dp_rank], trainer.step_settings, trainer.device)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    for mb in groups[0]:
-        logprobs, entropy = trainer.model(
-            mb, trainer.step_settings.temperature, trainer.step_settings.chunk_size
-        )
-        out = policy_loss(
-            logprobs,
-            mb.rollout_logprobs,
-            mb.advantages,
-            mb.loss_mask,
-            mb.document_ids,
-            trainer.loss_settings,
-            mb.loss_normalizer,
-            entropy=entropy,
-        )
-        out.loss.backward()
-    grads = {hf_name(n): p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
-    trainer.optimizer.zero_grad(set_to_none=True)
-    return grads
-
-
 def _run(trainer: Trainer, dp: int) -> dict:
     batches = _batches(dp)
-    result = {"grads": _gradients(trainer, batches[0])}
+    result = {"grads": first_minibatch_gradients(trainer, batches[0])}
     result["metrics"] = [trainer.train_step(b).metrics for b in batches]
     result["params"] = full_params(trainer)
     return result

@@ -123,22 +123,26 @@ def init_adapter(module: LoRALinear, how: str, rank: int, generator: torch.Gener
 
 def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype, seed: int = 0) -> int:
     """Adapters in ``dtype`` on ``settings.lora_target_modules`` of every decoder layer of ``model``
-    (a ``CausalLM``); every other parameter is frozen. Returns the number of adapter parameters.
-    Seeded: every rank builds the same adapters."""
+    (refractor's ``CausalLM``, or an HF causal LM whose decoder layers hold ``self_attn`` and ``mlp``
+    with the same projection names, as HF's Llama-family models do); every other parameter is frozen.
+    Returns the number of adapter parameters. Seeded: every rank builds the same adapters."""
     settings.check()
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.requires_grad_(False)
     count = 0
-    for layer in model.model.layers:
+    for index, layer in enumerate(model.model.layers):
         for holder, names in PROJECTIONS.items():
-            parent = getattr(layer, holder)
+            parent = getattr(layer, holder, None)
             for name in names:
                 if name not in settings.lora_target_modules:
                     continue
                 base = getattr(parent, name, None)
-                if not isinstance(base, nn.Linear):
-                    raise ValueError(f"lora_target_modules: layer {layer.layer_index} has no {holder}.{name}")
+                if type(base) is not nn.Linear:
+                    raise ValueError(
+                        f"lora_target_modules: decoder layer {index} has no {holder}.{name} linear layer "
+                        f"(its {holder} is {type(parent).__name__})"
+                    )
                 smallest = min(base.in_features, base.out_features)
                 if settings.lora_rank > smallest:
                     raise ValueError(

@@ -170,12 +170,8 @@ class Trainer:
 
     def _add_adapters(self, lm: torch.nn.Module) -> None:
         """LoRA: the base frozen in the compute dtype (no fp32 master copy, no optimizer state),
-        adapters in the master dtype."""
-        if self.impl != "native":
-            raise ValueError(
-                f"lora_rank > 0 needs the native model (Llama / Qwen2 / Qwen3); {self.model_dir} runs on "
-                "HF transformers"
-            )
+        adapters in the master dtype. The same adapters on refractor's model and on a model that
+        runs on HF transformers (``add_lora``: the decoder layers' projection names)."""
         if self.compute_dtype is not None:
             lm.to(self.compute_dtype)
         count = add_lora(lm, self.lora, self.master_dtype, seed=self.settings.seed)
