@@ -133,13 +133,17 @@ def batches(encoded, tokens_per_batch: int, rng: random.Random):
 
 
 def pack(row: list[tuple[list[int], int]]):
-    ids, positions, documents, mask = [], [], [], []
+    """One packed row: (ids, positions, document ids, loss mask, cu_seqlens), and its longest sample,
+    all made on the host so that a step does not wait for the GPU to tell it the row's layout."""
+    ids, positions, documents, mask, cu = [], [], [], [], [0]
     for d, (tokens, prompt_len) in enumerate(row):
         ids += tokens
         positions += range(len(tokens))
         documents += [d] * len(tokens)
         mask += [0] * prompt_len + [1] * (len(tokens) - prompt_len)  # loss on the completion and EOS
-    return torch.tensor(ids), torch.tensor(positions), torch.tensor(documents), torch.tensor(mask)
+        cu.append(cu[-1] + len(tokens))
+    tensors = (torch.tensor(ids), torch.tensor(positions), torch.tensor(documents), torch.tensor(mask))
+    return (*tensors, torch.tensor(cu, dtype=torch.int32)), max(len(t) for t, _ in row)
 
 
 def train(args) -> dict:
@@ -157,7 +161,9 @@ def train(args) -> dict:
     model = build_model(config.to_dict(), dtype=torch.float32, device=device)
     model.init_weights()
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), fused=True
+    )
     warmup = max(1, args.steps // 20)
 
     def lr_at(step: int) -> float:
@@ -175,11 +181,9 @@ def train(args) -> dict:
     losses = []
     started = time.perf_counter()
     for step in range(args.steps):
-        ids, positions, documents, mask = (t.to(device) for t in next(stream))
-        cu = torch.cat([torch.tensor([0]), torch.bincount(documents.cpu()).cumsum(0)]).to(device, torch.int32)
-        attention = PackedAttention(
-            document_ids=documents, cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max())
-        )
+        tensors, longest = next(stream)
+        ids, positions, documents, mask, cu = (t.to(device, non_blocking=True) for t in tensors)
+        attention = PackedAttention(document_ids=documents, cu_seqlens=cu, max_seqlen=longest)
         with autocast:
             hidden = model(ids, positions, attention=attention)
         logits = model.compute_logits(hidden[:-1].float())
@@ -193,7 +197,7 @@ def train(args) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        losses.append(loss.item())
+        losses.append(loss.detach())  # read back only when printed: a read every step stalls the GPU queue
         if step % max(1, args.steps // 20) == 0 or step == args.steps - 1:
             print(
                 f"step {step}/{args.steps} loss {loss.item():.4f} ({time.perf_counter() - started:.0f} s)",
@@ -201,7 +205,7 @@ def train(args) -> dict:
             )
     save(model, config, tokenizer, Path(args.out))
     return {
-        "losses": losses,
+        "losses": torch.stack(losses).tolist(),
         "train_s": time.perf_counter() - started,
         "params": sum(p.numel() for p in model.parameters()),
     }
