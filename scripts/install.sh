@@ -57,7 +57,8 @@ fi
 
 # 3. refractor itself.
 EXTRAS="math"
-[ "$WITH_DEV" = 1 ] && EXTRAS="$EXTRAS,dev"
+# the tests run Megatron-Core's GPTModel on CPU: megatron-core is one small wheel (torch, numpy, packaging)
+[ "$WITH_DEV" = 1 ] && EXTRAS="$EXTRAS,dev,megatron"
 $PIP install -e ".[${EXTRAS}]"
 # 4. The dashboard's frontend toolchain (tests rebuild it to check the shipped bundle is current).
 #    The built frontend ships in the package: `refractor ui` itself needs no Node.js.

@@ -279,7 +279,7 @@ REJECT = [
         "needs `pad_to_multiple_of` (64) to be a multiple of 128",
     ),
     ({"environments": []}, "at least one environment"),
-    ({"train_backend": "megatron"}, "not implemented yet"),
+    ({"train_backend": "megatron"}, "Megatron trainer is not built yet"),
     ({"evals": [{"name": "math500"}], "inference_num_workers": 1}, "at least one of the 1 inference server"),
     ({"evals": [{"name": "math500"}], "eval_num_servers": 2}, "eval_num_servers"),
     (

@@ -11,6 +11,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from refractor.megatron.layout import (
+    ParallelSizes,
+    layout_errors,
+    read_model_shape,
+    transformer_engine_installed,
+)
+
 Dtype = Literal["float32", "float16", "bfloat16"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 # the inference engine's share of its GPU when gpu_memory_utilization is not set: colocated, the
@@ -434,7 +441,11 @@ class MegatronKeys(_Strict):
     megatron_exp_avg_sq_dtype: str = Field("float32", description="Adam second moment dtype.")
     megatron_grad_reduce_in_fp32: bool = Field(True, description="Reduce grads in fp32.")
     megatron_gradient_checkpointing: bool = Field(True, description="Full recompute.")
-    megatron_sequence_parallel: bool = Field(True, description="Sequence parallelism when TP > 1.")
+    megatron_sequence_parallel: bool = Field(
+        True,
+        description="Sequence parallelism among the tensor-parallel ranks (needs TP > 1; defaults to false "
+        "when TP = 1).",
+    )
     megatron_use_distributed_optimizer: bool = Field(True, description="Shard the optimizer.")
     megatron_overlap_grad_reduce: bool = Field(False, description="Overlap grad reduce.")
     megatron_use_transformer_engine: bool = Field(False, description="TransformerEngine layer spec.")
@@ -713,7 +724,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("Workers", WorkerKeys),
     ("Orchestrator", OrchestratorKeys),
     ("Trainer / optimizer / schedule", TrainerKeys),
-    ("Megatron (not implemented yet; accepted for compatibility)", MegatronKeys),
+    ("Megatron (layouts checked at load; the trainer is not built yet: docs/megatron.md)", MegatronKeys),
     ("Algorithm / loss", AlgorithmKeys),
     ("Reward shaping and output filters", RewardShapingKeys),
     ("Weight sync", WeightSyncKeys),
@@ -724,9 +735,10 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("Evals and tracing", EvalKeys),
 ]
 
+MEGATRON_NOT_BUILT = "the Megatron trainer is not built yet, see docs/megatron.md"
 # Keys accepted so Telescope YAMLs load unchanged, but which refractor does not act on.
 IGNORED_KEYS: dict[str, str] = {
-    **{k: "the Megatron backend is not implemented yet" for k in MegatronKeys.model_fields},
+    **{k: MEGATRON_NOT_BUILT for k in MegatronKeys.model_fields},
     "wandb_upload_logs_detailed": "the log files hold every line; wandb_upload_logs uploads them",
     "wandb_upload_logs_stdout": "the log files hold every line; wandb_upload_logs uploads them",
     "event_tail_window_seconds": "events go to the local run store, not W&B archives",
@@ -736,7 +748,7 @@ IGNORED_KEYS: dict[str, str] = {
     "megatron_global_batch_size": "unused in Telescope too",
     "inference_base_port": "each server listens on a free port the OS picks (the URLs are in the run "
     "store), so runs sharing a machine never collide",
-    "weight_broadcast_pin_memory": "the Megatron backend is not implemented yet",
+    "weight_broadcast_pin_memory": MEGATRON_NOT_BUILT,
     "weight_broadcast_free_grad_buffers": "gradients are always freed at the end of each step, before the "
     "weight update",
 }
@@ -784,6 +796,14 @@ class RefractorConfig(
             and data.get("enable_individual_sample_lanes") is False
         ):
             data = {**data, "free_lane_after_generation": False}
+        # sequence parallelism splits the sequence among tensor-parallel ranks: when the user did not
+        # set it, it is off without tensor parallelism (Telescope's default, true, means "when TP > 1")
+        if (
+            isinstance(data, dict)
+            and "megatron_sequence_parallel" not in data
+            and data.get("megatron_tensor_parallel_size", 1) == 1
+        ):
+            data = {**data, "megatron_sequence_parallel": False}
         return data
 
     @model_validator(mode="after")
@@ -825,6 +845,37 @@ RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"
 
 def _clipping_active(c: RefractorConfig) -> bool:
     return c.use_ppo_clip or c.algorithm in {"cispo", "gspo"}
+
+
+def _megatron_errors(c: RefractorConfig) -> list[str]:
+    """The layout's broken rules; a valid layout still gets one error until the Megatron trainer exists,
+    so a run never falls back to another backend."""
+    sizes = ParallelSizes(
+        tensor=c.megatron_tensor_parallel_size,
+        pipeline=c.megatron_pipeline_parallel_size,
+        context=c.megatron_context_parallel_size,
+        expert=c.megatron_expert_parallel_size,
+        sequence_parallel=c.megatron_sequence_parallel,
+    )
+    shape = read_model_shape(c.model)
+    errors = layout_errors(
+        sizes,
+        c.trainer_num_workers,
+        shape,
+        use_transformer_engine=c.megatron_use_transformer_engine,
+        fp8=c.megatron_fp8,
+        transformer_engine_present=transformer_engine_installed(),
+    )
+    if errors:
+        return errors
+    unchecked = (
+        "" if shape else f"; the model's heads and layers were not checked: {c.model} is not on this machine"
+    )
+    layout = sizes.describe(c.trainer_num_workers)
+    return [
+        f"`train_backend: megatron`: the layout is valid ({layout}{unchecked}), but refractor's Megatron "
+        "trainer is not built yet; use `train_backend: fsdp` (docs/megatron.md)"
+    ]
 
 
 def cross_field_errors(c: RefractorConfig) -> list[str]:
@@ -927,7 +978,7 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
             )
     # Rules Telescope left unchecked (docs/config.md#validation).
     if c.train_backend == "megatron":
-        e.append("`train_backend: megatron` is not implemented yet in refractor; use `train_backend: fsdp`")
+        e += _megatron_errors(c)
     if (
         c.evals
         and c.eval_num_servers >= c.num_inference_servers

@@ -1,0 +1,154 @@
+"""HF <-> Megatron-Core GPT names and tensors for the dense Llama family (Llama, Qwen2/2.5, Qwen3).
+
+Both directions work on whole, unsharded tensors (``shards`` splits them among ranks):
+
+* ``self_attention.linear_qkv`` fuses q, k and v, grouped by key/value head: for each group ``g``
+  the rows of its ``heads / kv_heads`` query heads, then ``k_g``, then ``v_g``. Grouping keeps a
+  group's rows together, so tensor-parallel ranks split the fused matrix into contiguous blocks.
+* ``mlp.linear_fc1`` is ``[gate; up]`` (Megatron's gated linear unit reads the first half as the
+  gate); ``linear_fc2`` is ``down_proj``.
+* Norms: Megatron-Core's local layer spec keeps them as modules of their own
+  (``input_layernorm``, ``pre_mlp_layernorm``); the Transformer Engine spec fuses them into the next
+  linear layer (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
+* A tied model has no ``output_layer``: the head is the embedding (HF's ``lm_head.weight``, when a
+  state dict carries it, is dropped; it is the same tensor).
+
+An HF tensor with no Megatron name (a bias Megatron's GPT layers do not have, an expert) is refused
+naming it, so nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from refractor.models import ModelConfig, UnsupportedModelError
+
+# HF name inside a decoder layer -> Megatron name inside ``decoder.layers.N`` (tensors copied as is)
+_LAYER_RENAMES = {
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+# the two layer norms: (HF name, local-spec name, Transformer Engine-spec name)
+_LAYER_NORMS = (
+    ("input_layernorm.weight", "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+)
+_TOP_RENAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+QKV = "self_attention.linear_qkv"
+FC1 = "mlp.linear_fc1.weight"
+
+
+def _layer_renames(transformer_engine: bool) -> dict[str, str]:
+    norms = {hf: (te if transformer_engine else local) for hf, local, te in _LAYER_NORMS}
+    return {**_LAYER_RENAMES, **norms}
+
+
+def megatron_names(config: ModelConfig, *, transformer_engine: bool = False) -> list[str]:
+    """Every tensor name of the whole model's Megatron-Core GPT state dict (``_extra_state`` aside)."""
+    per_layer = [QKV + ".weight", *_layer_renames(transformer_engine).values(), FC1]
+    if config.attention_bias:
+        per_layer.append(QKV + ".bias")
+    if not config.qk_norm:
+        per_layer = [n for n in per_layer if "q_layernorm" not in n and "k_layernorm" not in n]
+    names = [f"decoder.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer]
+    top = [n for n in _TOP_RENAMES.values() if n != "output_layer.weight" or not config.tie_word_embeddings]
+    return sorted(names + top)
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """``[q; k; v]`` rows regrouped per key/value head: ``[q heads of group 0, k_0, v_0, q heads of
+    group 1, ...]`` (a weight ``[rows, hidden]`` or a bias ``[rows]``)."""
+    groups = config.num_key_value_heads
+    tail = q.shape[1:]
+    parts = (
+        q.reshape(groups, config.num_queries_per_kv * config.head_dim, *tail),
+        k.reshape(groups, config.head_dim, *tail),
+        v.reshape(groups, config.head_dim, *tail),
+    )
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``interleave_qkv``: (q, k, v) in HF's row order."""
+    groups = config.num_key_value_heads
+    per_group = config.num_queries_per_kv * config.head_dim
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, per_group + 2 * config.head_dim, *tail)
+    q, k, v = grouped.split([per_group, config.head_dim, config.head_dim], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor], config: ModelConfig, *, transformer_engine: bool = False
+) -> dict[str, torch.Tensor]:
+    """A whole HF state dict in Megatron-Core GPT names (global layer numbers, unpadded vocab)."""
+    todo = dict(hf_state)
+    if config.tie_word_embeddings:
+        todo.pop("lm_head.weight", None)
+    out = {mg: todo.pop(hf) for hf, mg in _TOP_RENAMES.items() if hf in todo}
+    renames = _layer_renames(transformer_engine)
+    for layer in range(config.num_hidden_layers):
+        hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        out.update({mg + m: todo.pop(hf + h) for h, m in renames.items() if hf + h in todo})
+        for kind in ("weight", "bias"):
+            if hf + f"self_attn.q_proj.{kind}" in todo:
+                q, k, v = (_pop(todo, hf + f"self_attn.{p}_proj.{kind}", "HF") for p in "qkv")
+                out[mg + f"{QKV}.{kind}"] = interleave_qkv(q, k, v, config)
+        if hf + "mlp.gate_proj.weight" in todo:
+            gate, up = (_pop(todo, hf + f"mlp.{p}_proj.weight", "HF") for p in ("gate", "up"))
+            out[mg + FC1] = torch.cat([gate, up])
+    _check_complete(out, config, transformer_engine, "the HF state dict lacks the tensors of")
+    if todo:
+        names = ", ".join(f"`{n}`" for n in sorted(todo)[:4])
+        raise UnsupportedModelError(
+            f"{len(todo)} HF tensor(s) have no Megatron-Core GPT name ({names}): refractor maps the dense "
+            "Llama / Qwen2 / Qwen3 layers (biases on q/k/v only)"
+        )
+    return out
+
+
+def megatron_to_hf(
+    mg_state: Mapping[str, torch.Tensor], config: ModelConfig, *, transformer_engine: bool = False
+) -> dict[str, torch.Tensor]:
+    """The inverse of ``hf_to_megatron`` (HF's names; a tied model gets no ``lm_head.weight``)."""
+    todo = {name: t for name, t in mg_state.items() if not name.endswith("._extra_state")}
+    if config.tie_word_embeddings:
+        todo.pop("output_layer.weight", None)
+    _check_complete(todo, config, transformer_engine, "the Megatron state dict lacks")
+    out = {hf: todo.pop(mg) for hf, mg in _TOP_RENAMES.items() if mg in todo}
+    renames = _layer_renames(transformer_engine)
+    for layer in range(config.num_hidden_layers):
+        hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        out.update({hf + h: todo.pop(mg + m) for h, m in renames.items() if mg + m in todo})
+        for kind in ("weight", "bias"):
+            if mg + f"{QKV}.{kind}" in todo:
+                q, k, v = split_qkv(todo.pop(mg + f"{QKV}.{kind}"), config)
+                for proj, part in (("q", q), ("k", k), ("v", v)):
+                    out[hf + f"self_attn.{proj}_proj.{kind}"] = part
+        gate, up = todo.pop(mg + FC1).chunk(2)
+        out[hf + "mlp.gate_proj.weight"] = gate
+        out[hf + "mlp.up_proj.weight"] = up
+    if todo:
+        names = ", ".join(f"`{n}`" for n in sorted(todo)[:4])
+        raise ValueError(f"{len(todo)} Megatron tensor(s) have no HF name ({names})")
+    return out
+
+
+def _pop(todo: dict[str, torch.Tensor], name: str, source: str) -> torch.Tensor:
+    if name not in todo:
+        raise KeyError(f"the {source} state dict has no `{name}`")
+    return todo.pop(name)
+
+
+def _check_complete(state: Mapping, config: ModelConfig, transformer_engine: bool, what: str) -> None:
+    missing = sorted(set(megatron_names(config, transformer_engine=transformer_engine)) - state.keys())
+    if missing:
+        raise KeyError(f"{what} {', '.join(f'`{n}`' for n in missing[:4])}")

@@ -1,0 +1,105 @@
+"""Megatron-Core's GPTModel for an HF Llama / Qwen2 / Qwen3 config (needs the ``megatron`` extra).
+
+The model takes the weights of ``shards.hf_to_shards`` for its rank. Megatron-Core's parallel state
+(``parallel_state.initialize_model_parallel``) must be set up first: the model reads its rank's
+tensor-parallel and pipeline-parallel position from it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from refractor.megatron.shards import MegatronLayout
+from refractor.models import ModelConfig, UnsupportedModelError
+
+# megatron-core's llama3 RoPE scaling takes only the factor; the other three are fixed to these
+# (Llama 3.1's values), so a checkpoint with other values would get other frequencies
+_MEGATRON_LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _rope_arguments(config: ModelConfig) -> dict:
+    """GPTModel's RoPE arguments for the HF rope parameters, or a clear refusal."""
+    rope = config.rope
+    kind = rope["rope_type"]
+    arguments = {"position_embedding_type": "rope", "rotary_base": rope["rope_theta"]}
+    if kind == "default":
+        return arguments
+    if kind == "llama3":
+        differing = {k: rope.get(k) for k, v in _MEGATRON_LLAMA3_FIXED.items() if rope.get(k) != v}
+        if not differing:
+            return {**arguments, "rope_scaling": True, "rope_scaling_factor": rope["factor"]}
+        raise UnsupportedModelError(
+            f"megatron-core's llama3 RoPE scaling fixes {_MEGATRON_LLAMA3_FIXED}; this model has {differing}"
+        )
+    raise UnsupportedModelError(
+        f"rope_type={kind!r}: refractor builds Megatron-Core GPT models with default or llama3 RoPE only"
+    )
+
+
+def transformer_config(config: ModelConfig, layout: MegatronLayout, params_dtype: torch.dtype):
+    """Megatron-Core's TransformerConfig for the HF architecture and the layout's sizes.
+
+    Megatron's fused kernels (softmax, bias + activation, RoPE) are CUDA extensions or Transformer
+    Engine ops; they are off, so the model runs wherever torch does.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    if config.mlp_bias:
+        raise UnsupportedModelError("an MLP with biases has no Megatron-Core GPT mapping here (mlp_bias)")
+    return TransformerConfig(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=config.attention_bias,
+        qk_layernorm=config.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tensor_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,  # what stages send each other
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # the weights come from the checkpoint
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: torch.dtype = torch.float32):
+    """This rank's GPTModel (local layer spec): its pipeline stage's layers, the embedding on the first
+    stage, the final norm and output layer on the last, its tensor-parallel share of each."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if layout.transformer_engine:
+        raise NotImplementedError("the Transformer Engine layer spec is not built yet (docs/megatron.md)")
+    layout.check(config)
+    return GPTModel(
+        config=transformer_config(config, layout, params_dtype),
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm"),
+        vocab_size=layout.padded_vocab_size(config.vocab_size),
+        max_sequence_length=config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=config.tie_word_embeddings,
+        **_rope_arguments(config),
+    )

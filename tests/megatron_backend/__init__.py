@@ -1,0 +1,1 @@
+"""Tests of the Megatron-Core backend (weight mapping, layouts, GPTModel on CPU)."""

@@ -1,0 +1,28 @@
+"""Tiny random checkpoints whose shapes split over TP=2 x PP=2: 4 query and 2 key/value heads, 4
+layers. Qwen2 is tied (and untied as "qwen2-untied"), with a vocabulary (600) that needs padding;
+Llama is untied, with Llama 3.1's RoPE scaling (the one megatron-core implements); Qwen3 has q/k
+norms."""
+
+from __future__ import annotations
+
+SHAPE = dict(hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4)
+SHAPE.update(num_key_value_heads=2, head_dim=32)
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def build(arch: str):
+    from refractor import testing
+
+    if arch == "qwen2":
+        return testing.tiny_qwen2(**SHAPE, vocab_size=600)
+    if arch == "qwen2-untied":
+        return testing.tiny_qwen2(**SHAPE, vocab_size=600, tie_word_embeddings=False)
+    if arch == "llama":
+        return testing.tiny_llama(**SHAPE, rope_scaling=LLAMA31_ROPE, max_position_embeddings=16384)
+    return testing.tiny_qwen3(**SHAPE)
