@@ -239,6 +239,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
     ray_host = RayHost()
     ray_settings = RaySettings.from_config(cfg, run_dir=str(paths.root))
     connection = None
+    placement = None
     servers = None
     trainers = None
     node_metrics = None
@@ -417,6 +418,8 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             for group in (servers, trainers, node_metrics):
                 if group is not None:
                     group.shutdown(timeout_s=grace_s)
+            if placement is not None:  # after the actors that ran in them
+                placement.release()
             if trace_receiver is not None:  # after the servers: their exporters flush as they stop
                 trace_receiver.stop()
             if code_snapshot is not None:

@@ -203,6 +203,28 @@ def test_limits_and_image_reach_the_service(service):
 
 
 @pytest.mark.parametrize("service", ["daytona"], indirect=True)
+def test_i3_code_sizes_its_sandboxes_from_its_kwargs(service):
+    """configs/examples/i3_code.yaml's memory_mb and disk_mb reach the service (Daytona counts whole
+    GiB, at least one)."""
+    name, machine = service
+    env = get_environment(
+        "i3_code", provider=name, dataset_name=str(fixture_path("code")), memory_mb=512, disk_mb=2048
+    )
+
+    async def main():
+        await env.prepare_resources()  # the pool starts creating sandboxes
+        for _ in range(500):
+            if any(c[0] == "create" for c in machine.calls):
+                break
+            await asyncio.sleep(0.01)
+        await env.close()
+
+    run(main())
+    resources = next(c[1] for c in machine.calls if c[0] == "create")["resources"]
+    assert (resources.memory, resources.disk) == (1, 2)
+
+
+@pytest.mark.parametrize("service", ["daytona"], indirect=True)
 def test_sdk_calls_respect_the_concurrency_limit(service, monkeypatch):
     name, machine = service
     active = 0

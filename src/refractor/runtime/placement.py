@@ -144,6 +144,12 @@ class Placement:
     trainers: Reservation
     groups: list[tuple[str, Reservation]]
 
+    def release(self) -> None:
+        """Give the run's placement groups back. Ray frees them only when their driver disconnects, and
+        a run that joined a connected session (a notebook, a test) leaves it connected."""
+        for _, reservation in self.groups:
+            remove_placement_group(reservation.group)
+
 
 def place(cfg: Any, run_tag: str) -> Placement:
     """Check the run against the cluster, then reserve its placement group(s) and wait for them."""

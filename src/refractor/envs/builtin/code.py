@@ -73,6 +73,7 @@ class CodeEnvironment(SingleTurnEnvironment):
         timeout_per_test: float = 10.0,
         test_workers: int = 2,
         memory_mb: int = 1024,
+        disk_mb: int = 256,
         sandbox_provider: str = "auto",
         sandbox_image: str | None = None,
         allow_unisolated: bool = False,
@@ -99,7 +100,10 @@ class CodeEnvironment(SingleTurnEnvironment):
         self.allow_unisolated = allow_unisolated
         self.pool_size = pool_size
         self.sandbox_config = SandboxConfig(
-            memory_mb=memory_mb, cpu_time_s=max(1, int(timeout_per_test) + 1), image=sandbox_image
+            memory_mb=memory_mb,
+            disk_mb=disk_mb,
+            cpu_time_s=max(1, int(timeout_per_test) + 1),
+            image=sandbox_image,
         )
         self._pool: SandboxPool | None = None
         self._pool_loop: asyncio.AbstractEventLoop | None = None
