@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -145,7 +146,7 @@ def test_a_rank_s_prints_and_logging_reach_the_store_while_it_is_busy_and_a_floo
         busy = rank0.__ray_call__.remote(_print_log_flood_then_wait, str(release))
 
         async def until_busy() -> None:
-            for _ in range(600):  # the lines arrive while the rank is still in its call
+            for _ in range(3000):  # the lines arrive while the rank is still in its call (5 min: busy CPUs)
                 await collector.collect()
                 store.flush()
                 with RunReader(tmp_path) as reader:
@@ -162,18 +163,24 @@ def test_a_rank_s_prints_and_logging_reach_the_store_while_it_is_busy_and_a_floo
         store.close()
         with RunReader(tmp_path) as reader:
             lines = reader.logs(component="trainer", rank=0, limit=100_000)
-            (failed,) = [e for e in reader.timeline() if e["name"] == "log_collection_failed"]
+            failures = [e for e in reader.timeline() if e["name"] == "log_collection_failed"]
         by_message = {r["message"]: r for r in lines}
         assert by_message["hello from a rank"]["source"] == "stdout"
         assert by_message["refractor.trainer.user: a logging call"]["source"] == "log"
         assert by_message["hello from a rank"]["node"] == ray.util.get_node_ip_address()
-        (dropped,) = [r for r in lines if "were dropped" in r["message"]]
+        # one warning per drain that dropped lines: the flood may span drains (when the machine is busy,
+        # the rank is still printing at the drain that first sees its hello)
+        dropped = [r for r in lines if "were dropped" in r["message"]]
         kept = sum(r["message"].startswith("flood ") for r in lines)
-        assert (
-            dropped["level"] == "WARNING" and f" {100_000 - kept} lines of trainer-0 " in dropped["message"]
-        )
+        assert dropped and all(r["level"] == "WARNING" for r in dropped)
+        counts = [
+            re.search(r"refractor: (\d+) lines of trainer-0 were dropped", r["message"]) for r in dropped
+        ]
+        assert all(counts) and sum(int(m.group(1)) for m in counts) == 100_000 - kept
         assert 4_000 < kept < 50_000  # the burst and what the rate let through, not the flood
-        assert failed["attrs"]["source"] == "trainer-1"  # once, though collected many times
+        # the dead rank once, though collected many times (on busy CPUs a slow drain of the live rank may
+        # time out and be recorded too)
+        assert [e["attrs"]["source"] for e in failures].count("trainer-1") == 1
         assert "[stdout] hello from a rank" in (tmp_path / "logs" / "trainer-0.log").read_text()
     finally:
         group.shutdown()
