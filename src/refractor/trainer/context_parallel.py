@@ -152,8 +152,7 @@ class ContextParallelAttention:
         self._varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if shard.document_ids.is_cuda and varlen_attention_available():
             # Here, eagerly, not at the first attention call inside the compiled layers: Dynamo would
-            # unroll query_segments' Python loop over the row (tens of seconds for an 8k row on CPU;
-            # a 32k row never finished its first step on two GPUs).
+            # unroll query_segments' Python loop over the row, a trace that grows with the row's length.
             index, cu_q, cu_k, _, _ = query_segments(shard.document_ids, shard.positions)
             self._varlen = (index, cu_q, cu_k)
 
