@@ -179,6 +179,7 @@ def train(args) -> dict:
         else torch.autocast("cpu", enabled=False)
     )
     losses = []
+    accuracies: dict[int, float] = {}
     started = time.perf_counter()
     for step in range(args.steps):
         tensors, longest = next(stream)
@@ -198,6 +199,15 @@ def train(args) -> dict:
         optimizer.step()
         scheduler.step()
         losses.append(loss.detach())  # read back only when printed: a read every step stalls the GPU queue
+        if step + 1 in args.eval_at and step + 1 < args.steps:  # the final weights are scored by main()
+            snapshot = Path(args.out) / f"step{step + 1}"
+            save(model, config, tokenizer, snapshot)
+            accuracy = held_out_accuracy(snapshot, args.eval, args.device)
+            accuracies[step + 1] = accuracy
+            print(
+                f"step {step + 1}: held-out accuracy (greedy, {args.eval} problems) {accuracy:.3f}",
+                flush=True,
+            )
         if step % max(1, args.steps // 20) == 0 or step == args.steps - 1:
             print(
                 f"step {step}/{args.steps} loss {loss.item():.4f} ({time.perf_counter() - started:.0f} s)",
@@ -208,6 +218,7 @@ def train(args) -> dict:
         "losses": torch.stack(losses).tolist(),
         "train_s": time.perf_counter() - started,
         "params": sum(p.numel() for p in model.parameters()),
+        "accuracy_at_step": accuracies,
     }
 
 
@@ -271,7 +282,15 @@ def main() -> None:
     ap.add_argument(
         "--eval", type=int, default=200, help="held-out problems to score after training (0: none)"
     )
+    ap.add_argument(
+        "--eval-at",
+        default="",
+        help="comma list of steps at which to save a snapshot (OUT/stepN) and score it (--eval problems)",
+    )
     args = ap.parse_args()
+    args.eval_at = {int(s) for s in args.eval_at.split(",") if s}
+    if args.eval_at and not args.eval:
+        ap.error("--eval-at needs --eval > 0")
     result = train(args)
     print(
         f"trained {result['params'] / 1e6:.1f}M parameters in {result['train_s']:.0f} s; "
@@ -279,7 +298,10 @@ def main() -> None:
     )
     if args.eval:
         accuracy = held_out_accuracy(args.out, args.eval, args.device)
+        result["accuracy_at_step"][args.steps] = accuracy
         print(f"held-out accuracy (greedy, {args.eval} problems): {accuracy:.3f}")
+    summary = {k: v for k, v in result.items() if k != "losses"} | {"final_loss": result["losses"][-1]}
+    (Path(args.out) / "sft_summary.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@
     python -m pytest tests/trainer/test_fsdp_gpu.py -m gpu -q
 
 The test spawns its own processes (a 1-rank reference, then 2 ranks), so it needs no torchrun.
-Two configurations: fp32 compute with eager layers (tight tolerance: only the summation order of
-the reduce-scatter and of the differently packed rows differs) and the GPU defaults (bf16 compute,
-compiled + checkpointed layers, merged passes; a bf16-rounding tolerance).
+Three configurations: fp32 compute with eager layers (tight tolerance: only the summation order of
+the reduce-scatter and of the differently packed rows differs), the GPU defaults (bf16 compute,
+compiled + checkpointed layers, merged passes; a bf16-rounding tolerance), and the defaults with
+context parallelism (both ranks share every row) against 1 rank holding whole rows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ pytestmark = pytest.mark.gpu
 CASES = {
     "fp32_eager": (dict(mixed_precision_dtype="float32", trainer_compile=False), 1e-4),
     "bf16_defaults": ({}, 2e-2),
+    # 2 ranks sharing every row (context parallelism: varlen FlashAttention per sample segment, compiled
+    # layers) against 1 rank holding whole rows, with the GPU defaults' bf16 tolerance.
+    "bf16_context_parallel": (dict(fsdp_context_parallel_size=2), 2e-2),
 }
 
 
@@ -30,6 +34,9 @@ def worker(rank: int, world_size: int, port: int, model_path: str, case: str, ou
 
     quiet_env()
     overrides, _ = CASES[case]
+    if world_size == 1:  # the reference holds whole rows
+        overrides = {k: v for k, v in overrides.items() if k != "fsdp_context_parallel_size"}
+    num_dp_ranks = world_size // overrides.get("fsdp_context_parallel_size", 1)
     trainer = Trainer(
         make_settings(model_path, **overrides),
         rank,
@@ -38,7 +45,7 @@ def worker(rank: int, world_size: int, port: int, model_path: str, case: str, ou
         device=torch.device("cuda", rank),
     )
     metrics = [
-        trainer.train_step(pack(make_samples(n=11, seed=30 + i), num_dp_ranks=world_size, step=i)).metrics
+        trainer.train_step(pack(make_samples(n=11, seed=30 + i), num_dp_ranks=num_dp_ranks, step=i)).metrics
         for i in range(2)
     ]
     buckets = [
