@@ -109,9 +109,16 @@ def bench_refractor(
     lora_rank: int = 0,
     context_parallel: int = 1,
     stack_projections: bool = False,
+    liger: bool = False,
 ) -> dict:
     """``batches``: one TrainBatch, or several that the steps cycle through (rows of varying length)."""
+    from refractor.models import ops
     from refractor.trainer import Trainer, policy_model
+
+    ops.disable_compiled_ops()  # the eager ops, unless this variant swaps in Liger's
+    if liger and not ops.enable_liger_ops():
+        raise RuntimeError("liger-kernel is not importable")
+    torch._dynamo.utils.counters.clear()
 
     batches = batches if isinstance(batches, list) else [batches]
     policy_model.COMPILE_DYNAMIC = compile == "dynamic"
@@ -175,6 +182,7 @@ def bench_refractor(
 
     out["time_s"] = timed(step, steps)
     out["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     if profile:
         from profile_step import profile_steps
 
@@ -307,6 +315,9 @@ VARIANTS = {  # name -> (label, activation checkpointing, compiled layers, train
     "fp8": ("refractor default + fp8 (float8 projections)", "auto", True, 16384),
     # LoRA rank 64 on every projection, the base frozen in bf16; MFU still counts 6 N per token
     "lora": ("refractor default + LoRA rank 64 (frozen bf16 base)", "auto", True, 16384),
+    # Liger-Kernel's Triton RMSNorm, SiLU-gate and rotary in place of the ops Inductor fuses
+    "liger": ("refractor default + Liger RMSNorm/SwiGLU/rotary", "auto", True, 16384),
+    "liger_eager": ("eager layers + Liger RMSNorm/SwiGLU/rotary, checkpointing auto", "auto", False, 16384),
     "rows": ("compiled layers + ckpt, one pass per 4k row", True, True, 0),
     "rows_noac": ("compiled layers, ckpt off, one pass per 4k row", False, True, 0),
     "eager": ("eager layers + ckpt, 16k-token passes", True, False, 16384),
@@ -446,6 +457,7 @@ def main() -> None:
                     lora_rank=64 if name == "lora" else 0,
                     context_parallel=args.context_parallel,
                     stack_projections=name == "stacked",
+                    liger=name.startswith("liger"),
                 )
             except Exception as err:  # report and keep the other variants
                 print(f"{label}: failed: {type(err).__name__}: {str(err)[:800]}")
@@ -460,7 +472,7 @@ def main() -> None:
             print(
                 f"{label}: {r['time_s'] * 1e3:.1f} ms/step, {r['tok_s'] / 1e3:.1f}k tok/s, "
                 f"MFU {100 * r['mfu']:.1f}%, peak {r['peak_gb']:.1f} GiB, N={r['n_params'] / 1e6:.0f}M, "
-                f"checkpointing {r['checkpointing']} "
+                f"checkpointing {r['checkpointing']}, graph breaks {r['graph_breaks']} "
                 f"({time.perf_counter() - t:.0f} s incl. warmup)"
             )
             print(

@@ -38,8 +38,8 @@ SIZES = {  # Qwen2 shapes: hidden, layers, heads, kv heads, intermediate
 }
 
 
-def worked_solution(expression: str) -> str:
-    """``(57 + 3) * 2`` -> ``<think> 57 + 3 = 60, 60 * 2 = 120 </think> <answer> (57 + 3) * 2 </answer>``."""
+def _steps(expression: str) -> tuple[list[str], int]:
+    """``(57 + 3) * 2`` -> (["57 + 3 = 60", "60 * 2 = 120"], 120): the expression worked left to right."""
     steps = []
 
     def walk(node: ast.AST) -> int:
@@ -51,24 +51,64 @@ def worked_solution(expression: str) -> str:
         steps.append(f"{left} {op} {right} = {value}")
         return value
 
-    walk(ast.parse(expression, mode="eval").body)
-    return f"<think> {', '.join(steps)} </think> <answer> {expression} </answer>"
+    value = walk(ast.parse(expression, mode="eval").body)
+    return steps, value
 
 
-def sft_examples(count: int, seed: int = SFT_SEED) -> list[tuple[list[dict], str]]:
+def worked_solution(expression: str, misses: list[str] | None = None) -> str:
+    """The solution's arithmetic in the think tags, then its expression as the answer:
+    ``<think> 57 + 3 = 60, 60 * 2 = 120 </think> <answer> (57 + 3) * 2 </answer>``.
+
+    With ``misses`` (expressions over the same numbers that do not reach the target; possibly none),
+    the think tags first try each of them and reject it, then try the solution and accept it (a
+    searched solution):
+    ``<think> 57 * 3 = 171, 171 - 2 = 169 no; 57 + 3 = 60, 60 * 2 = 120 yes </think> <answer> ...``.
+    """
+    if misses is None:
+        return f"<think> {', '.join(_steps(expression)[0])} </think> <answer> {expression} </answer>"
+    tries = [", ".join(_steps(e)[0]) + " no" for e in misses] + [", ".join(_steps(expression)[0]) + " yes"]
+    return f"<think> {'; '.join(tries)} </think> <answer> {expression} </answer>"
+
+
+def missed_expression(nums: list[int], target: int, rng: random.Random) -> str | None:
+    """A random left-to-right expression using every number once whose value is not ``target``
+    (every intermediate value a positive integer), or None after a few tries."""
+    for _ in range(20):
+        order = nums[:]
+        rng.shuffle(order)
+        value, expr = order[0], str(order[0])
+        for n in order[1:]:
+            op = rng.choice("+-*/")
+            if (op == "-" and value - n <= 0) or (op == "/" and value % n != 0):
+                op = "+"
+            value = {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
+            expr = f"({expr} {op} {n})"
+        if value != target:
+            return expr[1:-1]
+    return None
+
+
+def sft_examples(
+    count: int, seed: int = SFT_SEED, shape: dict | None = None, attempts: int = 0
+) -> list[tuple[list[dict], str]]:
     """(prompt messages, completion) pairs: the environment's prompt of a fresh problem and its worked
-    solution."""
+    solution, after 0..``attempts`` rejected tries when ``attempts`` > 0. ``shape``: the procedural
+    problems' difficulty (the environment's ``procedural_*`` keyword arguments)."""
     from refractor.envs.builtin.countdown import CountdownEnvironment, generate_problem
     from refractor.records import Sample
 
-    env = CountdownEnvironment(dataset_name="procedural")
+    env = CountdownEnvironment(dataset_name="procedural", **(shape or {}))
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        nums, target, expression = generate_problem(rng)
+        nums, target, expression = generate_problem(rng, **env.procedural_shape)
         sample = env.sample_from_row({"nums": nums, "target": target})
+        misses = [missed_expression(nums, target, rng) for _ in range(rng.randint(0, attempts))]
         out.append(
-            (env.get_initial_prompt(Sample(sample.prompt, sample.answer)), worked_solution(expression))
+            (
+                env.get_initial_prompt(Sample(sample.prompt, sample.answer)),
+                worked_solution(expression, [m for m in misses if m is not None] if attempts else None),
+            )
         )
     return out
 
@@ -151,7 +191,7 @@ def train(args) -> dict:
 
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    examples = sft_examples(args.examples)
+    examples = sft_examples(args.examples, shape=args.shape, attempts=args.attempts)
     texts = [json.dumps(m) + c for m, c in examples[:2000]]
     tokenizer = build_tokenizer(texts, args.vocab_size)
     encoded = encode(examples, tokenizer)
@@ -202,7 +242,7 @@ def train(args) -> dict:
         if step + 1 in args.eval_at and step + 1 < args.steps:  # the final weights are scored by main()
             snapshot = Path(args.out) / f"step{step + 1}"
             save(model, config, tokenizer, snapshot)
-            accuracy = held_out_accuracy(snapshot, args.eval, args.device)
+            accuracy = held_out_accuracy(snapshot, args.eval, args.device, args.max_tokens, args.shape)
             accuracies[step + 1] = accuracy
             print(
                 f"step {step + 1}: held-out accuracy (greedy, {args.eval} problems) {accuracy:.3f}",
@@ -236,8 +276,11 @@ def save(model, config, tokenizer, out: Path) -> None:
     ).save_pretrained(out)
 
 
-def held_out_accuracy(model_dir: str | Path, count: int, device: str = "cpu", max_tokens: int = 96) -> float:
-    """Greedy accuracy (equation reward) on the first ``count`` held-out procedural problems."""
+def held_out_accuracy(
+    model_dir: str | Path, count: int, device: str = "cpu", max_tokens: int = 96, shape: dict | None = None
+) -> float:
+    """Greedy accuracy (equation reward) on the first ``count`` held-out procedural problems of the
+    difficulty ``shape`` (the environment's ``procedural_*`` keyword arguments)."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -245,7 +288,7 @@ def held_out_accuracy(model_dir: str | Path, count: int, device: str = "cpu", ma
     from refractor.envs.builtin.countdown import CountdownEnvironment
     from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 
-    env = CountdownEnvironment(dataset_name="procedural", seed=EVAL_SEED)
+    env = CountdownEnvironment(dataset_name="procedural", seed=EVAL_SEED, **(shape or {}))
     samples = env.load_dataset(count)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [
@@ -287,7 +330,21 @@ def main() -> None:
         default="",
         help="comma list of steps at which to save a snapshot (OUT/stepN) and score it (--eval problems)",
     )
+    ap.add_argument("--numbers", default="3,4", help="MIN,MAX numbers per problem")
+    ap.add_argument("--max-number", type=int, default=99, help="largest number of a problem")
+    ap.add_argument("--max-target", type=int, default=999, help="largest target")
+    ap.add_argument(
+        "--attempts", type=int, default=0, help="up to this many rejected tries before each solution (search)"
+    )
+    ap.add_argument("--max-tokens", type=int, default=96, help="completion tokens at evaluation")
     args = ap.parse_args()
+    low, high = (int(n) for n in args.numbers.split(","))
+    args.shape = {
+        "procedural_min_numbers": low,
+        "procedural_max_numbers": high,
+        "procedural_max_number": args.max_number,
+        "procedural_max_target": args.max_target,
+    }
     args.eval_at = {int(s) for s in args.eval_at.split(",") if s}
     if args.eval_at and not args.eval:
         ap.error("--eval-at needs --eval > 0")
@@ -297,10 +354,13 @@ def main() -> None:
         f"final loss {result['losses'][-1]:.4f}"
     )
     if args.eval:
-        accuracy = held_out_accuracy(args.out, args.eval, args.device)
+        accuracy = held_out_accuracy(args.out, args.eval, args.device, args.max_tokens, args.shape)
         result["accuracy_at_step"][args.steps] = accuracy
         print(f"held-out accuracy (greedy, {args.eval} problems): {accuracy:.3f}")
-    summary = {k: v for k, v in result.items() if k != "losses"} | {"final_loss": result["losses"][-1]}
+    summary = {k: v for k, v in result.items() if k != "losses"} | {
+        "final_loss": result["losses"][-1],
+        "args": {k: v for k, v in vars(args).items() if k != "eval_at"},
+    }
     (Path(args.out) / "sft_summary.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -124,6 +124,30 @@ def test_procedural_problems_are_seeded_and_solvable():
     assert equation_is_correct(solution, nums, target)
 
 
+def test_procedural_difficulty_is_settable_and_checked():
+    easy = get_environment(
+        "countdown",
+        dataset_name="procedural",
+        procedural_num_samples=100,
+        procedural_min_numbers=2,
+        procedural_max_numbers=3,
+        procedural_max_number=9,
+        procedural_max_target=50,
+    )
+    counts = {len(s.metadata["nums"]) for s in easy.samples}
+    assert counts == {2, 3}
+    for sample in easy.samples:
+        meta = sample.metadata
+        assert max(meta["nums"]) <= 9 and 1 <= meta["target"] <= 50, meta
+        assert equation_is_correct(meta["solution"], meta["nums"], meta["target"]), meta
+    with pytest.raises(ValueError, match="procedural_min_numbers <= procedural_max_numbers, got 4 and 3"):
+        get_environment(
+            "countdown", dataset_name="procedural", procedural_min_numbers=4, procedural_max_numbers=3
+        )
+    with pytest.raises(ValueError, match="procedural_max_target must be >= 1"):
+        get_environment("countdown", dataset_name="procedural", procedural_max_target=0)
+
+
 def test_prompts_are_settable(env):
     custom = get_environment(
         "countdown",

@@ -34,6 +34,9 @@ def base_model(tmp_path_factory):
         vocab_size=512,
         device="cpu",
         seed=0,
+        shape=None,
+        attempts=0,
+        eval_at=set(),
     )
     return out, sft_base.train(args)
 
@@ -42,6 +45,32 @@ def test_worked_solutions_follow_the_expression():
     assert sft_base.worked_solution("(57 + 3) * 2") == (
         "<think> 57 + 3 = 60, 60 * 2 = 120 </think> <answer> (57 + 3) * 2 </answer>"
     )
+    assert sft_base.worked_solution("(57 + 3) * 2", ["(57 * 3) - 2"]) == (
+        "<think> 57 * 3 = 171, 171 - 2 = 169 no; 57 + 3 = 60, 60 * 2 = 120 yes </think> "
+        "<answer> (57 + 3) * 2 </answer>"
+    )
+
+
+def test_searched_solutions_reject_misses_and_score_full_marks():
+    from refractor.envs.builtin.countdown import CountdownEnvironment
+
+    shape = {"procedural_min_numbers": 3, "procedural_max_numbers": 3, "procedural_max_number": 20}
+    env = CountdownEnvironment(dataset_name="procedural", **shape)
+    examples = sft_base.sft_examples(50, shape=shape, attempts=3)
+    tries = 0
+    for messages, completion in examples:
+        question = messages[-1]["content"]
+        nums = [int(n) for n in question.split("[")[1].split("]")[0].split(",")]
+        target = int(question.split("equals ")[1].split(".")[0])
+        sample = env.sample_from_row({"nums": nums, "target": target})
+        assert env._equation_reward(completion, sample)[0] == 1.0, completion
+        think = completion.split("<think> ")[1].split(" </think>")[0].split("; ")
+        assert think[-1].endswith(" yes") and all(t.endswith(" no") for t in think[:-1]), completion
+        for attempt in think[:-1]:  # a miss works out to a value other than the target
+            assert int(attempt.removesuffix(" no").rsplit("= ", 1)[1]) != target, completion
+        tries += len(think) - 1
+        assert max(sample.metadata["nums"]) <= 20 and len(sample.metadata["nums"]) == 3
+    assert 30 <= tries <= 120  # 0..3 misses per problem, 1.5 on average
 
 
 @pytest.mark.slow

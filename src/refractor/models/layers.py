@@ -133,8 +133,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = ops.apply_rotary(q, cos, sin)
-        k = ops.apply_rotary(k, cos, sin)
+        q, k = ops.rotary_qk(q, k, cos, sin)
         out = attention(q, k, v, layer_index)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

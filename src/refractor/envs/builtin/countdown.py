@@ -7,7 +7,9 @@ The answer is evaluated by a tiny arithmetic interpreter, never ``eval``
 (docs/config.md#deliberate-differences): ``**`` and ``//`` are not countdown operators and
 ``9**9**9**9`` would hang the scorer.
 
-``dataset_name: procedural`` generates seeded problems offline (used by the CPU quickstart).
+``dataset_name: procedural`` generates seeded problems offline (used by the CPU quickstart); their
+difficulty is set by ``procedural_min_numbers`` / ``procedural_max_numbers`` (how many numbers, 3-4
+by default), ``procedural_max_number`` (99) and ``procedural_max_target`` (999).
 """
 
 from __future__ import annotations
@@ -127,9 +129,30 @@ class CountdownEnvironment(SingleTurnEnvironment):
         dataset_split: str = "train",
         procedural_num_samples: int = 10000,
         seed: int = 0,
+        procedural_min_numbers: int = 3,
+        procedural_max_numbers: int = 4,
+        procedural_max_number: int = 99,
+        procedural_max_target: int = 999,
         **kwargs: Any,
     ) -> None:
         super().__init__(system_prompt=system_prompt, instruction_prompt=instruction_prompt, **kwargs)
+        if not 2 <= procedural_min_numbers <= procedural_max_numbers:
+            raise ValueError(
+                "countdown: need 2 <= procedural_min_numbers <= procedural_max_numbers, got "
+                f"{procedural_min_numbers} and {procedural_max_numbers}"
+            )
+        if procedural_max_number < 1 or procedural_max_target < 1:
+            raise ValueError(
+                "countdown: procedural_max_number and procedural_max_target must be >= 1, got "
+                f"{procedural_max_number} and {procedural_max_target}"
+            )
+        # the procedural problems' difficulty: how many numbers, how large, how large the target
+        self.procedural_shape = {
+            "min_numbers": procedural_min_numbers,
+            "max_numbers": procedural_max_numbers,
+            "max_number": procedural_max_number,
+            "max_target": procedural_max_target,
+        }
         self.dataset_name = dataset_name
         self.dataset_subset = dataset_subset
         self.dataset_split = dataset_split
@@ -149,7 +172,7 @@ class CountdownEnvironment(SingleTurnEnvironment):
             count = num_samples if num_samples > 0 else self.procedural_num_samples
             rows = []
             for _ in range(count):
-                nums, target, solution = generate_problem(rng)
+                nums, target, solution = generate_problem(rng, **self.procedural_shape)
                 rows.append({"nums": nums, "target": target, "solution": solution})
         else:
             rows = take(load_rows(self.dataset_name, self.dataset_subset, self.dataset_split), num_samples)
