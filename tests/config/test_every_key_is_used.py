@@ -43,9 +43,22 @@ GENERIC_READERS: dict[str, Callable[[], set[str]]] = {
 }
 
 # Keys with an effect although no code reads their value; each says why.
+_MEGATRON_VALIDATED = "validated only: refractor's Megatron trainer runs its one supported value (docs/megatron.md)"
 READ_ELSEWHERE: dict[str, str] = {
-    # fsdp is refractor's one backend; `megatron` is refused by cross_field_errors, naming the key
-    "train_backend": "validated only",
+    key: _MEGATRON_VALIDATED
+    for key in (
+        "megatron_context_parallel_size",
+        "megatron_expert_parallel_size",
+        "megatron_sequence_parallel",
+        "megatron_use_transformer_engine",
+        "megatron_fp8",
+        "megatron_optimizer_cpu_offload",
+        "megatron_use_precision_aware_optimizer",
+        "megatron_main_grads_dtype",
+        "megatron_main_params_dtype",
+        "megatron_exp_avg_dtype",
+        "megatron_exp_avg_sq_dtype",
+    )
 }
 
 

@@ -279,7 +279,10 @@ REJECT = [
         "needs `pad_to_multiple_of` (64) to be a multiple of 128",
     ),
     ({"environments": []}, "at least one environment"),
-    ({"train_backend": "megatron"}, "Megatron trainer is not built yet"),
+    (
+        {"train_backend": "megatron", "megatron_exp_avg_dtype": "bfloat16"},
+        "`megatron_exp_avg_dtype: bfloat16` is not supported by refractor's Megatron trainer",
+    ),
     ({"evals": [{"name": "math500"}], "inference_num_workers": 1}, "at least one of the 1 inference server"),
     ({"evals": [{"name": "math500"}], "eval_num_servers": 2}, "eval_num_servers"),
     (
@@ -411,6 +414,7 @@ def test_telescope_yaml_loads_unchanged_with_notices(tmp_path, capsys):
         wandb_upload_code: true
         wandb_upload_logs_stdout: true
         megatron_tensor_parallel_size: 1
+        megatron_overlap_grad_reduce: true
         environments:
           - name: countdown
             weight: 1.0
@@ -424,7 +428,8 @@ def test_telescope_yaml_loads_unchanged_with_notices(tmp_path, capsys):
     assert cfg.tis_cap == 10.0 and cfg.environments[0].kwargs == {"add_thinking_prefix": True}
     err = capsys.readouterr().err
     assert "`wandb_upload_logs_stdout` is accepted for Telescope compatibility but has no effect" in err
-    assert "`megatron_tensor_parallel_size`" in err and "wandb_upload_code" not in err
+    assert "`megatron_overlap_grad_reduce`" in err and "wandb_upload_code" not in err
+    assert "`megatron_tensor_parallel_size`" not in err  # the Megatron trainer reads it
     assert "wandb_project" not in err
 
 

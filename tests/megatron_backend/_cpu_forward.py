@@ -22,6 +22,21 @@ SEQ = 64
 MEGATRON_WARNINGS = ("Apex", "Transformer Engine", "full scope is deprecated")
 
 
+# imported once by the fork server the rank processes start from, instead of once in every rank
+PRELOAD = ["torch", "transformers", "megatron.core.models.gpt", "refractor.megatron.trainer"]
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` fresh processes, forked from a server that imported megatron-core
+    once (each rank importing it costs seconds of CPU); the processes never inherit the test's threads."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from refractor.megatron.mapping import megatron_names
 from refractor.megatron.shards import MegatronLayout, hf_to_shards
@@ -20,6 +19,7 @@ from ._cpu_forward import (
     SEQ,
     free_port,
     quiet_megatron,
+    spawn_ranks,
     stage_forward,
     start_megatron,
     stop_megatron,
@@ -89,7 +89,7 @@ def test_tp2_pp2_ranks_on_their_shards_compute_hf_logits(tmp_path):
     path = build(arch)
     input_ids = _input_ids(ModelConfig.from_hf(read_hf_config(path)))
     out = str(tmp_path / "logits.pt")
-    mp.spawn(tp2_pp2_worker, args=(free_port(), arch, input_ids, out), nprocs=4, join=True)
+    spawn_ranks(tp2_pp2_worker, (free_port(), arch, input_ids, out), nprocs=4)
     _, expected = _hf_logits(path, input_ids)
     torch.testing.assert_close(torch.load(out), expected, rtol=1e-4, atol=1e-4)
 

@@ -440,13 +440,19 @@ class MegatronKeys(_Strict):
     megatron_exp_avg_dtype: str = Field("float32", description="Adam first moment dtype.")
     megatron_exp_avg_sq_dtype: str = Field("float32", description="Adam second moment dtype.")
     megatron_grad_reduce_in_fp32: bool = Field(True, description="Reduce grads in fp32.")
-    megatron_gradient_checkpointing: bool = Field(True, description="Full recompute.")
+    megatron_gradient_checkpointing: bool = Field(
+        True, description="Recompute each decoder layer in the backward (keeps only the layers' inputs)."
+    )
     megatron_sequence_parallel: bool = Field(
         True,
         description="Sequence parallelism among the tensor-parallel ranks (needs TP > 1; defaults to false "
         "when TP = 1).",
     )
-    megatron_use_distributed_optimizer: bool = Field(True, description="Shard the optimizer.")
+    megatron_use_distributed_optimizer: bool = Field(
+        True,
+        description="Split the AdamW state among the data-parallel replicas: each steps its share of the "
+        "parameters and broadcasts it.",
+    )
     megatron_overlap_grad_reduce: bool = Field(False, description="Overlap grad reduce.")
     megatron_use_transformer_engine: bool = Field(False, description="TransformerEngine layer spec.")
     megatron_fp8: bool = Field(False, description="FP8 (needs TransformerEngine).")
@@ -724,7 +730,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("Workers", WorkerKeys),
     ("Orchestrator", OrchestratorKeys),
     ("Trainer / optimizer / schedule", TrainerKeys),
-    ("Megatron (layouts checked at load; the trainer is not built yet: docs/megatron.md)", MegatronKeys),
+    ("Megatron (train_backend: megatron; docs/megatron.md)", MegatronKeys),
     ("Algorithm / loss", AlgorithmKeys),
     ("Reward shaping and output filters", RewardShapingKeys),
     ("Weight sync", WeightSyncKeys),
@@ -735,10 +741,16 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("Evals and tracing", EvalKeys),
 ]
 
-MEGATRON_NOT_BUILT = "the Megatron trainer is not built yet, see docs/megatron.md"
+_UNUSED_OFFLOAD = "it tunes megatron_optimizer_cpu_offload, which refractor's Megatron trainer does not run"
 # Keys accepted so Telescope YAMLs load unchanged, but which refractor does not act on.
 IGNORED_KEYS: dict[str, str] = {
-    **{k: MEGATRON_NOT_BUILT for k in MegatronKeys.model_fields},
+    "megatron_disable_unified_memory_jit": "refractor's Megatron trainer compiles no JIT kernels",
+    "megatron_optimizer_offload_fraction": _UNUSED_OFFLOAD,
+    "megatron_overlap_cpu_optimizer_d2h_h2d": _UNUSED_OFFLOAD,
+    "megatron_grad_reduce_in_fp32": "refractor's Megatron trainer keeps float32 gradients, reduced in "
+    "float32",
+    "megatron_overlap_grad_reduce": "refractor's Megatron trainer reduces gradients once per minibatch, "
+    "after its rows",
     "wandb_upload_logs_detailed": "the log files hold every line; wandb_upload_logs uploads them",
     "wandb_upload_logs_stdout": "the log files hold every line; wandb_upload_logs uploads them",
     "event_tail_window_seconds": "events go to the local run store, not W&B archives",
@@ -748,7 +760,7 @@ IGNORED_KEYS: dict[str, str] = {
     "megatron_global_batch_size": "unused in Telescope too",
     "inference_base_port": "each server listens on a free port the OS picks (the URLs are in the run "
     "store), so runs sharing a machine never collide",
-    "weight_broadcast_pin_memory": MEGATRON_NOT_BUILT,
+    "weight_broadcast_pin_memory": "the Megatron trainer sends its export from the trainer's device",
     "weight_broadcast_free_grad_buffers": "gradients are always freed at the end of each step, before the "
     "weight update",
 }
@@ -796,13 +808,10 @@ class RefractorConfig(
             and data.get("enable_individual_sample_lanes") is False
         ):
             data = {**data, "free_lane_after_generation": False}
-        # sequence parallelism splits the sequence among tensor-parallel ranks: when the user did not
-        # set it, it is off without tensor parallelism (Telescope's default, true, means "when TP > 1")
-        if (
-            isinstance(data, dict)
-            and "megatron_sequence_parallel" not in data
-            and data.get("megatron_tensor_parallel_size", 1) == 1
-        ):
+        # sequence parallelism splits the sequence among tensor-parallel ranks; Telescope's default, true,
+        # means "when it can run": with TP > 1 and the Transformer Engine layer spec, which refractor's
+        # Megatron trainer does not build, so when the user did not set it, it is off
+        if isinstance(data, dict) and "megatron_sequence_parallel" not in data:
             data = {**data, "megatron_sequence_parallel": False}
         return data
 
@@ -847,9 +856,28 @@ def _clipping_active(c: RefractorConfig) -> bool:
     return c.use_ppo_clip or c.algorithm in {"cispo", "gspo"}
 
 
+# the Megatron trainer's options it does not build, each refused naming the key when set otherwise
+_MEGATRON_UNBUILT = {
+    "megatron_optimizer_cpu_offload": (False, "AdamW state stays on the trainer's device"),
+    "megatron_use_precision_aware_optimizer": (
+        False,
+        "master weights, gradients and AdamW moments are float32",
+    ),
+    "megatron_main_grads_dtype": ("float32", "gradients are float32"),
+    "megatron_main_params_dtype": ("float32", "master weights are float32"),
+    "megatron_exp_avg_dtype": ("float32", "AdamW moments are float32"),
+    "megatron_exp_avg_sq_dtype": ("float32", "AdamW moments are float32"),
+}
+
+
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _megatron_errors(c: RefractorConfig) -> list[str]:
-    """The layout's broken rules; a valid layout still gets one error until the Megatron trainer exists,
-    so a run never falls back to another backend."""
+    """The layout's broken rules, then what refractor's Megatron trainer does not run (docs/megatron.md):
+    the Transformer Engine layer spec (so FP8, context and sequence parallelism), mixture-of-experts
+    models, and optimizer options beyond float32 AdamW on the trainer's device."""
     sizes = ParallelSizes(
         tensor=c.megatron_tensor_parallel_size,
         pipeline=c.megatron_pipeline_parallel_size,
@@ -866,16 +894,32 @@ def _megatron_errors(c: RefractorConfig) -> list[str]:
         fp8=c.megatron_fp8,
         transformer_engine_present=transformer_engine_installed(),
     )
-    if errors:
-        return errors
-    unchecked = (
-        "" if shape else f"; the model's heads and layers were not checked: {c.model} is not on this machine"
-    )
-    layout = sizes.describe(c.trainer_num_workers)
-    return [
-        f"`train_backend: megatron`: the layout is valid ({layout}{unchecked}), but refractor's Megatron "
-        "trainer is not built yet; use `train_backend: fsdp` (docs/megatron.md)"
-    ]
+    if c.megatron_use_transformer_engine and transformer_engine_installed():
+        errors.append(
+            "`megatron_use_transformer_engine: true`: refractor's Megatron trainer builds Megatron-Core's "
+            "local layer spec only (the Transformer Engine spec, and with it FP8 and context parallelism, "
+            "is not built yet); set it to false"
+        )
+    if c.megatron_sequence_parallel and sizes.tensor > 1:
+        errors.append(
+            "`megatron_sequence_parallel: true` needs Megatron-Core's Transformer Engine layer spec (its "
+            "local spec's norms have no sequence parallelism), which refractor's Megatron trainer does not "
+            "build yet; set it to false"
+        )
+    if shape is not None and shape.num_experts:
+        errors.append(
+            "`train_backend: megatron` maps dense Llama / Qwen2 / Qwen3 models; this model has "
+            f"{shape.num_experts} experts (mixture-of-experts is not mapped yet): use `train_backend: fsdp`"
+        )
+    for key, (supported, reason) in _MEGATRON_UNBUILT.items():
+        if getattr(c, key) != supported:
+            errors.append(
+                f"`{key}: {_yaml(getattr(c, key))}` is not supported by refractor's Megatron trainer "
+                f"({reason}); set it to {_yaml(supported)}"
+            )
+    if c.fsdp_cpu_offload:
+        errors.append("`fsdp_cpu_offload: true` needs `train_backend: fsdp`")
+    return errors
 
 
 def cross_field_errors(c: RefractorConfig) -> list[str]:

@@ -19,6 +19,7 @@ naming it, so nothing is dropped silently.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -43,6 +44,7 @@ _TOP_RENAMES = {
     "lm_head.weight": "output_layer.weight",
 }
 QKV = "self_attention.linear_qkv"
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 FC1 = "mlp.linear_fc1.weight"
 
 
@@ -115,6 +117,31 @@ def hf_to_megatron(
     return out
 
 
+def megatron_param_to_hf(
+    name: str, tensor: torch.Tensor, config: ModelConfig, *, transformer_engine: bool = False
+) -> list[tuple[str, torch.Tensor]] | None:
+    """One whole Megatron tensor (global layer number, unpadded vocab) as its HF tensors, in HF's order
+    (q, k, v; gate, up); None for a name with no HF counterpart."""
+    top = {mg: hf for hf, mg in _TOP_RENAMES.items()}
+    if name in top:
+        return [(top[name], tensor)]
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None:
+        return None
+    hf, rest = f"model.layers.{match[1]}.", match[2]
+    renames = {mg: h for h, mg in _layer_renames(transformer_engine).items()}
+    if rest in renames:
+        return [(hf + renames[rest], tensor)]
+    if rest in (f"{QKV}.weight", f"{QKV}.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        parts = split_qkv(tensor, config)
+        return [(hf + f"self_attn.{proj}_proj.{kind}", part) for proj, part in zip("qkv", parts, strict=True)]
+    if rest == FC1:
+        gate, up = tensor.chunk(2)
+        return [(hf + "mlp.gate_proj.weight", gate), (hf + "mlp.up_proj.weight", up)]
+    return None
+
+
 def megatron_to_hf(
     mg_state: Mapping[str, torch.Tensor], config: ModelConfig, *, transformer_engine: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -123,22 +150,17 @@ def megatron_to_hf(
     if config.tie_word_embeddings:
         todo.pop("output_layer.weight", None)
     _check_complete(todo, config, transformer_engine, "the Megatron state dict lacks")
-    out = {hf: todo.pop(mg) for hf, mg in _TOP_RENAMES.items() if mg in todo}
-    renames = _layer_renames(transformer_engine)
-    for layer in range(config.num_hidden_layers):
-        hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-        out.update({hf + h: todo.pop(mg + m) for h, m in renames.items() if mg + m in todo})
-        for kind in ("weight", "bias"):
-            if mg + f"{QKV}.{kind}" in todo:
-                q, k, v = split_qkv(todo.pop(mg + f"{QKV}.{kind}"), config)
-                for proj, part in (("q", q), ("k", k), ("v", v)):
-                    out[hf + f"self_attn.{proj}_proj.{kind}"] = part
-        gate, up = todo.pop(mg + FC1).chunk(2)
-        out[hf + "mlp.gate_proj.weight"] = gate
-        out[hf + "mlp.up_proj.weight"] = up
-    if todo:
-        names = ", ".join(f"`{n}`" for n in sorted(todo)[:4])
-        raise ValueError(f"{len(todo)} Megatron tensor(s) have no HF name ({names})")
+    out: dict[str, torch.Tensor] = {}
+    unnamed = []
+    for name, tensor in todo.items():
+        parts = megatron_param_to_hf(name, tensor, config, transformer_engine=transformer_engine)
+        if parts is None:
+            unnamed.append(name)
+        else:
+            out.update(parts)
+    if unnamed:
+        names = ", ".join(f"`{n}`" for n in sorted(unnamed)[:4])
+        raise ValueError(f"{len(unnamed)} Megatron tensor(s) have no HF name ({names})")
     return out
 
 

@@ -85,14 +85,22 @@ def transformer_config(config: ModelConfig, layout: MegatronLayout, params_dtype
 
 def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: torch.dtype = torch.float32):
     """This rank's GPTModel (local layer spec): its pipeline stage's layers, the embedding on the first
-    stage, the final norm and output layer on the last, its tensor-parallel share of each."""
+    stage, the final norm and output layer on the last, its tensor-parallel share of each.
+
+    Its weights are to be loaded (``shards``), so the construction-time copy of a tied embedding from
+    the first stage to the last (an all-reduce of a CUDA copy) is skipped: the model gets no
+    embedding group, and the last stage's copy comes from the loaded state dict.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     if layout.transformer_engine:
         raise NotImplementedError("the Transformer Engine layer spec is not built yet (docs/megatron.md)")
     layout.check(config)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.embd = None
     return GPTModel(
         config=transformer_config(config, layout, params_dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm"),
@@ -101,5 +109,6 @@ def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: t
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=config.tie_word_embeddings,
+        pg_collection=groups,
         **_rope_arguments(config),
     )

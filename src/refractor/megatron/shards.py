@@ -70,7 +70,12 @@ class MegatronLayout:
             )
 
 
-def _split_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, layout: MegatronLayout):
+def is_tensor_parallel(name: str) -> bool:
+    """Whether tensor-parallel ranks hold different parts of tensor ``name`` (else each holds all of it)."""
+    return name in (EMBEDDING, OUTPUT) or name.endswith((FC1, *_QKV, *_ROW_PARALLEL))
+
+
+def split_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, layout: MegatronLayout):
     tp = layout.tensor_parallel
     if name in (EMBEDDING, OUTPUT):
         padding = layout.padded_vocab_size(config.vocab_size) - tensor.shape[0]
@@ -86,7 +91,7 @@ def _split_tensor(name: str, tensor: torch.Tensor, config: ModelConfig, layout: 
     return [tensor] * tp
 
 
-def _merge_tensor(name: str, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+def merge_tensor(name: str, parts: Sequence[torch.Tensor], config: ModelConfig) -> torch.Tensor:
     if name in (EMBEDDING, OUTPUT):
         return torch.cat(list(parts))[: config.vocab_size]
     if name.endswith(FC1):
@@ -97,6 +102,13 @@ def _merge_tensor(name: str, parts: Sequence[torch.Tensor], config: ModelConfig)
     if name.endswith(_ROW_PARALLEL):
         return torch.cat(list(parts), dim=1)
     return parts[0]
+
+
+def global_name(name: str, first_layer: int) -> str:
+    """A stage's tensor name with its layer numbered in the whole model (the stage's first layer is
+    ``first_layer``); names outside the decoder layers are unchanged."""
+    match = _LAYER.fullmatch(name)
+    return f"decoder.layers.{int(match[1]) + first_layer}.{match[2]}" if match else name
 
 
 def to_shards(
@@ -123,7 +135,7 @@ def to_shards(
                 local[OUTPUT] = state[EMBEDDING]
         ranks: StageShards = [{} for _ in range(layout.tensor_parallel)]
         for name, tensor in local.items():
-            for rank, part in zip(ranks, _split_tensor(name, tensor, config, layout), strict=True):
+            for rank, part in zip(ranks, split_tensor(name, tensor, config, layout), strict=True):
                 rank[name] = part.contiguous()
         stages.append(ranks)
     return stages
@@ -148,11 +160,7 @@ def from_shards(shards: Sequence[StageShards], config: ModelConfig, layout: Mega
                 continue
             if name == EMBEDDING and stage != 0 or name in (FINAL_NORM, OUTPUT) and stage != last:
                 raise ValueError(f"pipeline stage {stage} holds `{name}`, which belongs to another stage")
-            merged = _merge_tensor(name, [rank[name] for rank in ranks], config)
-            match = _LAYER.fullmatch(name)
-            if match:
-                name = f"decoder.layers.{int(match[1]) + offset}.{match[2]}"
-            state[name] = merged
+            state[global_name(name, offset)] = merge_tensor(name, [rank[name] for rank in ranks], config)
     return state
 
 

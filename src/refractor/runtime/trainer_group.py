@@ -128,9 +128,9 @@ class TrainerActor:
             return self.rendezvous_host, s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
-        from refractor.trainer import Trainer
+        from refractor.trainer import build_trainer
 
-        self.trainer = Trainer(
+        self.trainer = build_trainer(
             self.settings, self.rank, self.world_size, master_addr=master_addr, master_port=master_port
         )
         node = ray.util.get_node_ip_address()
@@ -140,14 +140,12 @@ class TrainerActor:
         if device.type == "cuda":
             self.memory = TorchMemoryRecorder(lambda: torch_memory_gb(device), self.torch_memory_interval_s)
             self.memory.start()
-        model = self.trainer.model
         return {
             "rank": self.rank,
             "device": str(self.trainer.device),
             "node": node,
             "gpu_ids": gpu_ids,
-            # sharded parameters report their full size: every rank gives the model's count
-            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "num_parameters": self.trainer.num_parameters,  # the whole model's, on every rank
             "impl": self.trainer.impl,
         }
 
@@ -282,8 +280,8 @@ class RayTrainerGroup:
 
     # --- the orchestrator's Trainer protocol ---
     async def train_step(self, step: int, samples: list[TrainSample]) -> StepResult:
-        # the ranks of a context-parallel group share their rows: one share per group
-        dp_size = self.world_size // self.settings.trainer.fsdp_context_parallel_size
+        # the ranks of a model replica (context-parallel group, Megatron TP x PP) share their rows
+        dp_size = self.settings.trainer.data_parallel_size(self.world_size)
         batch = await asyncio.to_thread(pack_step, samples, step, self.settings.packing, dp_size)
         batch_ref = ray.put(batch)
         results = await await_ranks(

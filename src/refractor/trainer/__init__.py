@@ -50,6 +50,11 @@ model_impl="auto", random_init=False, compile=None)``
 ``trainer.load_checkpoint(which="latest" | N) -> N``; ``trainer.maybe_resume()`` applies
 ``resume_from_checkpoint``; ``trainer.step`` counts completed steps; ``trainer.shutdown()``.
 
+``build_trainer(settings, rank, world_size, **kwargs)``
+    The trainer of ``settings.train_backend``: this ``Trainer`` (``fsdp``) or
+    ``refractor.megatron.trainer.MegatronTrainer`` (``megatron``, docs/megatron.md), which has the same
+    methods and metrics; ``trainer.num_parameters`` is the whole model's count on every rank.
+
 Offline: ``refractor convert CHECKPOINT OUT`` (``refractor.trainer.convert``) writes an HF directory.
 Imports are lazy so that ``refractor`` CLI commands stay fast.
 """
@@ -62,7 +67,21 @@ if TYPE_CHECKING:
     from refractor.trainer.settings import TrainerSettings
     from refractor.trainer.trainer import Trainer
 
-__all__ = ["Trainer", "TrainerSettings"]
+__all__ = ["Trainer", "TrainerSettings", "build_trainer"]
+
+
+def build_trainer(
+    settings: TrainerSettings, rank: int | None = None, world_size: int | None = None, **kwargs: Any
+):
+    """The trainer rank of ``settings.train_backend`` (keyword arguments: ``master_addr``,
+    ``master_port``, ``device``)."""
+    if settings.train_backend == "megatron":
+        from refractor.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(settings, rank, world_size, **kwargs)
+    from refractor.trainer.trainer import Trainer
+
+    return Trainer(settings, rank, world_size, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -69,12 +69,28 @@ class CheckpointSettings:
         return None
 
 
+@dataclass(frozen=True)
+class MegatronSettings:
+    """The Megatron trainer's layout and options (``train_backend: megatron``; docs/megatron.md)."""
+
+    megatron_tensor_parallel_size: int = 1
+    megatron_pipeline_parallel_size: int = 1
+    megatron_gradient_checkpointing: bool = True  # each decoder layer recomputed in the backward
+    megatron_use_distributed_optimizer: bool = True  # AdamW state split among data-parallel replicas
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model."""
+        return self.megatron_tensor_parallel_size * self.megatron_pipeline_parallel_size
+
+
 _SECTIONS: dict[str, type] = {
     "optimizer": OptimizerSettings,
     "forward": ForwardSettings,
     "loss": LossSettings,
     "checkpoint": CheckpointSettings,
     "lora": LoraSettings,
+    "megatron": MegatronSettings,
 }
 
 
@@ -83,6 +99,7 @@ class TrainerSettings:
     """Everything ``Trainer`` reads: model and precision keys, then one section per concern."""
 
     model: str  # HF directory / cached id / refractor-testing/..., or a native checkpoint directory
+    train_backend: str = "fsdp"  # fsdp | megatron
     model_dtype: str = "float32"  # master weights
     mixed_precision_dtype: str | None = "bfloat16"  # compute; None = the master dtype
     seed: int = 0
@@ -99,6 +116,13 @@ class TrainerSettings:
     loss: LossSettings = field(default_factory=LossSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
+    megatron: MegatronSettings = field(default_factory=MegatronSettings)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Replicas among ``world_size`` trainer ranks: one packed share of the batch each."""
+        if self.train_backend == "megatron":
+            return world_size // self.megatron.model_parallel_size
+        return world_size // self.fsdp_context_parallel_size
 
     @classmethod
     def config_keys(cls) -> list[str]:

@@ -238,6 +238,11 @@ class Trainer:
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    @property
+    def num_parameters(self) -> int:
+        """The whole model's parameter count (sharded parameters report their full size)."""
+        return sum(p.numel() for p in self.model.parameters())
+
     # ------------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch) -> StepResult:
         """One step on this rank's micro-batches; every rank must call it with the same batch."""

@@ -1,0 +1,90 @@
+"""One packed row through this rank's part of a Megatron-Core ``GPTModel``, and the log-probs at its end.
+
+The model's own pieces run in order (embedding on the first stage, the decoder's layers, the final
+norm and the head on the last), with two inputs ``GPTModel.forward`` would build differently:
+
+* the attention mask is block-causal over the row's samples (``document_ids``): a token sees the
+  earlier tokens of its own sample only, as refractor's packed attention does. Megatron-Core's
+  local attention takes a boolean ``[1, 1, T, T]`` mask (True: masked out);
+* the rotary table is indexed by each token's position in its sample (``position_ids`` restart at 0
+  for every sample), from the model's own frequencies (``get_freqs_non_repeated``), laid out as
+  ``RotaryEmbedding.get_emb`` lays it out (which also moves them to a CUDA device).
+
+Sequence parallelism is not on this path: megatron-core 0.16's local layer spec (torch norms) refuses
+it, so every tensor-parallel rank holds the whole row's hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refractor.megatron.parallel import MegatronRanks
+from refractor.megatron.vocab_parallel import vocab_parallel_token_logprobs
+from refractor.records import MicroBatch
+
+
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, T] bool, True where a query must not see a key (later, or another sample)."""
+    length = document_ids.numel()
+    later = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).triu(1)
+    return (later | (document_ids[:, None] != document_ids[None, :]))[None, None]
+
+
+def rotary_table(model, position_ids: torch.Tensor) -> torch.Tensor:
+    """[T, 1, 1, D]: the rotary angles of each token's position."""
+    rotary = model.rotary_pos_emb
+    freqs = rotary.get_freqs_non_repeated(int(position_ids.max()) + 1).to(position_ids.device)
+    return torch.cat([freqs, freqs], dim=-1)[position_ids][:, None, None, :]
+
+
+def stage_forward(model, mb: MicroBatch, received: torch.Tensor | None) -> torch.Tensor:
+    """This stage's output for the row: hidden states [T, 1, H], after the final norm on the last
+    stage. ``received``: the previous stage's output (None on the
+    first stage)."""
+    if model.pre_process:
+        hidden = model.embedding(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None])
+    else:
+        model.set_input_tensor(received)
+        hidden = received
+    return model.decoder(
+        hidden_states=hidden,
+        attention_mask=block_causal_mask(mb.document_ids),
+        rotary_pos_emb=rotary_table(model, mb.position_ids),
+    )
+
+
+def head_weight(model, vocab_size: int, ranks: MegatronRanks) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of the LM head that are tokens, the vocabulary id of the first): the padded
+    vocabulary's rows beyond ``vocab_size`` are left out."""
+    weight = model.output_layer.weight
+    if weight is None:  # tied on one stage: the head is the embedding
+        weight = model.shared_embedding_or_output_weight()
+    rows = weight.shape[0]
+    start = ranks.tensor_rank * rows
+    return weight[: max(0, min(rows, vocab_size - start))], start
+
+
+def row_logprobs(
+    model,
+    hidden: torch.Tensor,
+    mb: MicroBatch,
+    vocab_size: int,
+    ranks: MegatronRanks,
+    temperature: float,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last stage's per-token (log-prob, entropy) [T] of the row, the same on every TP rank."""
+    from megatron.core import tensor_parallel
+
+    # every TP rank computes the head on the same hidden states; backward sums the ranks' shares
+    hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=ranks.tensor_group)
+    weight, start = head_weight(model, vocab_size, ranks)
+    return vocab_parallel_token_logprobs(
+        hidden[:, 0],
+        weight,
+        start,
+        mb.input_ids,
+        ranks.tensor_group,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )

@@ -1,0 +1,117 @@
+"""Megatron-Core's parallel state on the trainer's process group, and this rank's place in it.
+
+``start(sizes, device)`` builds Megatron-Core's groups over the default process group (already
+joined: NCCL on CUDA, gloo on CPU) in its default order: tensor-parallel ranks adjacent, then
+data-parallel, then pipeline stages. Two defaults of megatron-core 0.16 are CUDA-only and get
+device-neutral stand-ins:
+
+* the scratch buffer of the local attention's scores (``GlobalMemoryBuffer.get_tensor`` allocates
+  on the current CUDA device) is allocated on the rank's device;
+* the RNG tracker that dropout forks is the inference tracker, which forks nothing: every dropout
+  of the models built here is 0, so there is no random state to track.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from refractor.megatron.layout import ParallelSizes
+
+
+@dataclass(frozen=True)
+class MegatronRanks:
+    """This rank's coordinates in the TP x DP x PP grid, its groups and its device."""
+
+    tensor_rank: int
+    tensor_size: int
+    pipeline_rank: int
+    pipeline_size: int
+    data_rank: int
+    data_size: int
+    tensor_group: dist.ProcessGroup
+    data_group: dist.ProcessGroup
+    model_group: dist.ProcessGroup  # the TP x PP ranks of one model replica
+    # global ranks of the stages' ranks with this rank's TP and DP coordinates, stage by stage
+    stage_ranks: tuple[int, ...]
+    # the first and the last stage's ranks of this coordinate (a tied embedding lives on both);
+    # None on a middle stage and with one stage
+    embedding_group: dist.ProcessGroup | None
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pipeline_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pipeline_rank == self.pipeline_size - 1
+
+    @property
+    def previous_stage(self) -> int:
+        return self.stage_ranks[self.pipeline_rank - 1]
+
+    @property
+    def next_stage(self) -> int:
+        return self.stage_ranks[self.pipeline_rank + 1]
+
+    @property
+    def is_lead(self) -> bool:
+        """The one rank of its replica that counts the loss: the last stage's first TP rank."""
+        return self.is_last_stage and self.tensor_rank == 0
+
+
+class _DeviceMemoryBuffer:
+    """Megatron-Core's ``GlobalMemoryBuffer`` protocol with its tensors on ``device``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
+        needed = math.prod(tensor_shape)
+        held = self.buffer.get((name, dtype))
+        if held is None or held.numel() < needed:
+            held = self.buffer[(name, dtype)] = torch.empty(needed, dtype=dtype, device=self.device)
+        return held[:needed].view(*tensor_shape)
+
+
+def start(sizes: ParallelSizes, device: torch.device) -> MegatronRanks:
+    """Megatron-Core's parallel state for ``sizes`` over the default process group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tensor,
+        pipeline_model_parallel_size=sizes.pipeline,
+        create_gloo_process_groups=False,
+    )
+    if device.type != "cuda":
+        ps._GLOBAL_MEMORY_BUFFER = _DeviceMemoryBuffer(device)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    stages = sizes.pipeline
+    return MegatronRanks(
+        tensor_rank=ps.get_tensor_model_parallel_rank(),
+        tensor_size=sizes.tensor,
+        pipeline_rank=ps.get_pipeline_model_parallel_rank(),
+        pipeline_size=stages,
+        data_rank=ps.get_data_parallel_rank(),
+        data_size=ps.get_data_parallel_world_size(),
+        tensor_group=ps.get_tensor_model_parallel_group(),
+        data_group=ps.get_data_parallel_group(),
+        model_group=ps.get_model_parallel_group(),
+        stage_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
+        embedding_group=ps.get_embedding_group(check_initialized=False) if stages > 1 else None,
+        device=device,
+    )
+
+
+def stop() -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    ps.destroy_model_parallel()
+    tensor_parallel.random.initialize_rng_tracker(force_reset=True)

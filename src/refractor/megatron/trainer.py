@@ -1,0 +1,390 @@
+"""``MegatronTrainer``: one rank of the Megatron-Core trainer, behind the FSDP ``Trainer``'s interface.
+
+The orchestrator, the weight sync and the run store call the same methods with the same records:
+``train_step(TrainBatch) -> StepResult`` (the same metrics), ``export_weight_buckets`` (whole HF
+tensors in buckets on rank 0), ``save_checkpoint`` / ``load_checkpoint`` / ``maybe_resume``
+(refractor's checkpoint directory: HF-named weights, so ``refractor convert`` and ``model:
+<checkpoint>`` work as for FSDP checkpoints), ``shutdown``.
+
+A rank holds its tensor-parallel shard of its pipeline stage of Megatron-Core's ``GPTModel`` (local
+layer spec), loaded from the HF weights through the mapping (``weights.WeightPlan``). The step
+(``step.py``) runs the shared loss on a vocabulary-parallel head; AdamW is torch's on the local
+tensors (``optimizer.py``). Everything runs in float32 (master weights, compute, gradient
+reductions): ``model_dtype`` / ``mixed_precision_dtype`` are not applied by this trainer yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refractor.megatron import parallel
+from refractor.megatron.layout import ParallelSizes
+from refractor.megatron.optimizer import MegatronOptimizer
+from refractor.megatron.shards import EMBEDDING, OUTPUT, MegatronLayout
+from refractor.megatron.step import StageModel, norm_parameters, run_step
+from refractor.megatron.weights import (
+    WeightBucket,
+    WeightPlan,
+    export_buckets,
+    gather_bucket,
+    hf_shapes,
+    read_safetensors,
+    unpack,
+)
+from refractor.models import ModelConfig
+from refractor.records import StepResult, TrainBatch
+from refractor.trainer import checkpoint as ckpt
+from refractor.trainer.distributed import init_distributed
+from refractor.trainer.optim import build_lr_scheduler
+from refractor.trainer.policy_model import prepare_layers
+from refractor.trainer.settings import TrainerSettings
+from refractor.trainer.step import StepSettings, step_metrics
+from refractor.trainer.timing import StepTimer
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BACKEND = "megatron"
+
+
+class MegatronTrainer:
+    """See the module docstring and ``refractor.trainer`` for the contract. Construct on every rank."""
+
+    impl = BACKEND
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        device: str | torch.device | None = None,
+    ):
+        self.settings = settings
+        self.info = init_distributed(
+            rank, world_size, master_addr=master_addr, master_port=master_port, device=device
+        )
+        self.rank = self.info.rank
+        self.world_size = self.info.world_size
+        self.device = self.info.device
+        self.checkpoint_dir = settings.checkpoint.root
+        self.timeline_attrs: dict[str, Any] = {}
+        mg = settings.megatron
+        sizes = ParallelSizes(
+            tensor=mg.megatron_tensor_parallel_size, pipeline=mg.megatron_pipeline_parallel_size
+        )
+        if self.world_size % sizes.model_parallel:
+            raise ValueError(
+                f"{self.world_size} trainer ranks do not split into TP {sizes.tensor} x PP {sizes.pipeline} "
+                "model replicas"
+            )
+        self.ranks = parallel.start(sizes, self.device)
+        self.dp_size = self.ranks.data_size
+        self.dp_rank = self.ranks.data_rank
+
+        source, init_checkpoint = _model_source(settings.model)
+        self.model_dir = source
+        self.hf_config = json.loads((source / "config.json").read_text())
+        self.config = ModelConfig.from_hf(self.hf_config)
+        self.layout = MegatronLayout(tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline)
+        self.plan = WeightPlan.build(self.hf_config, self.layout)
+        from refractor.megatron.model import build_gpt_model
+
+        torch.manual_seed(settings.seed)
+        self.master_dtype = torch.float32
+        self.model = build_gpt_model(self.config, self.layout, self.master_dtype).to(self.device)
+        stage = self.ranks.pipeline_rank
+        names = self.plan.needed_hf_names(stage)
+        if init_checkpoint is None:
+            hf = read_safetensors(source, names)
+        else:  # a refractor checkpoint's weights (HF names) as the initial weights
+            hf = self._read_checkpoint_weights(init_checkpoint, names)
+        self._load_hf(hf)
+        self.params = dict(self.model.named_parameters())
+        if mg.megatron_gradient_checkpointing:
+            prepare_layers(self.model.decoder.layers, checkpoint_activations=True, compile=False)
+
+        optimizer = settings.optimizer
+        self.optimizer = MegatronOptimizer(
+            self.params,
+            optimizer.learning_rate,
+            optimizer.weight_decay,
+            self.ranks,
+            distributed=mg.megatron_use_distributed_optimizer,
+        )
+        self.scheduler = build_lr_scheduler(self.optimizer.adamw, optimizer.schedule)
+        self.loss_settings = settings.loss
+        pad_id = self.hf_config.get("pad_token_id")
+        self.step_settings = StepSettings.from_settings(
+            settings, pad_token_id=pad_id if isinstance(pad_id, int) else 0, on_cuda=False, compiled=False
+        )
+        tied_copy = None
+        if self.config.tie_word_embeddings and self.ranks.embedding_group is not None:
+            tied_copy = self.params[EMBEDDING if self.ranks.is_first_stage else OUTPUT]
+        self.stage = StageModel(
+            self.model,
+            self.ranks,
+            self.config.vocab_size,
+            self.config.hidden_size,
+            self.master_dtype,
+            tied_copy,
+            norm_parameters(self.params, self.ranks, tied_copy),
+        )
+        self._step = 0
+        self.skipped_updates = 0
+        log.info(
+            "megatron trainer rank %d/%d on %s: TP %d x PP %d x DP %d (stage %d, TP rank %d), float32, "
+            "layer recompute %s, AdamW state %s",
+            self.rank,
+            self.world_size,
+            self.device,
+            sizes.tensor,
+            sizes.pipeline,
+            self.dp_size,
+            stage,
+            self.ranks.tensor_rank,
+            mg.megatron_gradient_checkpointing,
+            "split among the replicas" if self.optimizer.replicas > 1 else "whole on every replica",
+        )
+
+    def _load_hf(self, hf: Mapping[str, torch.Tensor]) -> None:
+        state = self.plan.stage_state(hf, self.ranks.pipeline_rank, self.ranks.tensor_rank)
+        self.model.load_state_dict(state, strict=True)
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def learning_rate(self) -> float:
+        return self.optimizer.learning_rate
+
+    @property
+    def num_parameters(self) -> int:
+        """The whole model's parameter count (a tied head counted once)."""
+        return sum(shape.numel() for shape in (t.shape for t in self.plan.skeleton.values()))
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """One step on this rank's replica's micro-batches; every rank calls it with the same batch."""
+        if len(batch.micro_batches) != self.dp_size:
+            raise ValueError(
+                f"TrainBatch for step {batch.step} has micro-batches for {len(batch.micro_batches)} "
+                f"ranks; the trainer has {self.dp_size} data-parallel replicas (pack with "
+                f"num_dp_ranks={self.dp_size})"
+            )
+        timer = StepTimer(
+            self.device,
+            attrs={"step": batch.step, "rank": self.rank, **self.timeline_attrs},
+            detail=self.settings.track_gpu_events,
+        )
+        lr = self.learning_rate
+        wall = time.perf_counter()
+        self.model.train()
+        with timer.span("step", always=True):
+            outcome = run_step(
+                self.stage,
+                self.optimizer,
+                list(self.params.values()),
+                batch,
+                batch.micro_batches[self.dp_rank],
+                self.loss_settings,
+                self.step_settings,
+                timer,
+            )
+            with warnings.catch_warnings():  # a skipped (non-finite) first update is not a misuse
+                warnings.filterwarnings(
+                    "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+                )
+                self.scheduler.step()
+        metrics = step_metrics(outcome, self.loss_settings, self.device)
+        events, timings = timer.finish()
+        elapsed = time.perf_counter() - wall
+        self.skipped_updates += outcome.skipped_updates
+        self._step += 1
+        metrics.update(timings)
+        metrics.update(
+            {
+                "learning_rate": lr,
+                "timing_step_active": timings.get("timing_step_total", elapsed),
+                "timing_microbatch_count": float(outcome.rows),
+                "trainer/optimizer/skipped_updates_total": float(self.skipped_updates),
+                "trainer/throughput/tokens_per_s": metrics["trainer/batch/tokens"] / max(elapsed, 1e-9),
+            }
+        )
+        return StepResult(step=batch.step, metrics=metrics, timeline=events)
+
+    # ------------------------------------------------------------------ weight export
+    def inference_dtype(self) -> torch.dtype:
+        name = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "bfloat16"
+        return _DTYPES.get(name, torch.bfloat16)
+
+    def export_weight_buckets(
+        self, bucket_mb: int | None = None, dtype: torch.dtype | None = None
+    ) -> Iterator[WeightBucket]:
+        """Whole weights with HF names in buckets of ``bucket_mb`` MiB (default
+        ``weight_broadcast_bucket_mb``) cast to ``dtype`` (default: the checkpoint's dtype). Iterate on
+        every rank; rank 0 gets the tensors, the other ranks empty lists."""
+        mb = bucket_mb or self.settings.weight_broadcast_bucket_mb
+        return export_buckets(self.plan, self.params, self.ranks, mb * 2**20, dtype or self.inference_dtype())
+
+    # ------------------------------------------------------------------ checkpoints
+    def _require_checkpoint_dir(self) -> Path:
+        if self.checkpoint_dir is None:
+            raise ValueError("no checkpoint directory: set `checkpoint_dir` or `run_name` in the config")
+        return self.checkpoint_dir
+
+    def _stage_hf_weights(self) -> dict[str, torch.Tensor]:
+        """This stage's weights as whole HF tensors on its first replica's first TP rank ({} elsewhere)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.ranks.data_rank != 0:
+            return out
+        for stage, tensors in self.plan.buckets(
+            self.settings.weight_broadcast_bucket_mb * 2**20, self.master_dtype
+        ):
+            if stage != self.ranks.pipeline_rank:
+                continue
+            flat = gather_bucket(tensors, self.params, self.plan, self.ranks, None)
+            if flat is not None:
+                out.update(unpack(flat, hf_shapes(tensors)))
+        return out
+
+    def _optimizer_key(self, name: str) -> str:
+        """Optimizer state is saved per shard: its stage, its TP rank, its name in the stage's model."""
+        return f"pp{self.ranks.pipeline_rank}.tp{self.ranks.tensor_rank}.{name}"
+
+    def _checkpoint_state(self, training_state: bool) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self._stage_hf_weights(), "trainer": {"step": self._step}}
+        if training_state:
+            state["optimizer"] = {self._optimizer_key(n): s for n, s in self.optimizer.state().items()}
+            state["scheduler"] = self.scheduler.state_dict()
+            state["trainer"]["skipped_updates"] = self.skipped_updates
+        return state
+
+    def _layout_meta(self) -> dict[str, int]:
+        return {
+            "tensor_parallel": self.layout.tensor_parallel,
+            "pipeline_parallel": self.layout.pipeline_parallel,
+        }
+
+    def save_checkpoint(
+        self,
+        step: int | None = None,
+        extra_files: Mapping[str, str | bytes] | None = None,
+        timer: StepTimer | None = None,
+    ) -> Path:
+        """Save ``step_<step>`` (default: ``self.step``) atomically; call on every rank. The weights
+        are whole HF tensors (as the FSDP trainer saves them); the AdamW state is per shard, so a
+        resume needs the same TP x PP layout (data parallelism may differ)."""
+        root = self._require_checkpoint_dir()
+        step = self._step if step is None else step
+        checkpoint = self.settings.checkpoint
+        training_state = checkpoint.checkpoint_save_training_state
+        span = timer.span("checkpoint/get_state_dict") if timer is not None else contextlib.nullcontext()
+        with span:
+            state = self._checkpoint_state(training_state)
+        meta = {
+            "backend": BACKEND,
+            "base_model": self.settings.model,
+            "model_impl": "native",
+            "model_dtype": str(self.master_dtype),
+            "trainer_step": self._step,
+            "megatron": self._layout_meta(),
+        }
+        return ckpt.save_checkpoint(
+            root,
+            step,
+            state,
+            meta=meta,
+            base_model_dir=self.model_dir,
+            extra_files=extra_files,
+            save_rng=training_state,
+            after_rename=lambda: ckpt.apply_retention(
+                root, step, checkpoint.checkpoint_keep_last, checkpoint.checkpoint_keep_every
+            ),
+            timer=timer,
+        )
+
+    def load_checkpoint(self, which: int | str | bool = "latest") -> int:
+        """Restore weights, AdamW state, scheduler, RNG and step from ``step_<N>`` (or the latest)."""
+        root = self._require_checkpoint_dir()
+        step = ckpt.resolve_checkpoint_step(root, which)
+        path = ckpt.checkpoint_path(root, step)
+        meta = ckpt.read_meta(path)
+        if not meta.get("training_state"):
+            raise ckpt.CheckpointError(
+                f"{path} holds weights only (checkpoint_save_training_state was false) and "
+                f"cannot be resumed; start a new run from it with `model: {path}`"
+            )
+        if meta.get("backend") != BACKEND or meta.get("megatron") != self._layout_meta():
+            saved = meta.get("megatron") or meta.get("backend", "fsdp")
+            raise ckpt.CheckpointError(
+                f"{path} was saved by the {meta.get('backend', 'fsdp')} trainer with layout {saved}; this "
+                f"run is megatron {self._layout_meta()}: its optimizer state is per shard, so resume with "
+                f"the same layout, or start a new run from its weights with `model: {path}`"
+            )
+        state = {
+            "model": self._empty_hf(self.plan.needed_hf_names(self.ranks.pipeline_rank)),
+            "optimizer": {self._optimizer_key(n): s for n, s in self.optimizer.state().items()},
+            "scheduler": self.scheduler.state_dict(),
+            "trainer": {"step": 0, "skipped_updates": 0},
+        }
+        ckpt.load_checkpoint_state(path, state, restore_rng=True)
+        self._load_hf(state["model"])
+        self.optimizer.load_state(
+            {n: state["optimizer"][self._optimizer_key(n)] for n in self.optimizer.owned}
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.adamw.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+        self._step = int(state["trainer"]["step"])
+        self.skipped_updates = int(state["trainer"]["skipped_updates"])
+        return step
+
+    def maybe_resume(self) -> int | None:
+        """Apply ``resume_from_checkpoint`` (true = latest, N = step N); returns the loaded step or None."""
+        which = self.settings.checkpoint.resume_from_checkpoint
+        if which is False:
+            return None
+        return self.load_checkpoint(which)
+
+    def _empty_hf(self, names: list[str]) -> dict[str, torch.Tensor]:
+        skeleton = self.plan.skeleton
+        return {n: torch.empty(skeleton[n].shape, dtype=self.master_dtype, device=self.device) for n in names}
+
+    def _read_checkpoint_weights(self, path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+        """A refractor checkpoint's weights (HF names, either backend) that this stage needs."""
+        if ckpt.read_meta(path).get("lora"):
+            raise ckpt.CheckpointError(
+                f"{path} holds LoRA adapters; the Megatron trainer starts from whole weights (an HF "
+                "directory, or `refractor convert` the checkpoint first)"
+            )
+        state = {"model": self._empty_hf(names)}
+        ckpt.load_checkpoint_state(path, state, restore_rng=False)
+        return state["model"]
+
+    def shutdown(self) -> None:
+        parallel.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _model_source(model: str) -> tuple[Path, Path | None]:
+    """(directory with config.json, refractor checkpoint to take the weights from or None)."""
+    path = Path(model).expanduser()
+    if (path / ckpt.META_FILE).is_file():
+        return path / ckpt.HF_META_DIR, path
+    from refractor.hub import resolve_model_path
+
+    return resolve_model_path(model), None

@@ -1,0 +1,190 @@
+"""``MegatronTrainer`` (CPU, gloo, float32) behind the FSDP trainer's interface.
+
+* On one rank its steps equal the FSDP ``Trainer``'s on the same weights and batches: the same shared
+  loss and metrics, the same gradient norm, AdamW updates and learning-rate schedule.
+* On 4 processes (spawned once for the module), TP=2 x PP=2, TP=2 x DP=2 (AdamW state split among the
+  replicas) and PP=2 x DP=2 equal one rank; the exported HF weights are the ranks' shards merged,
+  bit-exact, cast as the FSDP export casts them; a checkpoint resumes exactly (the step after the
+  resume equals the step without the stop) and ``refractor convert`` turns it into an HF directory
+  that the FSDP trainer also starts from.
+
+The model is the tiny tied Qwen2 of ``_models`` (vocabulary 600 padded to 768 with TP=2, so the
+second TP rank's head block holds 216 tokens and 168 padding rows). Megatron-Core's own pipeline
+schedules and optimizers allocate on CUDA devices; the trainer's schedule and AdamW run here
+(``refractor.megatron.step``, ``optimizer``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from refractor.megatron.shards import MegatronLayout, shards_to_hf
+from refractor.models import ModelConfig, read_hf_config
+
+from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
+from ._models import build
+from ._trainer_runs import LAYOUTS, batches, exported, four_rank_worker, run_three_steps, settings
+
+with warnings.catch_warnings():
+    quiet_megatron()
+    pytest.importorskip(
+        "megatron.core", reason="megatron-core is the `megatron` extra (scripts/install.sh --dev)"
+    )
+pytestmark = [pytest.mark.filterwarnings(f"ignore:.*{text}.*:UserWarning") for text in MEGATRON_WARNINGS]
+COMPARED = ("loss", "grad_norm", "entropy", "kl_divergence_inference", "learning_rate")
+
+
+def _per_rank(key: str) -> bool:
+    return key.startswith(("timing_", "trainer/throughput/", "trainer/memory/"))
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return build("qwen2")
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_path, tmp_path_factory):
+    """Three steps of the FSDP trainer and of the Megatron trainer on one rank (one gloo world)."""
+    import torch.distributed as dist
+
+    from refractor.megatron import parallel
+    from refractor.megatron.trainer import MegatronTrainer
+    from refractor.trainer import Trainer
+
+    tmp = tmp_path_factory.mktemp("one-rank")
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    fsdp = Trainer(settings(model_path, "fsdp", tmp / "fsdp"))
+    fsdp_run = run_three_steps(fsdp, 1)
+    megatron = MegatronTrainer(settings(model_path, "megatron", tmp / "megatron"))
+    megatron_run = run_three_steps(megatron, 1)
+    megatron_run["trainer"] = megatron
+    megatron_run["checkpoints"] = tmp / "megatron"
+    yield {"fsdp": fsdp_run, "megatron": megatron_run}
+    parallel.stop()
+    if owned:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(model_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("four-ranks")
+    spawn_ranks(four_rank_worker, (free_port(), str(model_path), str(root)), nprocs=4)
+    results = {name: torch.load(root / f"{name}.pt", weights_only=False) for name, *_ in LAYOUTS}
+    return {**results, "root": root}
+
+
+def _assert_same_steps(got: list[dict], want: list[dict], same_rows: bool = True) -> None:
+    """Tolerance: float32 sums in another order (fused QKV and gate/up GEMMs, the vocabulary-parallel
+    softmax, data-parallel sums) -> rel 1e-5 on the loss and the reported statistics, 1e-4 on the norm.
+    ``same_rows``: packed the same way (one data-parallel replica), so the same tokens run."""
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        for key in COMPARED:
+            rel = 1e-4 if key == "grad_norm" else 1e-5
+            assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-7), (step, key)
+        for key in ("trainer/batch/trainable_tokens", "trainer/optimizer/skipped_updates"):
+            assert g[key] == w[key], (step, key)
+        if same_rows:
+            assert g["trainer/batch/tokens"] == w["trainer/batch/tokens"], step
+
+
+def _assert_close_weights(got: dict, want: dict) -> None:
+    """After four AdamW updates at lr 1e-3, within 2e-5 (2% of one update's size)."""
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+def test_one_rank_steps_equal_the_fsdp_trainer_steps(one_rank):
+    fsdp, megatron = one_rank["fsdp"], one_rank["megatron"]
+    for f, m in zip(fsdp["metrics"], megatron["metrics"], strict=True):
+        assert {k for k in f if not _per_rank(k)} == {k for k in m if not _per_rank(k)}  # the same metrics
+    _assert_same_steps(megatron["metrics"], fsdp["metrics"])
+    assert (
+        megatron["metrics"][1]["trainer/batch/micro_batches"]
+        == fsdp["metrics"][1]["trainer/batch/micro_batches"]
+    )
+    _assert_close_weights(megatron["export"], fsdp["export"])
+
+
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
+def test_four_rank_layouts_equal_one_rank(four_ranks, one_rank, layout):
+    result = four_ranks[layout]
+    reference = one_rank["megatron"]
+    _, tp, pp, _ = next(entry for entry in LAYOUTS if entry[0] == layout)
+    _assert_same_steps(result["metrics"], reference["metrics"], same_rows=tp * pp == 4)
+    _assert_close_weights(result["export"], reference["export"])
+
+
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
+def test_the_export_is_the_ranks_shards_merged_bit_exact(four_ranks, model_path, layout):
+    result = four_ranks[layout]
+    _, tp, pp, _ = next(entry for entry in LAYOUTS if entry[0] == layout)
+    config = ModelConfig.from_hf(read_hf_config(model_path))
+    merged = shards_to_hf(result["shards"], config, MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp))
+    assert result["export"].keys() == merged.keys()
+    assert "lm_head.weight" not in merged  # tied: the embedding is the head
+    for name, tensor in merged.items():
+        assert torch.equal(result["export"][name], tensor), name
+        assert torch.equal(result["bf16_export"][name], tensor.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
+def test_a_resumed_step_equals_the_step_without_the_stop(four_ranks, layout):
+    result = four_ranks[layout]
+    for key in (*COMPARED, "trainer/batch/trainable_tokens"):
+        assert result["resumed_metrics"][key] == result["metrics"][2][key], key
+    for name, tensor in result["export"].items():
+        assert torch.equal(result["resumed_export"][name], tensor), name
+
+
+def test_one_rank_resume_and_conversion_to_hf(one_rank, model_path, tmp_path):
+    """The step-2 checkpoint resumes exactly on one rank; ``refractor convert`` writes its weights as an
+    HF directory, and the FSDP trainer started from the checkpoint holds the same weights."""
+    from refractor.megatron import parallel
+    from refractor.megatron.trainer import MegatronTrainer
+    from refractor.models.loading import iter_safetensors
+    from refractor.trainer import Trainer
+    from refractor.trainer.convert import export_hf
+    from trainer._helpers import full_params
+
+    megatron = one_rank["megatron"]
+    parallel.stop()
+    resumed = MegatronTrainer(megatron["trainer"].settings)
+    assert resumed.load_checkpoint("latest") == 2
+    at_step_2 = exported(resumed)
+    metrics = resumed.train_step(batches(1)[2]).metrics
+    for key in COMPARED:
+        assert metrics[key] == megatron["metrics"][2][key], key
+    for name, tensor in exported(resumed).items():
+        assert torch.equal(tensor, megatron["export"][name]), name
+
+    checkpoint = megatron["checkpoints"] / "step_2"
+    converted = dict(iter_safetensors(export_hf(checkpoint, tmp_path / "hf", dtype="float32")))
+    assert converted.keys() == at_step_2.keys()
+    for name, tensor in at_step_2.items():
+        assert torch.equal(converted[name], tensor), name
+    fsdp = full_params(Trainer(settings(checkpoint, "fsdp", tmp_path / "fsdp")))
+    for name, tensor in at_step_2.items():
+        assert torch.equal(fsdp[name], tensor), name
+
+
+def test_a_checkpoint_of_another_layout_or_backend_is_refused_naming_both(one_rank, four_ranks):
+    from refractor.trainer.checkpoint import CheckpointError
+
+    trainer = one_rank["megatron"]["trainer"]
+    own = trainer.checkpoint_dir
+    try:
+        trainer.checkpoint_dir = four_ranks["root"] / "tp2-pp2"
+        with pytest.raises(CheckpointError, match=r"layout \{'tensor_parallel': 2, 'pipeline_parallel': 2\}"):
+            trainer.load_checkpoint("latest")
+        trainer.checkpoint_dir = own.parent / "fsdp"
+        with pytest.raises(CheckpointError, match="saved by the fsdp trainer"):
+            trainer.load_checkpoint("latest")
+    finally:
+        trainer.checkpoint_dir = own
