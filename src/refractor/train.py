@@ -591,6 +591,8 @@ def _http_servers(infos, cfg, control_token: str):
         InferenceClient(
             info.url,
             name=info.name,
+            # the served name: on vLLM with lora_sync: adapter, the name of the pushed adapter
+            model=cfg.model,
             timeout_s=float(cfg.ray_placement_timeout_s),
             control_token=control_token,
         )

@@ -298,7 +298,10 @@ REJECT = [
     ({"number_of_minibatches": 200}, "exceeds the samples per step"),
     ({"evals": [{"name": "a"}, {"name": "a"}], "inference_num_workers": 4}, "must be unique"),
     ({"lora_sync": "adapter"}, "`lora_sync: adapter` needs `lora_rank` > 0"),
-    ({"lora_sync": "adapter", "lora_rank": 8, "inference_engine": "vllm"}, "needs the native engine"),
+    (
+        {"lora_sync": "adapter", "lora_rank": 640, "inference_engine": "vllm"},
+        "`lora_rank` (640) is above the largest LoRA rank vLLM serves (512)",
+    ),
     ({"lora_sync": "adapter", "lora_rank": 8, "inference_sleep_level": 2}, "use `inference_sleep_level: 1`"),
 ]
 
@@ -330,6 +333,8 @@ ACCEPT = [
         "inference_sleep_during_training": False,
     },
     {"lora_sync": "merged", "lora_rank": 8, "inference_engine": "vllm"},
+    {"lora_sync": "adapter", "lora_rank": 8, "inference_engine": "vllm"},
+    {"lora_sync": "merged", "lora_rank": 640, "inference_engine": "vllm"},
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 import ray
@@ -68,11 +69,13 @@ class Spawned:
         self.env: dict[str, str] = {}
         self.url = ""
         self.timeout_s = 0.0
+        self.scratch_dir = None
 
-    def spawn(self, argv, *, url, log_path, what, env=None, die_with_parent=False):
+    def spawn(self, argv, *, url, log_path, what, env=None, die_with_parent=False, scratch_dir=None):
         self.argv = argv
         self.env = env or {}
         self.url = url
+        self.scratch_dir = scratch_dir
         assert die_with_parent  # the server dies with its actor
         return self
 
@@ -136,6 +139,31 @@ def test_adapter_sync_gives_the_native_servers_the_trainers_adapter_shape(spawne
         ServerGroupSettings.from_config(server_config(**lora), 0.9), "native", tmp_path / "m.log", TOKEN
     )
     assert option(spawned.argv, "--lora-rank") == "0" and "--lora-target-modules" not in spawned.argv
+
+
+def test_adapter_sync_serves_the_adapter_on_vllm_under_the_served_name(spawned, tmp_path, tiny_qwen2_path):
+    model = str(tiny_qwen2_path)
+    lora = dict(lora_rank=8, lora_target_modules=("q_proj", "down_proj"), lora_sync="adapter")
+    settings = ServerGroupSettings.from_config(server_config(model=model, **lora), 0.9)
+    launch_server(settings, "vllm", tmp_path / "s.log", TOKEN)
+    try:
+        assert option(spawned.argv, "--served-model-name") == f"{model}:base"
+        assert json.loads(option(spawned.argv, "--lora-modules")) == {
+            "name": model,
+            "path": str(spawned.scratch_dir),
+        }
+        assert option(spawned.argv, "--max-lora-rank") == "8"
+        assert (spawned.scratch_dir / "adapter_model.safetensors").is_file()  # removed when the server stops
+    finally:
+        shutil.rmtree(spawned.scratch_dir)
+    # merged weights: a plain server
+    launch_server(
+        ServerGroupSettings.from_config(server_config(model=model, lora_rank=8), 0.9),
+        "vllm",
+        tmp_path / "m.log",
+        TOKEN,
+    )
+    assert "--enable-lora" not in spawned.argv and spawned.scratch_dir is None
 
 
 def test_vllm_server_command_line(spawned, tmp_path):

@@ -38,6 +38,7 @@ MAX_SECONDS = 10**7  # timeouts and intervals (about four months)
 # the decoder projections that can carry a LoRA adapter (refractor.models.lora.ALL_PROJECTIONS; a
 # test keeps the two equal: this module does not import torch)
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+VLLM_MAX_LORA_RANK = 512  # refractor.inference.vllm.adapter.VLLM_MAX_LORA_RANKS[-1] (a test keeps them equal)
 
 _WANDB_CODE_EXCLUDES = [
     ".git",
@@ -363,8 +364,8 @@ class TrainerKeys(_Strict):
         "merged",
         description="[refractor] What the weight sync pushes with LoRA: merged = every adapted weight as "
         "W + (alpha / rank) B A (every engine serves it); adapter = only the adapters (A, B and the scale, "
-        "a small fraction of the bytes), applied at run time by the native engine over the base it loaded "
-        "from `model` (not with vLLM).",
+        "a small fraction of the bytes), applied at run time over the base the servers loaded from `model` "
+        "(native: its adapter buffers; vLLM: its LoRA support, for requests that name the served model).",
     )
     fsdp_cpu_offload: bool = Field(
         False,
@@ -1010,10 +1011,10 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
     if c.lora_sync == "adapter":
         if not c.lora_rank:
             e.append("`lora_sync: adapter` needs `lora_rank` > 0 (there are no adapters to push)")
-        if c.inference_engine == "vllm":
+        if c.inference_engine == "vllm" and c.lora_rank > VLLM_MAX_LORA_RANK:
             e.append(
-                "`lora_sync: adapter` needs the native engine (vLLM's LoRA adapters are not wired to the "
-                "weight sync); use `lora_sync: merged` or `inference_engine: native`"
+                f"`lora_sync: adapter` with vLLM: `lora_rank` ({c.lora_rank}) is above the largest LoRA rank "
+                f"vLLM serves ({VLLM_MAX_LORA_RANK}); use `lora_sync: merged` or `inference_engine: native`"
             )
         if c.inference_sleep_level == 2 and c.inference_sleep_during_training is not False:
             e.append(

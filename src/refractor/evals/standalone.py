@@ -402,6 +402,7 @@ def _run_target(
                 InferenceClient(
                     i.url,
                     name=i.name,
+                    model=served.model,  # the served name (the adapter's with vLLM and lora_sync: adapter)
                     timeout_s=float(cfg.ray_placement_timeout_s),
                     control_token=control_token,
                 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,11 +64,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class ServerProcess:
     """Handle of a running server: ``url``, ``alive()``, ``log_tail()``, ``wait_healthy()``, ``stop()``."""
 
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path, what: str):
+    def __init__(
+        self, process: subprocess.Popen, url: str, log_path: Path, what: str, scratch_dir: Path | None = None
+    ):
         self.process = process
         self.url = url
         self.log_path = Path(log_path)
         self.what = what
+        self.scratch_dir = scratch_dir  # private files of the server, removed when it is stopped
 
     @classmethod
     def spawn(
@@ -79,11 +83,13 @@ class ServerProcess:
         what: str,
         env: dict[str, str] | None = None,
         die_with_parent: bool = False,
+        scratch_dir: Path | None = None,
     ) -> ServerProcess:
         """Start ``argv`` in its own session (process group), appending its output to ``log_path``.
 
         ``die_with_parent`` ties the server's life to the calling *thread* (Linux semantics): use it
         from a long-lived thread such as a Ray actor's, not from a short-lived worker thread.
+        ``scratch_dir``: a folder the server uses while it runs, removed by ``stop``.
         """
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +103,7 @@ class ServerProcess:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if die_with_parent else None,
             )
-        return cls(process, url, log_path, what)
+        return cls(process, url, log_path, what, scratch_dir)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -135,7 +141,8 @@ class ServerProcess:
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL whatever is left of it."""
+        """SIGTERM the server's process group, then SIGKILL whatever is left of it; remove its scratch
+        folder."""
         if self.process.poll() is None:
             pgid = self.process.pid  # started with start_new_session: its pid is its group id
             with contextlib.suppress(ProcessLookupError):
@@ -148,3 +155,5 @@ class ServerProcess:
                 self.process.wait()
         with contextlib.suppress(ProcessLookupError, PermissionError):  # stragglers that ignored SIGTERM
             os.killpg(self.process.pid, signal.SIGKILL)
+        if self.scratch_dir is not None:
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)

@@ -155,7 +155,9 @@ def serve(
     served_model_name = served_model_name or model  # clients keep using the name they gave
     if engine == "vllm" and lora_rank:
         raise typer.BadParameter(
-            "runtime LoRA adapters are served by the native engine only", param_hint="--lora-rank"
+            "runtime LoRA adapters are served by the native engine only here; a run with "
+            "`lora_sync: adapter` starts its vLLM servers with LoRA itself",
+            param_hint="--lora-rank",
         )
     if engine == "vllm":
         # Branch point owned by the vLLM integration (refractor.inference.vllm.launcher).

@@ -13,7 +13,7 @@ std ``1 / rank``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -174,3 +174,13 @@ def is_adapter_update_name(name: str) -> bool:
 def adapter_target(name: str) -> str:
     """The projection an adapter weight belongs to: ``...self_attn.q_proj.lora_A.weight`` -> q_proj."""
     return name.rsplit(".lora_", 1)[0].rpartition(".")[2]
+
+
+def describe_adapters(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> str:
+    """The adapter weights among (name, shape) pairs as ``rank R on <projections>`` (R: A's rows)."""
+    shapes = list(shapes)
+    ranks = sorted({int(shape[0]) for name, shape in shapes if ".lora_A." in name and len(shape) == 2})
+    targets = {adapter_target(name) for name, _ in shapes if is_adapter_name(name)}
+    ordered = [t for t in ALL_PROJECTIONS if t in targets] + sorted(targets - set(ALL_PROJECTIONS))
+    rank = "/".join(map(str, ranks)) or "?"
+    return f"rank {rank} on {', '.join(ordered) or 'no projection'}"

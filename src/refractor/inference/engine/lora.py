@@ -29,7 +29,7 @@ from torch import nn
 
 from refractor.models import CausalLM
 from refractor.models.layers import FusedLinear
-from refractor.models.lora import ADAPTER_SCALE_NAME, ALL_PROJECTIONS, adapter_target, is_adapter_name
+from refractor.models.lora import ADAPTER_SCALE_NAME, ALL_PROJECTIONS, describe_adapters
 
 
 class LowRankUpdate(nn.Module):
@@ -177,8 +177,4 @@ class EngineAdapters:
 
 def describe_update(named: list[tuple[str, torch.Tensor]]) -> str:
     """The shape of the adapter weights in ``named`` as ``rank R on <projections>`` (R: A's rows)."""
-    ranks = sorted({int(t.shape[0]) for name, t in named if ".lora_A." in name and t.dim() == 2})
-    targets = {adapter_target(name) for name, _ in named if is_adapter_name(name)}
-    ordered = [t for t in ALL_PROJECTIONS if t in targets] + sorted(targets - set(ALL_PROJECTIONS))
-    rank = "/".join(map(str, ranks)) or "?"
-    return f"rank {rank} on {', '.join(ordered) or 'no projection'}"
+    return describe_adapters((name, tuple(t.shape)) for name, t in named)

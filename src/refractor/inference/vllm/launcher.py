@@ -21,12 +21,16 @@ wheel crashes looking up the ``vllm`` distribution), an explicit KV-cache size (
 reserves ``gpu_memory_utilization`` x host RAM), and eager mode (torch.compile start-up is slow).
 With ``otlp_traces_endpoint`` (``enable_vllm_tracing``), every finished request's span goes there as
 OTLP/HTTP protobuf: the run's receiver (``refractor.telemetry.otlp``) reads its latency from it.
+With ``lora_rank`` (``lora_sync: adapter``) the server serves one LoRA adapter under the served model's
+name, the base under ``<name>:base``, from a private folder created here and removed when the server
+stops (``refractor.inference.vllm.adapter``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -35,6 +39,13 @@ from pathlib import Path
 from refractor.inference.access import API_KEY_ENV, CONTROL_TOKEN_ENV, EnvAccessGuard
 from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 from refractor.inference.process import ServerProcess, ServerStartError, client_host, free_port
+from refractor.inference.vllm.adapter import (
+    ADAPTER_DIR_ENV,
+    BASE_NAME_SUFFIX,
+    create_adapter_folder,
+    max_lora_rank,
+)
+from refractor.models.lora import ALL_PROJECTIONS
 
 __all__ = [
     "ServerProcess",
@@ -72,6 +83,10 @@ class VllmServerSettings:
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     enable_sleep_mode: bool = False  # /sleep and /wake_up free and retake GPU memory
     enable_prefix_caching: bool = True
+    # lora_sync: adapter: one LoRA adapter of this rank on these projections, served under the served
+    # model's name and replaced by every adapter push (0: none)
+    lora_rank: int = 0
+    lora_target_modules: tuple[str, ...] = ALL_PROJECTIONS
     startup_timeout_s: float = 900.0
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -105,6 +120,8 @@ class VllmServerSettings:
             startup_timeout_s=float(cfg.ray_placement_timeout_s),
             enable_sleep_mode=enable_sleep_mode,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            lora_rank=cfg.lora_rank if cfg.lora_sync == "adapter" else 0,
+            lora_target_modules=tuple(cfg.lora_target_modules),
         )
 
 
@@ -124,10 +141,12 @@ def vllm_command(
     control_token: str | None = None,
     api_key: str | None = None,
     enable_docs: bool = False,
+    adapter_dir: Path | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and the environment additions of a refractor vLLM server (pure; unit-tested).
 
-    ``control_token=None``: no control routes (vLLM's development mode stays off)."""
+    ``control_token=None``: no control routes (vLLM's development mode stays off). ``adapter_dir``:
+    the served adapter's folder, needed with ``settings.lora_rank``."""
     s = settings
     argv = [
         sys.executable,
@@ -167,7 +186,9 @@ def vllm_command(
     ]
     if not enable_docs:
         argv.append("--disable-fastapi-docs")
-    if s.served_model_name:
+    if s.lora_rank:
+        argv += _adapter_args(s.served_model_name or str(model), s, adapter_dir)
+    elif s.served_model_name:
         argv += ["--served-model-name", s.served_model_name]
     if s.max_num_seqs is not None:
         argv += ["--max-num-seqs", str(s.max_num_seqs)]
@@ -200,6 +221,8 @@ def vllm_command(
         CONTROL_TOKEN_ENV: control_token or "",
         API_KEY_ENV: api_key or "",
     }
+    if s.lora_rank:
+        env[ADAPTER_DIR_ENV] = str(adapter_dir)
     if s.otlp_traces_endpoint:
         argv += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
         env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
@@ -208,6 +231,27 @@ def vllm_command(
     argv += list(s.extra_args)
     env.update(s.extra_env)
     return argv, env
+
+
+def _adapter_args(name: str, settings: VllmServerSettings, adapter_dir: Path | None) -> list[str]:
+    """LoRA on, one adapter at a time, named ``name`` (vLLM refuses an adapter named as a base model:
+    the base is served as ``name:base``)."""
+    if adapter_dir is None:
+        raise ValueError("a vLLM server with lora_rank > 0 needs the folder of its adapter (adapter_dir)")
+    targets = [t for t in ALL_PROJECTIONS if t in settings.lora_target_modules]
+    return [
+        "--served-model-name",
+        name + BASE_NAME_SUFFIX,
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max_lora_rank(settings.lora_rank)),
+        "--max-loras",
+        "1",
+        "--lora-target-modules",
+        *targets,
+        "--lora-modules",
+        json.dumps({"name": name, "path": str(adapter_dir)}),
+    ]
 
 
 class VllmStartError(ServerStartError):
@@ -230,26 +274,42 @@ def start_vllm_server(
     ``control_token``: enables the control routes (weight updates, pause, ...), guarded by it."""
     settings = settings or VllmServerSettings()
     port = port or free_port(client_host(host))
-    argv, env_add = vllm_command(
-        str(model_path), host, port, settings, on_cpu=not cuda_available(), control_token=control_token
-    )
-    if log_path is None:
-        log_dir = Path(tempfile.mkdtemp(prefix="refractor-vllm-"))
-        log_path = log_dir / f"vllm-{port}.log"
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess.spawn(
-        argv,
-        url=f"http://{client_host(host)}:{port}",
-        log_path=log_path,
-        env=env_add,
-        what="vLLM server",
-        die_with_parent=die_with_parent,
-    )
+    adapter_dir = None
+    if settings.lora_rank:
+        adapter_dir = create_adapter_folder(str(model_path), settings.lora_rank, settings.lora_target_modules)
+    try:
+        argv, env_add = vllm_command(
+            str(model_path),
+            host,
+            port,
+            settings,
+            on_cpu=not cuda_available(),
+            control_token=control_token,
+            adapter_dir=adapter_dir,
+        )
+        if log_path is None:
+            log_dir = Path(tempfile.mkdtemp(prefix="refractor-vllm-"))
+            log_path = log_dir / f"vllm-{port}.log"
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        server = ServerProcess.spawn(
+            argv,
+            url=f"http://{client_host(host)}:{port}",
+            log_path=log_path,
+            env=env_add,
+            what="vLLM server",
+            die_with_parent=die_with_parent,
+            scratch_dir=adapter_dir,
+        )
+    except BaseException:
+        if adapter_dir is not None:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
+        raise
     if wait:
         try:
             server.wait_healthy(settings.startup_timeout_s)
         except ServerStartError as err:
+            server.stop()  # also removes the adapter folder
             raise VllmStartError(str(err)) from None
     return server
 

@@ -7,7 +7,10 @@ own (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weigh
 ``/finish_weight_update``); the data plane is refractor's (``refractor.weight_sync.data_plane``)
 over a stateless gloo (CPU) or NCCL (GPU) group, identical to what the native engine speaks.
 An update is received whole and checked against the served checkpoint (``update_check``) before
-any of it is loaded, so a bad update leaves the served weights and version as they were.
+any of it is loaded, so a bad update leaves the served weights and version as they were. With
+``lora_sync: adapter`` an update carries LoRA adapters and their scale (and the weights the trainer
+trains in full beside them, if any): the adapters are checked against the served adapter's folder and
+written into it (``refractor.inference.vllm.adapter``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from refractor.inference.vllm.adapter import AdapterFolder
 from refractor.inference.vllm.cpu_kernels import refresh_cpu_kernels
 from refractor.inference.vllm.update_check import ExpectedTensor, expected_update_tensors, update_problems
+from refractor.models.lora import describe_adapters, is_adapter_update_name
 from refractor.weight_sync.data_plane import BucketReceiver
 from refractor.weight_sync.process_group import TransferGroup, check_worker_device, check_worker_join
 
@@ -59,6 +64,9 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.receivers: dict[str, BucketReceiver] = {}  # one per group this worker belongs to
+        # the served LoRA adapter's folder (lora_sync: adapter), None: the server serves no adapter
+        self.adapter = AdapterFolder.from_env() if vllm_config.lora_config is not None else None
+        self._reloading = False  # a layerwise reload was started and awaits its finalization
 
     def worker_rank(self) -> int:
         """This worker's index among all workers of its server (DP replicas x TP x PP)."""
@@ -97,8 +105,13 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
         and passed its checks, so a rejected update never touches the served weights."""
 
     def finish_weight_update(self) -> None:
+        """Finalize the layerwise reload of the weights, if the update carried any. vLLM then drops
+        every loaded LoRA adapter: the next step loads the served adapter's folder again."""
+        if not self._reloading:
+            return
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        self._reloading = False
         finalize_layerwise_reload(self.model, self.model_config)
         refresh_cpu_kernels(self.model)
 
@@ -128,7 +141,12 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
             staged.append([(name, tensor.clone()) for name, tensor in bucket])
         # every bucket has arrived: from here on the trainer waits only for the report, which is
         # always sent (0 parameters written on failure)
-        problems = update_problems([pair for bucket in staged for pair in bucket], self.expected_tensors)
+        received = [pair for bucket in staged for pair in bucket]
+        weights = [(name, t) for name, t in received if not is_adapter_update_name(name)]
+        adapters = [(name, t) for name, t in received if is_adapter_update_name(name)]
+        problems = update_problems(weights, self.expected_tensors) if weights or not adapters else []
+        adapter_writes, adapter_problems = self._plan_adapters(adapters) if adapters else ({}, [])
+        problems += adapter_problems
         loaded: set[str] = set()
         load_s = 0.0
         error: Exception | None = None
@@ -140,16 +158,45 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
         else:
             start = time.perf_counter()
             try:
-                loaded = self._load(staged)
+                if adapters and self.worker_rank() == 0:  # one writer; every worker loads the folder
+                    self.adapter.write(adapter_writes)
+                if weights:
+                    loaded = self._load(
+                        [[(n, t) for n, t in bucket if not is_adapter_update_name(n)] for bucket in staged]
+                    )
             except Exception as err:  # noqa: BLE001 - re-raised after the report
                 error = err
             load_s = time.perf_counter() - start
-        missing = sorted(param_names - loaded)
-        if missing and error is None:  # the trainer sees the counts; the names are in this log
-            logger.warning("weight update left %d parameters untouched: %s", len(missing), missing[:20])
-        receiver.send_report(0 if error else len(param_names & loaded), len(param_names), load_s)
+        written, total = self._coverage(param_names, loaded, bool(adapters))
+        receiver.send_report(0 if error else written, total, load_s)
         if error is not None:
             raise error
+
+    def _plan_adapters(
+        self, adapters: list[tuple[str, torch.Tensor]]
+    ) -> tuple[dict[str, torch.Tensor], list[str]]:
+        if self.adapter is None:
+            sent = describe_adapters((name, tuple(t.shape)) for name, t in adapters)
+            return {}, [
+                f"the update carries LoRA adapters ({sent}) but this server serves none (a run with "
+                "`lora_sync: adapter` starts its vLLM servers with them)"
+            ]
+        try:
+            return self.adapter.plan(adapters)
+        except ValueError as err:
+            return {}, [str(err)]
+
+    def _coverage(self, param_names: set[str], loaded: set[str], adapters: bool) -> tuple[int, int]:
+        """(written, expected) for the canary's coverage check: every engine parameter for an update
+        of weights; every adapter weight and the scale for an adapter update, plus the parameters the
+        weights beside them wrote."""
+        if adapters:
+            expected = len(self.adapter.names) if self.adapter is not None else 0
+            return expected + len(param_names & loaded), expected + len(param_names & loaded)
+        missing = sorted(param_names - loaded)
+        if missing:  # the trainer sees the counts; the names are in this log
+            logger.warning("weight update left %d parameters untouched: %s", len(missing), missing[:20])
+        return len(param_names & loaded), len(param_names)
 
     def _load(self, staged: list[list[tuple[str, torch.Tensor]]]) -> set[str]:
         """Load checked buckets under vLLM's layerwise reload: weights arrive in checkpoint format,
@@ -160,6 +207,7 @@ class RefractorWeightTransferEngine(WeightTransferEngine[RefractorInitInfo, Refr
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        self._reloading = True
         loaded: set[str] = set()
         try:
             for bucket in staged:
