@@ -43,7 +43,9 @@ GENERIC_READERS: dict[str, Callable[[], set[str]]] = {
 }
 
 # Keys with an effect although no code reads their value; each says why.
-_MEGATRON_VALIDATED = "validated only: refractor's Megatron trainer runs its one supported value (docs/megatron.md)"
+_MEGATRON_VALIDATED = (
+    "validated only: refractor's Megatron trainer runs its one supported value (docs/megatron.md)"
+)
 READ_ELSEWHERE: dict[str, str] = {
     key: _MEGATRON_VALIDATED
     for key in (

@@ -446,8 +446,8 @@ class MegatronKeys(_Strict):
     )
     megatron_sequence_parallel: bool = Field(
         True,
-        description="Sequence parallelism among the tensor-parallel ranks (needs TP > 1; defaults to false "
-        "when TP = 1).",
+        description="Sequence parallelism among the tensor-parallel ranks (needs TP > 1 and the Transformer "
+        "Engine layer spec, not built yet; false unless set).",
     )
     megatron_use_distributed_optimizer: bool = Field(
         True,

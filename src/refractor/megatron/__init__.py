@@ -1,10 +1,14 @@
 """Megatron-Core backend (``train_backend: megatron``; docs/megatron.md).
 
-``layout``   the rules a TP x PP x CP x DP layout must follow (checked when the config loads; no torch)
-``mapping``  HF <-> Megatron-Core GPT names and fused tensors (QKV interleaved per group, gate/up fused)
-``shards``   a Megatron state dict split into tensor-parallel shards and pipeline stages, and merged back
-``model``    Megatron-Core's GPTModel built from an HF config (needs the ``megatron`` extra)
-
-The trainer that runs these is not built yet: a config with ``train_backend: megatron`` is refused
-with one error once its layout is valid.
+``layout``          the rules a TP x PP x CP x DP layout must follow (checked at config load; no torch)
+``mapping``         HF <-> Megatron-Core GPT names and fused tensors (QKV per key/value group, gate/up)
+``shards``          a Megatron state dict split into TP shards and PP stages, and merged back
+``weights``         the per-stage plan of those tensors: a rank's shard from HF tensors, and back
+``model``           Megatron-Core's GPTModel built from an HF config (needs the ``megatron`` extra)
+``parallel``        Megatron-Core's parallel state on the trainer's process group, a rank's place in it
+``forward``         a packed row through a rank's part of the model
+``vocab_parallel``  log-probs and entropy on the vocabulary-parallel head
+``step``            one training step (stages, gradient sums and norm, AdamW)
+``optimizer``       AdamW on the local tensors, its state optionally split among data-parallel replicas
+``trainer``         ``MegatronTrainer`` behind the FSDP trainer's interface (``trainer.build_trainer``)
 """

@@ -14,12 +14,28 @@ device-neutral stand-ins:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from refractor.megatron.layout import ParallelSizes
+
+# megatron-core's warnings about the fallbacks this path takes on purpose (torch norms and kernels in
+# place of Apex / Transformer Engine ones) and about CUDA tuning: they say nothing about a run here
+FALLBACK_WARNINGS = (
+    "Apex is not installed",
+    "Transformer Engine and Apex are not installed",
+    "full scope is deprecated",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+)
+
+
+def quiet_fallback_warnings() -> None:
+    """Leave megatron-core's ``FALLBACK_WARNINGS`` out of this process's output (trainer logs)."""
+    for text in FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{text}.*", category=UserWarning)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class MegatronTrainer:
         device: str | torch.device | None = None,
     ):
         self.settings = settings
+        parallel.quiet_fallback_warnings()
         self.info = init_distributed(
             rank, world_size, master_addr=master_addr, master_port=master_port, device=device
         )
