@@ -23,7 +23,12 @@ from refractor.inference.vllm.adapter import (
     create_adapter_folder,
     max_lora_rank,
 )
-from refractor.inference.vllm.launcher import VllmServerSettings, vllm_command
+from refractor.inference.vllm.launcher import (
+    VllmServerSettings,
+    VllmStartError,
+    start_vllm_server,
+    vllm_command,
+)
 from refractor.inference.vllm.update_check import ExpectedTensor
 from refractor.models.lora import ADAPTER_SCALE_NAME
 
@@ -81,6 +86,13 @@ def test_a_checkpoint_without_llama_projections_is_named():
         adapter_shapes({"transformer.h.0.attn.c_attn.weight": ExpectedTensor((192, 64), True)}, 4, TARGETS)
     with pytest.raises(ValueError, match="lora_rank 80 exceeds model.layers.0.self_attn.q_proj.weight's"):
         adapter_shapes(header, 80, ("q_proj",))
+
+
+def test_a_server_without_a_local_checkpoint_for_its_adapter_is_refused_at_start(tmp_path):
+    with pytest.raises(VllmStartError, match="needs '/no/such/model' as a local safetensors checkpoint"):
+        start_vllm_server(
+            "/no/such/model", settings=VllmServerSettings(lora_rank=4), log_path=tmp_path / "s.log"
+        )
 
 
 def test_the_adapter_is_served_under_the_served_models_name(tmp_path):

@@ -276,7 +276,12 @@ def start_vllm_server(
     port = port or free_port(client_host(host))
     adapter_dir = None
     if settings.lora_rank:
-        adapter_dir = create_adapter_folder(str(model_path), settings.lora_rank, settings.lora_target_modules)
+        try:
+            adapter_dir = create_adapter_folder(
+                str(model_path), settings.lora_rank, settings.lora_target_modules
+            )
+        except ValueError as err:
+            raise VllmStartError(f"vLLM server for {model_path}: {err}") from None
     try:
         argv, env_add = vllm_command(
             str(model_path),
