@@ -185,6 +185,8 @@ class MegatronTrainer:
                 f"ranks; the trainer has {self.dp_size} data-parallel replicas (pack with "
                 f"num_dp_ranks={self.dp_size})"
             )
+        if self.info.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         timer = StepTimer(
             self.device,
             attrs={"step": batch.step, "rank": self.rank, **self.timeline_attrs},
@@ -224,6 +226,8 @@ class MegatronTrainer:
                 "trainer/throughput/tokens_per_s": metrics["trainer/batch/tokens"] / max(elapsed, 1e-9),
             }
         )
+        if self.info.is_cuda:
+            metrics["trainer/memory/peak_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return StepResult(step=batch.step, metrics=metrics, timeline=events)
 
     # ------------------------------------------------------------------ weight export
