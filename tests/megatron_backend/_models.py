@@ -1,7 +1,7 @@
 """Tiny random checkpoints whose shapes split over TP=2 x PP=2: 4 query and 2 key/value heads, 4
 layers. Qwen2 is tied (and untied as "qwen2-untied"), with a vocabulary (600) that needs padding;
 Llama is untied, with Llama 3.1's RoPE scaling (the one megatron-core implements); Qwen3 has q/k
-norms."""
+norms (tied, and untied as "qwen3-untied"), and a vocabulary of 512."""
 
 from __future__ import annotations
 
@@ -25,4 +25,6 @@ def build(arch: str):
         return testing.tiny_qwen2(**SHAPE, vocab_size=600, tie_word_embeddings=False)
     if arch == "llama":
         return testing.tiny_llama(**SHAPE, rope_scaling=LLAMA31_ROPE, max_position_embeddings=16384)
+    if arch == "qwen3-untied":
+        return testing.tiny_qwen3(**SHAPE, tie_word_embeddings=False)
     return testing.tiny_qwen3(**SHAPE)

@@ -11,8 +11,9 @@ import torch.distributed as dist
 from refractor.trainer.settings import TrainerSettings
 
 from ._cpu_forward import quiet_megatron
+from ._models import build
 
-VOCAB = 590  # sample token ids stay below the tiny Qwen2's vocabulary (600)
+VOCAB = 500  # sample token ids stay below the tiny models' vocabularies (600 and 512)
 KEYS = dict(
     learning_rate=1e-3,
     weight_decay=0.01,
@@ -26,8 +27,15 @@ KEYS = dict(
     ppo_clip_ref_logprobs="batch",
     activation_checkpointing=False,
 )
-# (name, TP, PP, distributed optimizer): each runs on 4 ranks, data parallelism takes the rest
-LAYOUTS = [("tp2-pp2", 2, 2, True), ("tp2-dp2", 2, 1, True), ("pp2-dp2", 1, 2, False)]
+# (name, model, TP, PP, distributed optimizer): each runs on 4 ranks, data parallelism takes the rest.
+# Qwen2 is tied with a padded vocabulary; Qwen3 untied, with q/k norms (replicated over TP, their
+# gradients summed over it).
+LAYOUTS = [
+    ("tp2-pp2", "qwen2", 2, 2, True),
+    ("tp2-dp2", "qwen3-untied", 2, 1, True),
+    ("pp2-dp2", "qwen2", 1, 2, False),
+]
+ARCHS = ("qwen2", "qwen3-untied")
 
 
 def settings(model, backend: str, checkpoint_dir, **keys) -> TrainerSettings:
@@ -89,7 +97,7 @@ def local_shards(trainer) -> list[list[dict[str, torch.Tensor]]] | None:
     return shards
 
 
-def four_rank_worker(rank: int, port: int, model_path: str, root: str) -> None:
+def four_rank_worker(rank: int, port: int, root: str) -> None:
     from refractor.megatron import parallel
     from refractor.megatron.trainer import MegatronTrainer
     from refractor.trainer.distributed import init_distributed
@@ -98,13 +106,13 @@ def four_rank_worker(rank: int, port: int, model_path: str, root: str) -> None:
     torch.set_num_threads(1)
     quiet_megatron()
     init_distributed(rank, 4, master_port=port)
-    for name, tp, pp, distributed in LAYOUTS:
+    for name, arch, tp, pp, distributed in LAYOUTS:
         keys = dict(
             megatron_tensor_parallel_size=tp,
             megatron_pipeline_parallel_size=pp,
             megatron_use_distributed_optimizer=distributed,
         )
-        layout_settings = settings(model_path, "megatron", f"{root}/{name}", **keys)
+        layout_settings = settings(build(arch), "megatron", f"{root}/{name}", **keys)
         dp = 4 // (tp * pp)
         trainer = MegatronTrainer(layout_settings)
         result = run_three_steps(trainer, dp)

@@ -8,10 +8,10 @@
   resume equals the step without the stop) and ``refractor convert`` turns it into an HF directory
   that the FSDP trainer also starts from.
 
-The model is the tiny tied Qwen2 of ``_models`` (vocabulary 600 padded to 768 with TP=2, so the
-second TP rank's head block holds 216 tokens and 168 padding rows). Megatron-Core's own pipeline
-schedules and optimizers allocate on CUDA devices; the trainer's schedule and AdamW run here
-(``refractor.megatron.step``, ``optimizer``).
+The models are tiny ones of ``_models``: Qwen2, tied, its vocabulary 600 padded to 768 with TP=2 (the
+second TP rank's head block holds 216 tokens and 168 padding rows), and Qwen3, untied, with q/k
+norms. Megatron-Core's own pipeline schedules and optimizers allocate on CUDA devices; the trainer's
+schedule and AdamW run here (``refractor.megatron.step``, ``optimizer``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from refractor.models import ModelConfig, read_hf_config
 
 from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
 from ._models import build
-from ._trainer_runs import LAYOUTS, batches, exported, four_rank_worker, run_three_steps, settings
+from ._trainer_runs import ARCHS, LAYOUTS, batches, exported, four_rank_worker, run_three_steps, settings
 
 with warnings.catch_warnings():
     quiet_megatron()
@@ -42,13 +42,9 @@ def _per_rank(key: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def model_path():
-    return build("qwen2")
-
-
-@pytest.fixture(scope="module")
-def one_rank(model_path, tmp_path_factory):
-    """Three steps of the FSDP trainer and of the Megatron trainer on one rank (one gloo world)."""
+def one_rank(tmp_path_factory):
+    """Per model: three steps of the FSDP trainer and of the Megatron trainer on one rank (one gloo
+    world for the module)."""
     import torch.distributed as dist
 
     from refractor.megatron import parallel
@@ -59,24 +55,33 @@ def one_rank(model_path, tmp_path_factory):
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    fsdp = Trainer(settings(model_path, "fsdp", tmp / "fsdp"))
-    fsdp_run = run_three_steps(fsdp, 1)
-    megatron = MegatronTrainer(settings(model_path, "megatron", tmp / "megatron"))
-    megatron_run = run_three_steps(megatron, 1)
-    megatron_run["trainer"] = megatron
-    megatron_run["checkpoints"] = tmp / "megatron"
-    yield {"fsdp": fsdp_run, "megatron": megatron_run}
-    parallel.stop()
+    runs = {}
+    for arch in ARCHS:
+        fsdp_run = run_three_steps(Trainer(settings(build(arch), "fsdp", tmp / arch / "fsdp")), 1)
+        megatron = MegatronTrainer(settings(build(arch), "megatron", tmp / arch / "megatron"))
+        megatron_run = run_three_steps(megatron, 1)
+        parallel.stop()  # the next trainer starts Megatron-Core's parallel state anew
+        megatron_run.update(trainer=megatron, checkpoints=tmp / arch / "megatron")
+        runs[arch] = {"fsdp": fsdp_run, "megatron": megatron_run}
+    yield runs
     if owned:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def four_ranks(model_path, tmp_path_factory):
+def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("four-ranks")
-    spawn_ranks(four_rank_worker, (free_port(), str(model_path), str(root)), nprocs=4)
+    for arch in ARCHS:  # built once, before the ranks read them
+        build(arch)
+    spawn_ranks(four_rank_worker, (free_port(), str(root)), nprocs=4)
     results = {name: torch.load(root / f"{name}.pt", weights_only=False) for name, *_ in LAYOUTS}
     return {**results, "root": root}
+
+
+def _layout(name: str) -> tuple[str, int, int]:
+    """(model, TP, PP) of the layout ``name``."""
+    _, arch, tp, pp, _ = next(entry for entry in LAYOUTS if entry[0] == name)
+    return arch, tp, pp
 
 
 def _assert_same_steps(got: list[dict], want: list[dict], same_rows: bool = True) -> None:
@@ -94,14 +99,17 @@ def _assert_same_steps(got: list[dict], want: list[dict], same_rows: bool = True
 
 
 def _assert_close_weights(got: dict, want: dict) -> None:
-    """After four AdamW updates at lr 1e-3, within 2e-5 (2% of one update's size)."""
+    """After four AdamW updates at lr 1e-3, within 5e-5 (5% of one update's size): AdamW divides by
+    sqrt(v) + 1e-8, so where a gradient is tiny (the embedding row of a token seen once) float32
+    differences of the gradient move the update by a few percent of the learning rate."""
     assert got.keys() == want.keys()
     for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=5e-5, msg=name)
 
 
-def test_one_rank_steps_equal_the_fsdp_trainer_steps(one_rank):
-    fsdp, megatron = one_rank["fsdp"], one_rank["megatron"]
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_rank_steps_equal_the_fsdp_trainer_steps(one_rank, arch):
+    fsdp, megatron = one_rank[arch]["fsdp"], one_rank[arch]["megatron"]
     for f, m in zip(fsdp["metrics"], megatron["metrics"], strict=True):
         assert {k for k in f if not _per_rank(k)} == {k for k in m if not _per_rank(k)}  # the same metrics
     _assert_same_steps(megatron["metrics"], fsdp["metrics"])
@@ -115,20 +123,20 @@ def test_one_rank_steps_equal_the_fsdp_trainer_steps(one_rank):
 @pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
 def test_four_rank_layouts_equal_one_rank(four_ranks, one_rank, layout):
     result = four_ranks[layout]
-    reference = one_rank["megatron"]
-    _, tp, pp, _ = next(entry for entry in LAYOUTS if entry[0] == layout)
+    arch, tp, pp = _layout(layout)
+    reference = one_rank[arch]["megatron"]
     _assert_same_steps(result["metrics"], reference["metrics"], same_rows=tp * pp == 4)
     _assert_close_weights(result["export"], reference["export"])
 
 
 @pytest.mark.parametrize("layout", [name for name, *_ in LAYOUTS])
-def test_the_export_is_the_ranks_shards_merged_bit_exact(four_ranks, model_path, layout):
+def test_the_export_is_the_ranks_shards_merged_bit_exact(four_ranks, layout):
     result = four_ranks[layout]
-    _, tp, pp, _ = next(entry for entry in LAYOUTS if entry[0] == layout)
-    config = ModelConfig.from_hf(read_hf_config(model_path))
+    arch, tp, pp = _layout(layout)
+    config = ModelConfig.from_hf(read_hf_config(build(arch)))
     merged = shards_to_hf(result["shards"], config, MegatronLayout(tensor_parallel=tp, pipeline_parallel=pp))
     assert result["export"].keys() == merged.keys()
-    assert "lm_head.weight" not in merged  # tied: the embedding is the head
+    assert ("lm_head.weight" in merged) == (not config.tie_word_embeddings)
     for name, tensor in merged.items():
         assert torch.equal(result["export"][name], tensor), name
         assert torch.equal(result["bf16_export"][name], tensor.to(torch.bfloat16)), name
@@ -143,7 +151,7 @@ def test_a_resumed_step_equals_the_step_without_the_stop(four_ranks, layout):
         assert torch.equal(result["resumed_export"][name], tensor), name
 
 
-def test_one_rank_resume_and_conversion_to_hf(one_rank, model_path, tmp_path):
+def test_one_rank_resume_and_conversion_to_hf(one_rank, tmp_path):
     """The step-2 checkpoint resumes exactly on one rank; ``refractor convert`` writes its weights as an
     HF directory, and the FSDP trainer started from the checkpoint holds the same weights."""
     from refractor.megatron import parallel
@@ -153,15 +161,18 @@ def test_one_rank_resume_and_conversion_to_hf(one_rank, model_path, tmp_path):
     from refractor.trainer.convert import export_hf
     from trainer._helpers import full_params
 
-    megatron = one_rank["megatron"]
-    parallel.stop()
+    megatron = one_rank["qwen2"]["megatron"]
     resumed = MegatronTrainer(megatron["trainer"].settings)
-    assert resumed.load_checkpoint("latest") == 2
-    at_step_2 = exported(resumed)
-    metrics = resumed.train_step(batches(1)[2]).metrics
+    try:
+        assert resumed.load_checkpoint("latest") == 2
+        at_step_2 = exported(resumed)
+        metrics = resumed.train_step(batches(1)[2]).metrics
+        after = exported(resumed)
+    finally:
+        parallel.stop()
     for key in COMPARED:
         assert metrics[key] == megatron["metrics"][2][key], key
-    for name, tensor in exported(resumed).items():
+    for name, tensor in after.items():
         assert torch.equal(tensor, megatron["export"][name]), name
 
     checkpoint = megatron["checkpoints"] / "step_2"
@@ -177,7 +188,7 @@ def test_one_rank_resume_and_conversion_to_hf(one_rank, model_path, tmp_path):
 def test_a_checkpoint_of_another_layout_or_backend_is_refused_naming_both(one_rank, four_ranks):
     from refractor.trainer.checkpoint import CheckpointError
 
-    trainer = one_rank["megatron"]["trainer"]
+    trainer = one_rank["qwen2"]["megatron"]["trainer"]
     own = trainer.checkpoint_dir
     try:
         trainer.checkpoint_dir = four_ranks["root"] / "tp2-pp2"

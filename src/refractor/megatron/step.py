@@ -34,6 +34,8 @@ from refractor.records import MicroBatch, TrainBatch
 from refractor.trainer.step import StepOutcome, StepSettings, group_minibatches
 from refractor.trainer.timing import StepTimer
 
+QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+
 
 @dataclass(frozen=True)
 class StageModel:
@@ -46,6 +48,7 @@ class StageModel:
     dtype: torch.dtype  # of the activations sent between stages
     tied_copy: torch.nn.Parameter | None  # the tied embedding this rank holds when it lives on two stages
     norm_params: tuple[torch.nn.Parameter, ...]  # the gradients this rank counts in the norm
+    tensor_summed: tuple[torch.nn.Parameter, ...]  # replicated, each TP rank's gradient a share
 
     def forward_row(self, mb: MicroBatch, grad: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the activations received from the previous stage or None, this stage's output); a stage
@@ -163,22 +166,36 @@ def run_step(
 
 
 def finalize_gradients(stage: StageModel, params: list[torch.nn.Parameter]) -> None:
-    """Sum the tied embedding's two copies' gradients (first and last stage) and the data-parallel
-    replicas' gradients, each in one collective."""
+    """Sum the gradients that are shares: the q/k norms' over the TP ranks (each normalizes its own
+    heads with the one weight), the tied embedding's two copies (first and last stage), and the
+    data-parallel replicas'."""
     ranks = stage.ranks
     for p in params:
         if p.grad is None:  # a parameter the rows did not reach still joins the sums
             p.grad = torch.zeros_like(p)
+    if ranks.tensor_size > 1 and stage.tensor_summed:
+        _sum_grads(stage.tensor_summed, ranks.tensor_group)
     if stage.tied_copy is not None:
         dist.all_reduce(stage.tied_copy.grad, group=ranks.embedding_group)
     if ranks.data_size > 1:
-        grads = [p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=ranks.data_group)
-        torch._foreach_copy_(
-            grads,
-            [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)],
-        )
+        _sum_grads(params, ranks.data_group)
+
+
+def _sum_grads(params, group: dist.ProcessGroup) -> None:
+    """All-reduce (sum) the gradients of ``params`` over ``group`` in one flat buffer."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    torch._foreach_copy_(
+        grads,
+        [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)],
+    )
+
+
+def tensor_summed_parameters(params: dict[str, torch.nn.Parameter]) -> tuple[torch.nn.Parameter, ...]:
+    """Replicated parameters whose gradient each TP rank holds a share of: the q/k norms (Qwen3),
+    applied to every head, of which each rank holds its own (Megatron-Core sums them likewise)."""
+    return tuple(p for name, p in params.items() if name.endswith(QK_NORMS))
 
 
 def norm_parameters(

@@ -31,7 +31,7 @@ from refractor.megatron import parallel
 from refractor.megatron.layout import ParallelSizes
 from refractor.megatron.optimizer import MegatronOptimizer
 from refractor.megatron.shards import EMBEDDING, OUTPUT, MegatronLayout
-from refractor.megatron.step import StageModel, norm_parameters, run_step
+from refractor.megatron.step import StageModel, norm_parameters, run_step, tensor_summed_parameters
 from refractor.megatron.weights import (
     WeightBucket,
     WeightPlan,
@@ -141,6 +141,7 @@ class MegatronTrainer:
             self.master_dtype,
             tied_copy,
             norm_parameters(self.params, self.ranks, tied_copy),
+            tensor_summed_parameters(self.params),
         )
         self._step = 0
         self.skipped_updates = 0
