@@ -303,6 +303,11 @@ REJECT = [
         "`lora_rank` (640) is above the largest LoRA rank vLLM serves (512)",
     ),
     ({"lora_sync": "adapter", "lora_rank": 8, "inference_sleep_level": 2}, "use `inference_sleep_level: 1`"),
+    (
+        {"lora_rank": 8, "lora_modules_to_save": ["wte"]},
+        "`lora_modules_to_save` must name some of embed_tokens",
+    ),
+    ({"lora_modules_to_save": ["embed_tokens"]}, "`lora_modules_to_save` needs `lora_rank` > 0"),
 ]
 
 ACCEPT = [
@@ -335,6 +340,13 @@ ACCEPT = [
     {"lora_sync": "merged", "lora_rank": 8, "inference_engine": "vllm"},
     {"lora_sync": "adapter", "lora_rank": 8, "inference_engine": "vllm"},
     {"lora_sync": "merged", "lora_rank": 640, "inference_engine": "vllm"},
+    {"lora_rank": 8, "lora_modules_to_save": ("embed_tokens", "lm_head"), "lora_sync": "adapter"},
+    {
+        "lora_rank": 8,
+        "lora_modules_to_save": ("lm_head",),
+        "lora_sync": "adapter",
+        "inference_engine": "vllm",
+    },
 ]
 
 

@@ -1,8 +1,9 @@
 """Runtime LoRA in the native engine (``lora_sync: adapter``): adapters written into the engine's
 buffers generate, token for token, what HF transformers generates with the adapters merged into its
-weights (``W + scale B A`` in float64), fused projections or not, on every projection or some; the
-buffers keep their addresses (CUDA graphs captured at load stay valid); without LoRA the engine runs
-its plain projections; adapters that do not fit are refused naming both shapes."""
+weights (``W + scale B A`` in float64), fused projections or not, on every projection or some, with
+or without an embedding trained in full beside them (``lora_modules_to_save``); the buffers keep
+their addresses (CUDA graphs captured at load stay valid); without LoRA the engine runs its plain
+projections; adapters that do not fit are refused naming both shapes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch
 from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 from refractor.inference.engine.lora import AdaptedFusedLinear, AdaptedLinear
 from refractor.models import load_model
-from refractor.models.lora import ADAPTER_SCALE_NAME, ALL_PROJECTIONS, LoraSettings, add_lora
+from refractor.models.lora import (
+    ADAPTER_SCALE_NAME,
+    ALL_PROJECTIONS,
+    LoraSettings,
+    add_lora,
+    is_adapter_update_name,
+)
 from refractor.weight_sync.gather import iter_weight_buckets
 
 RANK = 4
@@ -27,23 +34,27 @@ PROMPTS = [list(range(3, 30)), [5, 17, 99, 240, 7, 300], list(range(100, 140, 3)
 SUBSET = ("q_proj", "v_proj", "down_proj")  # a fused part with and one without an adapter, a plain one
 
 
-def trained_lora(path, targets=ALL_PROJECTIONS, rank: int = RANK, seed: int = 0):
+def trained_lora(path, targets=ALL_PROJECTIONS, rank: int = RANK, seed: int = 0, saved: tuple[str, ...] = ()):
     """The shared model with adapters as the trainer holds them (PEFT names), B moved away from zero
-    far enough that the adapted model generates other tokens than the base."""
+    far enough that the adapted model generates other tokens than the base; the modules of ``saved``
+    (``lora_modules_to_save``) moved too."""
     model = load_model(path, dtype=torch.float32, device="cpu")
-    add_lora(
-        model, LoraSettings(lora_rank=rank, lora_alpha=ALPHA, lora_target_modules=targets), torch.float32
+    settings = LoraSettings(
+        lora_rank=rank, lora_alpha=ALPHA, lora_target_modules=targets, lora_modules_to_save=saved
     )
+    add_lora(model, settings, torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=generator))
+            elif p.requires_grad and ".lora_A." not in name:
+                p.add_(torch.randn(p.shape, generator=generator) * p.std())
     return model
 
 
 def adapter_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """What an adapter push carries (the trainer's export): every adapter tensor, then the scale."""
+    """What an adapter push carries (the trainer's export): every trained tensor, then the scale."""
     buckets = iter_weight_buckets(model, 1 << 30, torch.float32, adapters=True)
     return [(name, t.clone()) for bucket in buckets for name, t in bucket]
 
@@ -56,12 +67,15 @@ def load_hf(path):
 
 @torch.no_grad()
 def merged_hf(path, adapters: list[tuple[str, torch.Tensor]]):
-    """HF transformers' model with every adapter merged: W + scale B A, computed in float64."""
+    """HF transformers' model with every adapter merged, W + scale B A computed in float64, and the
+    weights trained in full copied in."""
     hf = load_hf(path)
     tensors = dict(adapters)
     scale = float(tensors.pop(ADAPTER_SCALE_NAME))
     for name, a in tensors.items():
-        if ".lora_A." in name:
+        if not is_adapter_update_name(name):
+            hf.get_parameter(name).copy_(a)
+        elif ".lora_A." in name:
             stem = name.removesuffix(".lora_A.weight")
             b = tensors[f"{stem}.lora_B.weight"]
             weight = hf.get_parameter(f"{stem}.weight")
@@ -81,15 +95,20 @@ def buffer_addresses(engine: LLMEngine) -> dict[str, int]:
     return {name: b.data_ptr() for name, b in engine.model.named_buffers()}
 
 
-@pytest.mark.parametrize(("fuse", "targets"), [(True, ALL_PROJECTIONS), (True, SUBSET), (False, SUBSET)])
+@pytest.mark.parametrize(
+    ("fuse", "targets", "saved"),
+    [(True, ALL_PROJECTIONS, ()), (True, SUBSET, ()), (False, SUBSET, ()), (True, SUBSET, ("embed_tokens",))],
+)
 def test_runtime_adapters_generate_what_the_merged_model_does(
-    tiny_qwen2_path, hf_token_logprobs, fuse, targets
+    tiny_qwen2_path, hf_token_logprobs, fuse, targets, saved
 ):
     config = replace(CONFIG, fuse_projections=fuse, lora_rank=RANK, lora_target_modules=targets)
     engine = LLMEngine.from_pretrained(tiny_qwen2_path, config)
-    lora = trained_lora(tiny_qwen2_path, targets)
+    lora = trained_lora(tiny_qwen2_path, targets, saved=saved)
     adapters = adapter_tensors(lora)
-    assert sorted(engine.update_names(adapters=True)) == sorted(n for n, _ in adapters)
+    whole = [name for name, _ in adapters if not is_adapter_update_name(name)]
+    assert whole == [f"model.{name}.weight" for name in saved]  # the tied head is the embedding
+    assert sorted(engine.update_names(adapters=True)) == sorted(n for n, _ in adapters if n not in whole)
     before = buffer_addresses(engine)
     assert before and adapters[-1] == (ADAPTER_SCALE_NAME, torch.tensor([ALPHA / RANK]))
 
@@ -149,8 +168,8 @@ def test_adapters_that_do_not_fit_are_refused_naming_both(tiny_qwen2_path):
     good = adapter_tensors(trained_lora(tiny_qwen2_path, SUBSET))
     with pytest.raises(ValueError, match="carries its scale as one 'lora.scale'"):
         engine.update_weights(good[:-1], version=1)
-    with pytest.raises(ValueError, match="the model's weights or LoRA adapters, not both"):
-        engine.update_weights([*good, ("model.norm.weight", torch.ones(128))], version=1)
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(64,\), expected \(128,\)"):
+        engine.update_weights([*good, ("model.norm.weight", torch.ones(64))], version=1)
     no_lora = LLMEngine.from_pretrained(tiny_qwen2_path, CONFIG)
     with pytest.raises(ValueError, match=rf"LoRA adapters \({mine}\) but this server has no adapter buffers"):
         no_lora.update_weights(good, version=1)

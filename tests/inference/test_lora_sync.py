@@ -20,7 +20,7 @@ from native_thread_server import ENGINE_CONFIG, ThreadServer
 
 from refractor.inference.engine import SamplingParams
 from refractor.models import load_model
-from refractor.models.lora import ADAPTER_SCALE_NAME, LoraSettings, add_lora
+from refractor.models.lora import ADAPTER_SCALE_NAME, LoraSettings, add_lora, is_adapter_update_name
 from refractor.testing import TEST_CONTROL_TOKEN, tiny_qwen2
 from refractor.trainer import Trainer
 from refractor.weight_sync.control_plane import WeightSyncError
@@ -72,13 +72,16 @@ def greedy(server: ThreadServer) -> list[list[int]]:
 
 @torch.no_grad()
 def merged_hf_greedy(path, adapters: dict[str, torch.Tensor]) -> list[list[int]]:
-    """Greedy tokens of HF transformers' model with every adapter merged (W + scale B A in float64)."""
+    """Greedy tokens of HF transformers' model with every adapter merged (W + scale B A in float64) and
+    the weights trained in full copied in."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     scale = float(adapters[ADAPTER_SCALE_NAME])
     for name, a in adapters.items():
-        if ".lora_A." in name:
+        if not is_adapter_update_name(name):
+            hf.get_parameter(name).copy_(a)
+        elif ".lora_A." in name:
             stem = name.removesuffix(".lora_A.weight")
             weight = hf.get_parameter(f"{stem}.weight")
             b = adapters[f"{stem}.lora_B.weight"]
@@ -148,5 +151,28 @@ def test_adapters_of_another_shape_are_refused_naming_both_and_the_canary_covers
         # the canary covers the adapter bytes as they travel, as it covers full weights
         with pytest.raises(CanaryError, match=r"server 'adapter-0' \(rank 1\): received checksum"):
             sender.push(trainer.export_weight_buckets(BUCKET_MB), version=10, _corrupt_for_test=True)
+    finally:
+        sender.close()
+
+
+def test_weights_trained_in_full_travel_with_the_adapters_and_count_in_the_coverage(
+    trainer, servers, model_path
+):
+    """``lora_modules_to_save``: the embedding (the tied head too) travels whole in the adapter push,
+    is written as in a full update and counts in the canary's coverage."""
+    adapter_server, _ = servers
+    adapters = {n: t.clone() for bucket in trainer.export_weight_buckets(BUCKET_MB) for n, t in bucket}
+    name = "model.embed_tokens.weight"
+    base = load_model(model_path, dtype=torch.float32, device="cpu").get_parameter(name).detach()
+    trained = base + 0.05 * torch.randn(base.shape, generator=torch.Generator().manual_seed(7))
+    sender = WeightSender([adapter_server.ref], SETTINGS)
+    try:
+        push = sender.push(iter([[(name, trained)], list(adapters.items())]), version=20)
+        (worker,) = push.reports["adapter-0"]
+        assert worker.params_loaded == worker.params_total == len(adapters) + 1
+        want = merged_hf_greedy(model_path, {name: trained, **adapters})
+        assert greedy(adapter_server) == want != merged_hf_greedy(model_path, adapters)
+        sender.push(iter([[(name, base)], list(adapters.items())]), version=21)  # the base embedding back
+        assert greedy(adapter_server) == merged_hf_greedy(model_path, adapters)
     finally:
         sender.close()

@@ -39,6 +39,8 @@ MAX_SECONDS = 10**7  # timeouts and intervals (about four months)
 # test keeps the two equal: this module does not import torch)
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VLLM_MAX_LORA_RANK = 512  # refractor.inference.vllm.adapter.VLLM_MAX_LORA_RANKS[-1] (a test keeps them equal)
+# the modules that can train in full beside the adapters (refractor.models.lora.MODULES_TO_SAVE)
+LORA_MODULES_TO_SAVE = ("embed_tokens", "lm_head")
 
 _WANDB_CODE_EXCLUDES = [
     ".git",
@@ -366,6 +368,13 @@ class TrainerKeys(_Strict):
         "W + (alpha / rank) B A (every engine serves it); adapter = only the adapters (A, B and the scale, "
         "a small fraction of the bytes), applied at run time over the base the servers loaded from `model` "
         "(native: its adapter buffers; vLLM: its LoRA support, for requests that name the served model).",
+    )
+    lora_modules_to_save: tuple[str, ...] = Field(
+        (),
+        description="[refractor] LoRA: modules trained in full beside the adapters, as PEFT's "
+        "modules_to_save: embed_tokens and / or lm_head (on a tied model both name the one embedding). "
+        "Synced and checkpointed with the adapters; needed when the frozen head caps the logits (a "
+        "randomly initialized model).",
     )
     fsdp_cpu_offload: bool = Field(
         False,
@@ -1008,6 +1017,14 @@ def cross_field_errors(c: RefractorConfig) -> list[str]:
             e.append(
                 "`fp8: true` with `lora_rank` > 0 is not supported (the adapted projections would stay bf16)"
             )
+    unknown_saved = sorted(set(c.lora_modules_to_save) - set(LORA_MODULES_TO_SAVE))
+    if unknown_saved:
+        e.append(
+            f"`lora_modules_to_save` must name some of {', '.join(LORA_MODULES_TO_SAVE)}; got "
+            f"{', '.join(unknown_saved)}"
+        )
+    if c.lora_modules_to_save and not c.lora_rank:
+        e.append("`lora_modules_to_save` needs `lora_rank` > 0 (without adapters the whole model trains)")
     if c.lora_sync == "adapter":
         if not c.lora_rank:
             e.append("`lora_sync: adapter` needs `lora_rank` > 0 (there are no adapters to push)")

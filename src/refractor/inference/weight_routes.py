@@ -218,7 +218,10 @@ async def _receive_and_load(state: WeightTransfer, update_info: UpdateInfo) -> N
         if isinstance(err, MalformedStream | CollectiveTimeout):  # the sender's stream, not this server
             raise BadRequest(message) from None
         raise HTTPException(500, message) from err
-    names = set(engine.update_names(any(is_adapter_update_name(name) for name, _ in received)))
+    adapter_update = any(is_adapter_update_name(name) for name, _ in received)
+    names = set(engine.update_names(adapter_update))
+    if adapter_update:  # the weights trained in full beside the adapters (lora_modules_to_save) count too
+        names |= {name for name, _ in received if not is_adapter_update_name(name)}
     start = time.perf_counter()
     try:
         # the KV of running requests is kept here; /reset_prefix_cache decides whether it is recomputed

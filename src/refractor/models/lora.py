@@ -8,6 +8,13 @@
 ``B`` starts at zero, so a fresh adapter leaves the model's outputs unchanged; ``A`` starts as PEFT's
 ``default`` (Kaiming-uniform with ``a = sqrt(5)``, as ``nn.Linear``) or ``gaussian`` (normal with
 std ``1 / rank``).
+
+``lora_modules_to_save`` (PEFT's ``modules_to_save``) trains the input embedding and / or the LM head
+in full beside the adapters. Adapters alone cannot move what comes after the last decoder layer: the
+logits are ``norm(h) E^T`` with the final norm and the head frozen, so however the adapters change
+``h``, a token's logit stays within ``|norm weight| sqrt(hidden) |E_token|`` of zero. A pretrained head
+has rows large enough for that not to bind; a random one (std 0.02) caps every token's probability at a
+few percent. On a tied model the embedding is the head: naming either trains the one tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ PROJECTIONS = {
 }
 ALL_PROJECTIONS = tuple(name for names in PROJECTIONS.values() for name in names)
 LORA_INITS = ("default", "gaussian")
+# the modules outside the decoder layers that can train in full beside the adapters
+MODULES_TO_SAVE = ("embed_tokens", "lm_head")
 # merged: servers get W + scale B A for every adapted weight; adapter: only A, B and the scale
 LORA_SYNC_MODES = ("merged", "adapter")
 # the one tensor of an adapter push that is not an adapter weight: ``scale`` as a float32 [1]
@@ -43,6 +52,7 @@ class LoraSettings:
     lora_target_modules: tuple[str, ...] = ALL_PROJECTIONS
     lora_init: str = "default"  # default | gaussian
     lora_sync: str = "merged"  # merged | adapter (LORA_SYNC_MODES)
+    lora_modules_to_save: tuple[str, ...] = ()  # of MODULES_TO_SAVE: trained in full (module doc)
 
     @property
     def enabled(self) -> bool:
@@ -70,6 +80,15 @@ class LoraSettings:
             raise ValueError(f"lora_sync must be one of {', '.join(LORA_SYNC_MODES)}, got {self.lora_sync!r}")
         if self.lora_sync == "adapter" and not self.enabled:
             raise ValueError("lora_sync: adapter needs lora_rank > 0")
+        unknown = sorted(set(self.lora_modules_to_save) - set(MODULES_TO_SAVE))
+        if unknown:
+            raise ValueError(
+                f"lora_modules_to_save: {', '.join(unknown)} not one of {', '.join(MODULES_TO_SAVE)}"
+            )
+        if self.lora_modules_to_save and not self.enabled:
+            raise ValueError(
+                "lora_modules_to_save needs lora_rank > 0 (without adapters the whole model trains)"
+            )
 
     @property
     def pushes_adapters(self) -> bool:
@@ -124,8 +143,9 @@ def init_adapter(module: LoRALinear, how: str, rank: int, generator: torch.Gener
 def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype, seed: int = 0) -> int:
     """Adapters in ``dtype`` on ``settings.lora_target_modules`` of every decoder layer of ``model``
     (refractor's ``CausalLM``, or an HF causal LM whose decoder layers hold ``self_attn`` and ``mlp``
-    with the same projection names, as HF's Llama-family models do); every other parameter is frozen.
-    Returns the number of adapter parameters. Seeded: every rank builds the same adapters."""
+    with the same projection names, as HF's Llama-family models do); the modules of
+    ``settings.lora_modules_to_save`` train in full, cast to ``dtype``; every other parameter is frozen.
+    Returns the number of trained parameters. Seeded: every rank builds the same adapters."""
     settings.check()
     generator = torch.Generator().manual_seed(seed)
     for p in model.parameters():
@@ -153,7 +173,24 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype, seed:
                 init_adapter(module, settings.lora_init, settings.lora_rank, generator)
                 setattr(parent, name, module)
                 count += module.lora_A.weight.numel() + module.lora_B.weight.numel()
+    saved = {}  # by identity: a tied head and the embedding are one tensor
+    for name in settings.lora_modules_to_save:
+        weight = saved_weight(model, name)
+        saved[id(weight)] = weight
+    for weight in saved.values():
+        weight.data = weight.data.to(dtype)
+        weight.requires_grad_(True)
+        count += weight.numel()
     return count
+
+
+def saved_weight(model: nn.Module, module: str) -> nn.Parameter:
+    """The weight of ``module`` (one of MODULES_TO_SAVE) of ``model``: a tied head is the embedding."""
+    embedding = model.model.embed_tokens.weight
+    if module == "embed_tokens":
+        return embedding
+    head = getattr(model, "lm_head", None)  # refractor's CausalLM has none when tied; HF's shares it
+    return embedding if head is None else head.weight
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

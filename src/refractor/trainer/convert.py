@@ -5,10 +5,12 @@ their stored shapes, the ``model.`` entries (already HF names) are cast to the e
 written as ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``,
 next to the base model's config, tokenizer and generation files kept in ``hf_meta/``.
 
-A LoRA checkpoint holds only its adapters. By default they are merged into the base model's weights
-(read from the base model directory recorded in the checkpoint: ``W + (alpha / rank) B A``);
-``--adapter`` writes a PEFT adapter folder instead (``adapter_config.json`` and
-``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` loads on the base model.
+A LoRA checkpoint holds only its adapters and the weights of ``lora_modules_to_save`` (trained in
+full). By default the adapters are merged into the base model's weights (read from the base model
+directory recorded in the checkpoint: ``W + (alpha / rank) B A``) and the trained weights replace the
+base's; ``--adapter`` writes a PEFT adapter folder instead (``adapter_config.json`` and
+``adapter_model.safetensors``, the trained weights as PEFT's ``modules_to_save``), which
+``peft.PeftModel.from_pretrained`` loads on the base model.
 """
 
 from __future__ import annotations
@@ -149,9 +151,10 @@ def _base_model_dir(meta: dict[str, Any]) -> Path:
 
 
 def merge_adapters(adapters: dict[str, Any], lora: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    """The base model's weights with every adapter merged (float32 arithmetic, base dtype kept)."""
+    """The base model's weights with every adapter merged (float32 arithmetic, base dtype kept) and
+    the weights trained in full (``adapters``' other tensors) in place of the base's."""
     from refractor.models.loading import iter_safetensors
-    from refractor.models.lora import merge_lora
+    from refractor.models.lora import is_adapter_name, merge_lora
 
     scale = float(lora["lora_alpha"]) / int(lora["lora_rank"])
     merged = {}
@@ -160,8 +163,12 @@ def merge_adapters(adapters: dict[str, Any], lora: dict[str, Any], base_dir: Pat
         a, b = adapters.get(f"{stem}.lora_A.weight"), adapters.get(f"{stem}.lora_B.weight")
         if a is not None and b is not None:
             weight = merge_lora(weight, a, b, scale).to(weight.dtype)
+        elif name in adapters:
+            weight = adapters[name].to(weight.dtype)
         merged[name] = weight
-    missing = {n.rsplit(".lora_", 1)[0] + ".weight" for n in adapters} - set(merged)
+    missing = {n.rsplit(".lora_", 1)[0] + ".weight" if is_adapter_name(n) else n for n in adapters} - set(
+        merged
+    )
     if missing:
         raise ValueError(f"{base_dir} lacks the weights the adapters apply to: {', '.join(sorted(missing))}")
     return merged
@@ -171,7 +178,7 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool =
     """Write a PEFT LoRA adapter folder for the LoRA checkpoint ``checkpoint`` into ``out``."""
     from safetensors.torch import save_file
 
-    from refractor.trainer.checkpoint import read_meta
+    from refractor.trainer.checkpoint import HF_META_DIR, read_meta
 
     ckpt, out = Path(checkpoint), Path(out)
     meta = read_meta(ckpt)
@@ -181,6 +188,12 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool =
     if (out / "adapter_config.json").exists() and not overwrite:
         raise FileExistsError(f"{out} already holds an adapter; pass --overwrite to replace it")
     adapters = read_checkpoint_weights(ckpt)
+    tied = json.loads((ckpt / HF_META_DIR / "config.json").read_text()).get("tie_word_embeddings", False)
+    saved = sorted(lora.get("lora_modules_to_save", ()))
+    if tied and saved:
+        # one tensor, saved under both names and kept tied on load (PEFT's ensure_weight_tying)
+        saved = ["embed_tokens"]
+        adapters["lm_head.weight"] = adapters["model.embed_tokens.weight"].clone()
     out.mkdir(parents=True, exist_ok=True)
     tensors = {f"base_model.model.{name}": t.contiguous() for name, t in adapters.items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -195,6 +208,8 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool =
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
+        "modules_to_save": saved or None,
+        "ensure_weight_tying": bool(tied and saved),
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -176,10 +176,11 @@ class Trainer:
             lm.to(self.compute_dtype)
         count = add_lora(lm, self.lora, self.master_dtype, seed=self.settings.seed)
         log.info(
-            "LoRA rank %d (alpha %g) on %s: %.2fM adapter parameters train, the base is frozen",
+            "LoRA rank %d (alpha %g) on %s%s: %.2fM parameters train, the rest of the base is frozen",
             self.lora.lora_rank,
             self.lora.lora_alpha,
             ",".join(self.lora.lora_target_modules),
+            "".join(f", {name} in full" for name in self.lora.lora_modules_to_save),
             count / 1e6,
         )
 
@@ -452,14 +453,23 @@ class Trainer:
                 f"is {self.settings.model!r}"
             )
 
+        tied = bool(self.hf_config.get("tie_word_embeddings", False))
+
+        def trained_in_full(lora: dict) -> list[str]:
+            # on a tied model the head is the embedding: both names train (and save) one tensor
+            names = {"embed_tokens" if tied else m for m in lora.get("lora_modules_to_save", ())}
+            return sorted(names)
+
         def shape(lora: dict) -> tuple:
-            return int(lora["lora_rank"]), tuple(lora["lora_target_modules"])
+            return int(lora["lora_rank"]), tuple(lora["lora_target_modules"]), trained_in_full(lora)
+
+        def describe(lora: dict) -> str:
+            full = "".join(f", {name} in full" for name in trained_in_full(lora))
+            return f"rank {lora['lora_rank']} on {','.join(lora['lora_target_modules'])}{full}"
 
         if shape(saved) != shape(mine):
             raise ckpt.CheckpointError(
-                f"{path} holds LoRA adapters of rank {saved['lora_rank']} on "
-                f"{','.join(saved['lora_target_modules'])}; this run asks for rank {mine['lora_rank']} on "
-                f"{','.join(mine['lora_target_modules'])}"
+                f"{path} holds LoRA adapters of {describe(saved)}; this run asks for {describe(mine)}"
             )
 
     def load_weights(self, path: str | Path) -> None:

@@ -14,9 +14,10 @@ Names are HF names; a tied LM head appears once, as ``model.embed_tokens.weight`
 ``named_parameters``; inference engines alias ``lm_head.weight`` to it). LoRA adapters are merged:
 a projection with an adapter is exported as ``W + scale * B A`` (its local rows from the local rows
 of ``B`` and the whole of ``A``, which is small), and the adapter tensors themselves are not sent.
-With ``adapters=True`` it is the other way round (``lora_sync: adapter``): only the adapter tensors,
-gathered and bucketed the same way, then one last bucket holding the scale (``ADAPTER_SCALE_NAME``,
-float32) for the engine that applies them at run time over the base it loaded itself.
+With ``adapters=True`` it is the other way round (``lora_sync: adapter``): only what trains, the
+adapter tensors and the weights of ``lora_modules_to_save`` (trained in full), gathered and bucketed
+the same way, then one last bucket holding the scale (``ADAPTER_SCALE_NAME``, float32) for the engine
+that applies the adapters at run time over the base it loaded itself.
 """
 
 from __future__ import annotations
@@ -72,14 +73,16 @@ def _plan(
     model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, world: int, adapters_only: bool
 ) -> Iterator[tuple[torch.dtype, list[_Slot]]]:
     """Buckets of slots, each with one dtype (a dtype change closes the bucket): the merged weights,
-    or with ``adapters_only`` the adapter tensors alone."""
+    or with ``adapters_only`` the trained tensors alone (the adapters and any module trained in full)."""
     slots: list[_Slot] = []
     size = 0
     offset = 0
     current = None
     adapters = {} if adapters_only else {id(module.weight): module for _, module in lora_modules(model)}
     for name, param in model.named_parameters():
-        if is_adapter_name(name) != adapters_only:
+        adapter = is_adapter_name(name)
+        sent = (adapter or param.requires_grad) if adapters_only else not adapter
+        if not sent:
             continue
         target = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
         nbytes = tensor_nbytes(param, target)
@@ -117,7 +120,8 @@ def iter_weight_buckets(
     are offloaded to host memory, so the gather runs on its backend); floating tensors are cast to
     ``dtype``. Every rank yields the same number of buckets. The tensors of a bucket share one
     buffer: keep a bucket only as long as it is needed (the next one is gathered when the iterator
-    advances). ``adapters``: the LoRA adapters and their scale instead of the weights (module doc).
+    advances). ``adapters``: the LoRA adapters, the modules trained in full and the adapters' scale
+    instead of the weights (module doc).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")

@@ -548,8 +548,9 @@ class LLMEngine:
         (exact; vLLM's default); False keeps the stale KV (PipelineRL-style). An empty iterable only
         sets the version. Returns the number of tensors copied.
 
-        An update carries either weights or LoRA adapters (``...lora_A.weight``, ``...lora_B.weight``
-        and ``ADAPTER_SCALE_NAME``: written into the engine's adapter buffers, engine/lora.py).
+        An update carries weights, or LoRA adapters (``...lora_A.weight``, ``...lora_B.weight`` and
+        ``ADAPTER_SCALE_NAME``: written into the engine's adapter buffers, engine/lora.py) with the
+        weights the trainer trains in full beside them (``lora_modules_to_save``), if any.
 
         Atomic: every tensor is checked first (a known name, the parameter's shape, a floating dtype,
         only finite values), and one bad tensor fails the whole update with nothing written and the
@@ -572,12 +573,6 @@ class LLMEngine:
         """(destination, value) pairs of an update (a parameter's host copy while it sleeps offloaded);
         ValueError naming every problem."""
         adapter = [name for name, _ in named_tensors if is_adapter_update_name(name)]
-        if adapter and len(adapter) < len(named_tensors):
-            other = next(name for name, _ in named_tensors if not is_adapter_update_name(name))
-            raise ValueError(
-                f"update_weights: an update carries the model's weights or LoRA adapters, not both "
-                f"(got {other!r} and {adapter[0]!r}); nothing was written"
-            )
         if adapter and self.adapters is None:
             raise ValueError(
                 f"update_weights: the update carries LoRA adapters ({describe_update(named_tensors)}) but "
@@ -590,11 +585,16 @@ class LLMEngine:
             for name, t in named_tensors
             if not t.is_floating_point()
         ]
-        if adapter:
-            writes, more = self.adapters.plan(floating)
-        else:
-            writes, more = self._weight_destinations(floating)
+        writes, more = self._weight_destinations(
+            [(n, t) for n, t in floating if not is_adapter_update_name(n)]
+        )
         errors += more
+        if adapter:
+            adapter_writes, more = self.adapters.plan(
+                [(n, t) for n, t in floating if is_adapter_update_name(n)]
+            )
+            writes += adapter_writes
+            errors += more
         if writes:  # one device sync for the whole update, not one per tensor
             finite = torch.stack([torch.isfinite(t).all().to(self.device) for _, _, t in writes]).tolist()
             non_finite = [repr(n) for (n, _, _), ok in zip(writes, finite, strict=True) if not ok]
