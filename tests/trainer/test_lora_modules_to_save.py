@@ -104,6 +104,15 @@ def test_adapters_alone_stay_under_the_frozen_heads_bound_and_the_trained_embedd
     assert with_embedding > 0.9, reached
 
 
+def test_the_config_names_the_same_modules_and_projections_as_the_model_code():
+    """config/schema.py does not import torch: it keeps its own copies of the names."""
+    from refractor.config import schema
+    from refractor.models.lora import ALL_PROJECTIONS, MODULES_TO_SAVE
+
+    assert schema.LORA_MODULES_TO_SAVE == MODULES_TO_SAVE
+    assert schema.LORA_PROJECTIONS == ALL_PROJECTIONS
+
+
 @pytest.fixture(scope="module")
 def lora_saved(tiny_qwen2_path, tmp_path_factory):
     from refractor.trainer import Trainer

@@ -39,7 +39,8 @@ MAX_SECONDS = 10**7  # timeouts and intervals (about four months)
 # test keeps the two equal: this module does not import torch)
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VLLM_MAX_LORA_RANK = 512  # refractor.inference.vllm.adapter.VLLM_MAX_LORA_RANKS[-1] (a test keeps them equal)
-# the modules that can train in full beside the adapters (refractor.models.lora.MODULES_TO_SAVE)
+# the modules that can train in full beside the adapters (refractor.models.lora.MODULES_TO_SAVE; the
+# same test keeps the two equal)
 LORA_MODULES_TO_SAVE = ("embed_tokens", "lm_head")
 
 _WANDB_CODE_EXCLUDES = [
