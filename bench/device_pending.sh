@@ -11,6 +11,8 @@
 #   bash bench/device_pending.sh fsdp_cp2                     # 2 GPUs (context parallelism)
 #   bash bench/device_pending.sh multi_server                 # 4 GPUs
 #   bash bench/device_pending.sh trainer_7b_offload           # 1 GPU of a machine with >= 256 GB RAM
+#   bash bench/device_pending.sh megatron                     # 1 GPU (megatron-core wheel in .whl/)
+#   bash bench/device_pending.sh megatron_tp2 megatron_pp2    # 2 GPUs (the same)
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
 # runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
 # so the sum of their limits bounds one invocation. Wheels in .whl/ and .whl-ray/ (for a machine that has
@@ -96,10 +98,19 @@ run_part() {
     multi_server)  # 4 GPUs: 3 servers + 1 trainer rank (one of them an eval server), then 2 + 2
       part multi_server 420 python bench/bench_rl.py --steps 6 --warmup 2 --modes \
         "2+inference_num_workers=3+eval_num_servers=1+evals=[{name: countdown, eval_every: 2, num_samples: 64, kwargs: {dataset_name: procedural}}],2+inference_num_workers=2+trainer_num_workers=2" ;;
+    megatron)  # 1 GPU: Megatron TP=1/PP=1 vs FSDP2 on the same weights and batch (parity, throughput, MFU)
+      part megatron_100m 240 python bench/bench_megatron.py --size 100m
+      part megatron 420 python bench/bench_megatron.py --size 0.5b ;;
+    megatron_tp2 | megatron_pp2)  # 2 GPUs: TP=2 (PP=2) vs FSDP2 over the same 2 GPUs, and vs the 1-GPU
+      # rows of the `megatron` part when its JSON is in $OUT/megatron (same size and tokens)
+      local layout=${1#megatron_} reference=()
+      [ -f "$OUT/megatron/bench_megatron.json" ] && reference=(--reference "$OUT/megatron/bench_megatron.json")
+      part "$1" 420 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b "--${layout%2}" 2 \
+        "${reference[@]}" ;;
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary fp8_test trainer_fp8 serving fsdp_test" \
         "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" \
-        "trainer_lora fsdp_cp2" >&2 ;;
+        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2" >&2 ;;
   esac
 }
 
