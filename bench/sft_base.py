@@ -113,12 +113,14 @@ def sft_examples(
     return out
 
 
-def build_tokenizer(texts: list[str], vocab_size: int):
+def build_tokenizer(texts: list[str], vocab_size: int, split_digits: bool = True):
     """Byte-level BPE trained on ``texts``, ChatML template, ``<|im_end|>`` as EOS (the test models'
-    tokenizer recipe on this corpus)."""
+    tokenizer recipe on this corpus). Digits split by default: with numbers as BPE merges, "19" in
+    the prompt and " 19" in the solution are unrelated tokens, and bases trained that way scored 0%
+    on held-out problems (bench/RESULTS.md)."""
     from refractor.testing.tiny_models import build_tokenizer as build
 
-    return build(texts, vocab_size)
+    return build(texts, vocab_size, split_digits=split_digits)
 
 
 def encode(examples, tokenizer) -> list[tuple[list[int], int]]:
@@ -193,7 +195,7 @@ def train(args) -> dict:
     torch.manual_seed(args.seed)
     examples = sft_examples(args.examples, shape=args.shape, attempts=args.attempts)
     texts = [json.dumps(m) + c for m, c in examples[:2000]]
-    tokenizer = build_tokenizer(texts, args.vocab_size)
+    tokenizer = build_tokenizer(texts, args.vocab_size, split_digits=getattr(args, "split_digits", True))
     encoded = encode(examples, tokenizer)
     max_len = max(len(ids) for ids, _ in encoded)
     vocab = -(-len(tokenizer) // 64) * 64
@@ -337,6 +339,9 @@ def main() -> None:
         "--attempts", type=int, default=0, help="up to this many rejected tries before each solution (search)"
     )
     ap.add_argument("--max-tokens", type=int, default=96, help="completion tokens at evaluation")
+    ap.add_argument(
+        "--bpe-digits", dest="split_digits", action="store_false", help="let BPE merge digits into numbers"
+    )
     args = ap.parse_args()
     low, high = (int(n) for n in args.numbers.split(","))
     args.shape = {

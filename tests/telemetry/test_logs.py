@@ -297,3 +297,40 @@ def test_unwritable_log_files_are_one_warning_and_the_store_still_gets_every_lin
     messages = [x.message for x in stored]
     assert "refractor.train: one" in messages and "refractor.train: two" in messages
     assert [(e.name, e.attrs["source"]) for e in events] == [("log_files_failed", "files")]
+
+
+def test_a_drain_that_answers_late_is_waited_for_again_and_its_lines_kept(tmp_path):
+    import asyncio
+    import time
+
+    from refractor.runtime.log_collector import LogCollector
+    from refractor.telemetry.log_capture import LogBatch
+
+    stored, events, calls = [], [], []
+    local = ProcessLogs("driver", None, "n", capture_streams=False)
+    collector = LogCollector(
+        local, stored.extend, LogFileCopies(tmp_path / "logs"), events.append, call_timeout_s=0.05
+    )
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+
+        def drain():  # the first call answers only after its collection gave up; later ones at once
+            calls.append(loop.create_future())
+            if len(calls) > 1:
+                calls[-1].set_result(LogBatch([], 0))
+            return calls[-1]
+
+        collector.add_actor_source("trainer", 0, drain)
+        await collector.collect()  # no answer within the timeout: recorded once, the call kept
+        line = LogLine(time.time(), "INFO", "trainer", 0, "n", "stdout", "taken from the buffer")
+        calls[0].set_result(LogBatch([line], 0))
+        await collector.collect()  # waits for that same call: its lines reach the store
+        await collector.collect()  # then a new call
+
+    asyncio.run(scenario())
+    collector.sources.clear()  # close() waits on Ray object refs; these calls are plain futures
+    collector.close()
+    assert [x.message for x in stored if x.component == "trainer"] == ["taken from the buffer"]
+    assert len(calls) == 2  # the late call (waited for twice), then a new one
+    assert [(e.name, e.attrs["source"]) for e in events] == [("log_collection_failed", "trainer-0")]

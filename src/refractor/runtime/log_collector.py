@@ -9,6 +9,8 @@ beside the actor's other work), then stores them and appends them to the plain-t
 Nothing assumes a shared file system or one machine. Lines a buffer dropped are recorded as one
 WARNING line saying how many; an actor that does not answer is recorded once as a
 ``log_collection_failed`` warning event (and asked again: a restarted server answers again).
+A drain that answers late is not abandoned: the lines it took from the actor's buffer are in its
+answer, so the next collection waits for that same call instead of starting another.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ class LogSource:
     rank: int | None
     drain: Callable[[], Any]  # starts the actor's drain_logs call: an ObjectRef of a LogBatch
     failing: bool = False
+    pending: Any = None  # a drain call that had not answered by the last collection's timeout
+
+    def call(self) -> Any:
+        """The drain call to wait for: the one still pending, else a new one."""
+        if self.pending is None:
+            self.pending = self.drain()
+        return self.pending
 
     @property
     def name(self) -> str:
@@ -78,16 +87,22 @@ class LogCollector:
             await self.collect()
 
     async def collect(self) -> None:
-        results = await asyncio.gather(
-            *(asyncio.wait_for(await_ref(s.drain()), self.call_timeout_s) for s in self.sources),
-            return_exceptions=True,
-        )
+        async def answer(source: LogSource) -> Any:
+            ref = _call(source.call)
+            if isinstance(ref, BaseException):
+                return ref
+            try:  # shielded: a timeout leaves the call running, to be waited for next time
+                return await asyncio.wait_for(asyncio.shield(await_ref(ref)), self.call_timeout_s)
+            except TimeoutError as err:
+                return err
+
+        results = await asyncio.gather(*(answer(s) for s in self.sources), return_exceptions=True)
         await asyncio.to_thread(self._record_all, results)
 
     def collect_now(self, timeout_s: float) -> None:
         """One collection, blocking (the end of the run, before the actors are stopped): every
         source is asked at once and waited for ``timeout_s`` in all."""
-        refs = [_call(source.drain) for source in self.sources]
+        refs = [_call(source.call) for source in self.sources]
         pending = [r for r in refs if not isinstance(r, BaseException)]
         ready = set(ray.wait(pending, num_returns=len(pending), timeout=timeout_s)[0]) if pending else set()
         results = []
@@ -116,6 +131,8 @@ class LogCollector:
         with self._recording:
             self._record(None, self.local.drain())
             for source, result in zip(self.sources, results, strict=True):
+                if not isinstance(result, TimeoutError):
+                    source.pending = None  # answered (or failed): the next collection starts a new call
                 if isinstance(result, BaseException):
                     self._failed(source, result)
                     continue

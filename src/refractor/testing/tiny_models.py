@@ -74,14 +74,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("REFRACTOR_CACHE", Path.home() / ".cache" / "refractor"))
 
 
-def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = TOKENIZER_VOCAB_SIZE):
+def build_tokenizer(
+    corpus: list[str] | None = None, vocab_size: int = TOKENIZER_VOCAB_SIZE, split_digits: bool = False
+):
     """A byte-level BPE tokenizer trained on ``corpus`` (default: the fixed test corpus), with EOS/pad
-    and a ChatML template."""
+    and a ChatML template. ``split_digits``: every digit is a token of its own (as in Qwen's and
+    Llama's tokenizers), so a number reads the same wherever it stands and arithmetic works digit by
+    digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

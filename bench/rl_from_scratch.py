@@ -1,0 +1,296 @@
+"""RL from scratch on one machine: SFT bases, then GRPO against a control and other algorithms.
+
+Stage 1 trains candidate base models with ``bench/sft_base.py`` side by side, one per GPU: they
+differ in the countdown problems' difficulty and in whether the worked solutions show a search
+(rejected tries before the solution). The candidate whose held-out greedy accuracy is nearest 25%
+becomes the base (RL needs room both ways). Stage 2 trains that base with
+``configs/examples/countdown_from_scratch.yaml`` through ``run_training`` (the code behind
+``refractor train``), one run per GPU, for the same wall-clock budget: GRPO, the same with
+``learning_rate: 0`` (the control: evals must not move), and other algorithms. Stage 3 reads the
+run stores and writes a table and a PNG of training reward and held-out pass@1 / pass@8 per step.
+
+    python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,1,2,3 --sft-minutes 4 --rl-minutes 5
+    python bench/rl_from_scratch.py sft --out /tmp/rfs --gpus 0,1,2,3
+    python bench/rl_from_scratch.py rl --out /tmp/rfs --base /tmp/rfs/easy3 --gpus 0,1,2,3 --rl-minutes 5
+    python bench/rl_from_scratch.py report --out /tmp/rfs
+
+A CPU test runs the stages at toy scale (tests/runtime/test_rl_from_scratch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "examples" / "countdown_from_scratch.yaml"
+CANDIDATES = {  # name -> sft_base.py arguments: problem difficulty, searched solutions, eval length
+    "easy3": ["--numbers", "3,3", "--max-number", "20", "--max-target", "100", "--max-tokens", "96"],
+    "easy3_search": [
+        *("--numbers", "3,3", "--max-number", "20", "--max-target", "100"),
+        *("--attempts", "3", "--max-tokens", "192"),
+    ],
+    "mid3_search": [
+        *("--numbers", "3,3", "--max-number", "50", "--max-target", "500"),
+        *("--attempts", "3", "--max-tokens", "192"),
+    ],
+    "std_search": ["--numbers", "3,4", "--attempts", "4", "--max-tokens", "256"],
+}
+RUNS = {  # name -> config overrides on top of the example config
+    "grpo": {"algorithm": "grpo"},
+    "control": {"algorithm": "grpo", "learning_rate": 0.0},
+    "dr_grpo": {"algorithm": "dr_grpo"},
+    "cispo": {"algorithm": "cispo"},
+}
+TARGET_ACCURACY = 0.25
+
+
+def run_in_parallel(
+    commands: dict[str, list[str]], gpus: list[str], deadline: float, logs: Path, stagger_s: float = 0.0
+) -> dict:
+    """Each command on a GPU of its own (round robin), stopped at ``deadline`` (SIGTERM, then SIGKILL).
+    ``stagger_s`` apart: runs that each start a local Ray cluster do not race for its ports."""
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for i, (name, cmd) in enumerate(commands.items()):
+        if i:
+            time.sleep(stagger_s)
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        log = open(logs / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
+        procs[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    codes = {}
+    while procs and time.time() < deadline:
+        for name, (proc, log) in list(procs.items()):
+            if proc.poll() is not None:
+                codes[name] = proc.returncode
+                log.close()
+                del procs[name]
+        time.sleep(1)
+    for name, (proc, log) in procs.items():  # out of time: stop, the run store keeps what it recorded
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        codes[name] = f"stopped at the deadline ({proc.returncode})"
+        log.close()
+    return codes
+
+
+def stage_sft(args) -> Path:
+    names = args.candidates.split(",")
+    commands = {
+        name: [
+            sys.executable,
+            str(ROOT / "bench" / "sft_base.py"),
+            *("--out", str(args.out / name), "--size", args.size, "--steps", str(args.sft_steps)),
+            *("--eval", str(args.eval), "--eval-at", str(args.sft_steps // 2)),
+            *(["--device", "cpu"] if args.cpu else []),
+            *args.sft_extra,
+            *CANDIDATES[name],
+        ]
+        for name in names
+    }
+    codes = run_in_parallel(commands, args.gpus, time.time() + args.sft_minutes * 60, args.out / "logs")
+    summaries = {}
+    for name in names:
+        path = args.out / name / "sft_summary.json"
+        summaries[name] = json.loads(path.read_text()) if path.is_file() else {"exit": codes.get(name)}
+    (args.out / "sft_candidates.json").write_text(json.dumps(summaries, indent=1))
+    scored = {n: s for n, s in summaries.items() if "accuracy_at_step" in s}
+    for name, s in summaries.items():
+        print(f"SFT {name}: exit {codes.get(name)}, held-out accuracy by step {s.get('accuracy_at_step')}")
+    if not scored:
+        raise SystemExit("no SFT candidate finished")
+    best = min(scored, key=lambda n: abs(final_accuracy(scored[n]) - TARGET_ACCURACY))
+    print(f"base: {best} (held-out greedy accuracy {final_accuracy(scored[best]):.3f})")
+    return args.out / best
+
+
+def final_accuracy(summary: dict) -> float:
+    by_step = summary["accuracy_at_step"]
+    return by_step[max(by_step, key=int)]
+
+
+def run_overrides(base: Path, run: str, run_dir: Path, steps: int, extra: dict) -> dict:
+    """The example config's overrides for one run: the base, its problems' difficulty and length."""
+    sft = json.loads((base / "sft_summary.json").read_text())["args"]
+    shape = sft["shape"]
+    return {
+        "model": str(base),
+        "run_dir": str(run_dir),
+        "run_name": run,
+        "number_of_steps": steps,
+        "max_tokens": sft["max_tokens"],
+        "environments": [
+            {
+                "name": "countdown",
+                "reward_min": 0,
+                "reward_max": 2,
+                "kwargs": {"dataset_name": "procedural", "seed": 0, **shape},
+            }
+        ],
+        "evals": [
+            {
+                "name": "countdown",
+                "eval_every": extra.pop("eval_every", 10),
+                "num_samples": extra.pop("eval_samples", 200),
+                "pass_k": {"at_k": {"metrics": ["_equation_reward"], "k": [1, 8]}},
+                "temperature": 1.0,
+                "kwargs": {"dataset_name": "procedural", "seed": 1, **shape},
+            }
+        ],
+        **extra,
+        **RUNS[run],  # last: the control's learning rate 0 wins over a learning rate for every run
+    }
+
+
+def stage_train_one(args) -> None:
+    from refractor.config import load_config
+    from refractor.train import run_training
+
+    extra = json.loads(args.overrides)
+    cfg = load_config(CONFIG, run_overrides(args.base, args.run, args.out / "runs", args.rl_steps, extra))
+    run_training(cfg, quiet=True, overwrite=True)
+
+
+def stage_rl(args, base: Path) -> None:
+    names = args.runs.split(",")
+    commands = {
+        name: [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "train-one",
+            *("--out", str(args.out), "--base", str(base), "--run", name),
+            *("--rl-steps", str(args.rl_steps), "--overrides", args.overrides),
+        ]
+        for name in names
+    }
+    deadline = time.time() + args.rl_minutes * 60
+    codes = run_in_parallel(commands, args.gpus, deadline, args.out / "logs", stagger_s=8.0)
+    for name in names:
+        print(f"RL {name}: exit {codes.get(name)}")
+
+
+def series(run_dir: Path) -> dict:
+    """Per step: the training reward (equation reward, mean) and the held-out pass@1 / pass@8."""
+    from refractor.telemetry.query import RunReader
+
+    with RunReader(run_dir) as reader:
+        steps = reader.step_metrics()
+    out = {"step": [], "train_reward": [], "eval_step": [], "pass@1": [], "pass@8": []}
+    train_keys = [
+        k
+        for m in steps
+        for k in m
+        if "_equation_reward" in k and not k.startswith("eval/") and "std" not in k
+    ]
+    train_key = min(train_keys, key=len) if train_keys else None
+    for m in steps:
+        if train_key in m:
+            out["step"].append(m["step"])
+            out["train_reward"].append(m[train_key])
+        if "eval/countdown/pass@1/_equation_reward" in m:
+            out["eval_step"].append(m["step"])
+            out["pass@1"].append(m["eval/countdown/pass@1/_equation_reward"])
+            out["pass@8"].append(m.get("eval/countdown/pass@8/_equation_reward"))
+    out["train_key"] = train_key
+    out["timing_step_total"] = [m["timing_step_total"] for m in steps if "timing_step_total" in m]
+    return out
+
+
+def stage_report(args) -> None:
+    runs_dir = args.out / "runs"
+    report = {}
+    for run_dir in sorted(p for p in runs_dir.iterdir() if (p / "run.db").is_file()):
+        report[run_dir.name] = series(run_dir)
+    (args.out / "rl_report.json").write_text(json.dumps(report, indent=1))
+    lines = [
+        "| run | steps | s / step | train reward first -> last | held-out pass@1 first -> last (step) "
+        "| pass@8 first -> last | pass@1 gain (points) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in report.items():
+        t = s["timing_step_total"]
+        p1, p8, rw = s["pass@1"], s["pass@8"], s["train_reward"]
+        gain = 100 * (p1[-1] - p1[0]) if p1 else float("nan")
+        lines.append(
+            f"| {name} | {len(s['step'])} | {sum(t) / max(len(t), 1):.2f} | "
+            f"{rw[0] if rw else float('nan'):.3f} -> {rw[-1] if rw else float('nan'):.3f} | "
+            f"{p1[0] if p1 else float('nan'):.3f} -> {p1[-1] if p1 else float('nan'):.3f} "
+            f"({s['eval_step'][-1] if p1 else '-'}) | "
+            f"{p8[0] if p8 and p8[0] is not None else float('nan'):.3f} -> "
+            f"{p8[-1] if p8 and p8[-1] is not None else float('nan'):.3f} | {gain:+.1f} |"
+        )
+    table = "\n".join(lines)
+    (args.out / "rl_report.md").write_text(table + "\n")
+    print(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, s in report.items():
+        left.plot(s["step"], s["train_reward"], label=name)
+        right.plot(s["eval_step"], s["pass@1"], marker="o", label=f"{name} pass@1")
+        if s["pass@8"] and s["pass@8"][0] is not None:
+            right.plot(s["eval_step"], s["pass@8"], linestyle="--", label=f"{name} pass@8")
+    left.set(title="training reward (equation, mean)", xlabel="step")
+    right.set(title="held-out accuracy (temperature 1)", xlabel="step")
+    left.legend()
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out / "rl_from_scratch.png", dpi=110)
+    print(f"wrote {args.out / 'rl_from_scratch.png'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stage", choices=["all", "sft", "rl", "report", "train-one"])
+    ap.add_argument("--out", type=Path, required=True, help="working folder: bases, run stores, report")
+    ap.add_argument("--gpus", default="", help="comma list of GPU indices, one job per GPU (round robin)")
+    ap.add_argument("--candidates", default=",".join(CANDIDATES), help=f"of {', '.join(CANDIDATES)}")
+    ap.add_argument("--size", default="small", help="sft_base.py --size")
+    ap.add_argument("--sft-steps", type=int, default=1500)
+    ap.add_argument("--sft-minutes", type=float, default=4.5)
+    ap.add_argument("--sft-extra", default="", help="more sft_base.py arguments, space separated")
+    ap.add_argument("--eval", type=int, default=200, help="held-out problems scored after SFT")
+    ap.add_argument("--base", type=Path, help="the SFT base (rl, train-one): an sft_base.py output folder")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"of {', '.join(RUNS)}")
+    ap.add_argument("--run", help="train-one: the run's name")
+    ap.add_argument("--rl-steps", type=int, default=400)
+    ap.add_argument("--rl-minutes", type=float, default=5.0, help="wall-clock budget of every RL run")
+    ap.add_argument("--overrides", default="{}", help="JSON of more config keys for every RL run")
+    ap.add_argument("--cpu", action="store_true", help="SFT on the CPU (toy runs)")
+    args = ap.parse_args()
+    args.gpus = [g for g in args.gpus.split(",") if g]
+    args.sft_extra = args.sft_extra.split()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "train-one":
+        stage_train_one(args)
+        return
+    if args.stage in ("all", "sft"):
+        base = stage_sft(args)
+    else:
+        base = args.base
+    if args.stage in ("all", "rl"):
+        stage_rl(args, base)
+    if args.stage in ("all", "rl", "report"):
+        stage_report(args)
+
+
+if __name__ == "__main__":
+    main()
