@@ -13,6 +13,7 @@
 #   bash bench/device_pending.sh trainer_7b_offload           # 1 GPU of a machine with >= 256 GB RAM
 #   bash bench/device_pending.sh megatron                     # 1 GPU (megatron-core wheel in .whl/)
 #   bash bench/device_pending.sh megatron_tp2 megatron_pp2    # 2 GPUs (the same)
+#   bash bench/device_pending.sh lora_sync                    # 1 GPU (LoRA adapter vs merged vs full push)
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
 # runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
 # so the sum of their limits bounds one invocation. Wheels in .whl/ and .whl-ray/ (for a machine that has
@@ -107,10 +108,13 @@ run_part() {
       [ -f "$OUT/megatron/bench_megatron.json" ] && reference=(--reference "$OUT/megatron/bench_megatron.json")
       part "$1" 420 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b "--${layout%2}" 2 \
         "${reference[@]}" ;;
+    lora_sync)  # 1 GPU: trainer and native server on one card (CUDA IPC); full, merged and adapter pushes of
+      # LoRA rank 64, Qwen2.5-0.5B and 7B shapes; expected peak ~50 GB (7B: fp32 full trainer + bf16 server)
+      part lora_sync 540 python bench/bench_weight_sync.py colocated --lora-rank 64 --sizes 0.5b,7b --repeats 5 ;;
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary fp8_test trainer_fp8 serving fsdp_test" \
         "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" \
-        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2" >&2 ;;
+        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2 lora_sync" >&2 ;;
   esac
 }
 
