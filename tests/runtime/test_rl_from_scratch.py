@@ -134,3 +134,31 @@ def test_the_example_config_trains_the_base_with_evals(base_model, tmp_path, mon
         assert [m["step"] for m in steps] == [0, 1]
         assert any(k.startswith("eval/countdown/") for m in steps for k in m), steps
         assert len(reader.rollouts(status="eval")) >= 4
+
+
+def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path):
+    import json
+
+    import rl_from_scratch
+
+    shape = {"procedural_min_numbers": 3, "procedural_max_numbers": 3, "procedural_max_number": 50}
+    (tmp_path / "sft_summary.json").write_text(json.dumps({"args": {"shape": shape, "max_tokens": 192}}))
+    configs = {
+        run: load_config(
+            rl_from_scratch.CONFIG,
+            rl_from_scratch.run_overrides(tmp_path, run, tmp_path / "runs", 35, {"learning_rate": 5e-5}),
+        )
+        for run in rl_from_scratch.RUNS
+    }
+    assert configs["control"].learning_rate == 0.0 and configs["grpo"].learning_rate == 5e-5
+    assert {run: c.algorithm for run, c in configs.items()} == {
+        "grpo": "grpo",
+        "control": "grpo",
+        "dr_grpo": "dr_grpo",
+        "cispo": "cispo",
+    }
+    for c in configs.values():
+        assert c.max_tokens == 192 and c.number_of_steps == 35 and c.model == str(tmp_path)
+        train, held_out = c.environments[0].kwargs, c.evals[0].kwargs
+        assert train == {"dataset_name": "procedural", "seed": 0, **shape}
+        assert held_out == {"dataset_name": "procedural", "seed": 1, **shape}
