@@ -17,6 +17,8 @@ Kept apart from ``Trainer`` (lifecycle, checkpoints, export) so the numerics rea
 from __future__ import annotations
 
 import math
+import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from refractor.algorithms.loss import LossSettings, LossStats, loss_metrics, policy_loss
 from refractor.algorithms.packing import build_micro_batch
-from refractor.records import MicroBatch, TrainBatch
+from refractor.records import MicroBatch, StepResult, TrainBatch
 from refractor.trainer.distributed import all_reduce_
 from refractor.trainer.fp8 import after_optimizer_step
 from refractor.trainer.policy_model import PolicyModel
@@ -295,3 +297,58 @@ def step_metrics(outcome: StepOutcome, loss_settings: LossSettings, device: torc
     metrics["grad_norm"] = sum(norms) / len(norms) if norms else 0.0
     metrics["trainer/optimizer/skipped_updates"] = float(outcome.skipped_updates)
     return metrics
+
+
+class StepLoop:
+    """``train_step`` as both trainers run it around their own ``_run_step(batch, timer)``: the batch
+    checked against the data-parallel size, peak memory and the timeline reset, the LR schedule
+    stepped after the update, the step's metrics. A trainer provides ``dp_size``, ``rank``,
+    ``device``, ``info``, ``settings``, ``timeline_attrs``, ``model``, ``scheduler``,
+    ``loss_settings``, ``learning_rate``, ``skipped_updates`` and ``_step``."""
+
+    def _run_step(self, batch: TrainBatch, timer: StepTimer) -> StepOutcome:
+        raise NotImplementedError
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """One step on this rank's replica's micro-batches; every rank calls it with the same batch."""
+        if len(batch.micro_batches) != self.dp_size:
+            raise ValueError(
+                f"TrainBatch for step {batch.step} has micro-batches for {len(batch.micro_batches)} "
+                f"ranks; the trainer has {self.dp_size} data-parallel replicas (pack with "
+                f"num_dp_ranks={self.dp_size})"
+            )
+        if self.info.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        timer = StepTimer(
+            self.device,
+            attrs={"step": batch.step, "rank": self.rank, **self.timeline_attrs},
+            detail=self.settings.track_gpu_events,
+        )
+        lr = self.learning_rate
+        wall = time.perf_counter()
+        self.model.train()
+        with timer.span("step", always=True):
+            outcome = self._run_step(batch, timer)
+            with warnings.catch_warnings():  # a skipped (non-finite) first update is not a misuse
+                warnings.filterwarnings(
+                    "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+                )
+                self.scheduler.step()
+        metrics = step_metrics(outcome, self.loss_settings, self.device)
+        events, timings = timer.finish()
+        elapsed = time.perf_counter() - wall
+        self.skipped_updates += outcome.skipped_updates
+        self._step += 1
+        metrics.update(timings)
+        metrics.update(
+            {
+                "learning_rate": lr,
+                "timing_step_active": timings.get("timing_step_total", elapsed),
+                "timing_microbatch_count": float(outcome.rows),
+                "trainer/optimizer/skipped_updates_total": float(self.skipped_updates),
+                "trainer/throughput/tokens_per_s": metrics["trainer/batch/tokens"] / max(elapsed, 1e-9),
+            }
+        )
+        if self.info.is_cuda:
+            metrics["trainer/memory/peak_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return StepResult(step=batch.step, metrics=metrics, timeline=events)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from refractor.models.lora import add_lora
-from refractor.records import StepResult, TrainBatch
+from refractor.records import TrainBatch
 from refractor.trainer import checkpoint as ckpt
 from refractor.trainer import policy_model
 from refractor.trainer.context_parallel import ContextGroup
@@ -42,7 +40,7 @@ from refractor.trainer.policy_model import (
     shard_model,
 )
 from refractor.trainer.settings import TrainerSettings
-from refractor.trainer.step import StepSettings, run_step, step_metrics
+from refractor.trainer.step import StepLoop, StepOutcome, StepSettings, run_step
 from refractor.trainer.timing import StepTimer
 from refractor.weight_sync.gather import WeightBucket, iter_weight_buckets
 
@@ -50,7 +48,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class Trainer:
+class Trainer(StepLoop):
     """See ``refractor.trainer`` for the contract. Construct on every rank with the same settings."""
 
     def __init__(
@@ -245,58 +243,17 @@ class Trainer:
         return sum(p.numel() for p in self.model.parameters())
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batch: TrainBatch) -> StepResult:
-        """One step on this rank's micro-batches; every rank must call it with the same batch."""
-        if len(batch.micro_batches) != self.dp_size:
-            raise ValueError(
-                f"TrainBatch for step {batch.step} has micro-batches for {len(batch.micro_batches)} "
-                f"ranks; the trainer has {self.dp_size} data-parallel ranks (pack with "
-                f"num_dp_ranks={self.dp_size})"
-            )
-        if self.info.is_cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        timer = StepTimer(
+    def _run_step(self, batch: TrainBatch, timer: StepTimer) -> StepOutcome:
+        return run_step(
+            self.model,
+            self.optimizer,
+            batch,
+            batch.micro_batches[self.dp_rank],
+            self.loss_settings,
+            self.step_settings,
+            timer,
             self.device,
-            attrs={"step": batch.step, "rank": self.rank, **self.timeline_attrs},
-            detail=self.settings.track_gpu_events,
         )
-        lr = self.learning_rate
-        wall = time.perf_counter()
-        self.model.train()
-        with timer.span("step", always=True):
-            outcome = run_step(
-                self.model,
-                self.optimizer,
-                batch,
-                batch.micro_batches[self.dp_rank],
-                self.loss_settings,
-                self.step_settings,
-                timer,
-                self.device,
-            )
-            with warnings.catch_warnings():  # a skipped (non-finite) first update is not a misuse
-                warnings.filterwarnings(
-                    "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
-                )
-                self.scheduler.step()
-        metrics = step_metrics(outcome, self.loss_settings, self.device)
-        events, timings = timer.finish()
-        elapsed = time.perf_counter() - wall
-        self.skipped_updates += outcome.skipped_updates
-        self._step += 1
-        metrics.update(timings)
-        metrics.update(
-            {
-                "learning_rate": lr,
-                "timing_step_active": timings.get("timing_step_total", elapsed),
-                "timing_microbatch_count": float(outcome.rows),
-                "trainer/optimizer/skipped_updates_total": float(self.skipped_updates),
-                "trainer/throughput/tokens_per_s": metrics["trainer/batch/tokens"] / max(elapsed, 1e-9),
-            }
-        )
-        if self.info.is_cuda:
-            metrics["trainer/memory/peak_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        return StepResult(step=batch.step, metrics=metrics, timeline=events)
 
     # ------------------------------------------------------------------ weight export
     def inference_dtype(self) -> torch.dtype:
