@@ -14,6 +14,7 @@
 #   bash bench/device_pending.sh megatron                     # 1 GPU (megatron-core wheel in .whl/)
 #   bash bench/device_pending.sh megatron_tp2 megatron_pp2    # 2 GPUs (the same)
 #   bash bench/device_pending.sh lora_sync                    # 1 GPU (LoRA adapter vs merged vs full push)
+#   bash bench/device_pending.sh rl_from_scratch              # 4 GPUs (Ray wheel without its jars, pyzmq)
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
 # runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
 # so the sum of their limits bounds one invocation. Wheels in .whl/ and .whl-ray/ (for a machine that has
@@ -111,10 +112,22 @@ run_part() {
     lora_sync)  # 1 GPU: trainer and native server on one card (CUDA IPC); full, merged and adapter pushes of
       # LoRA rank 64, Qwen2.5-0.5B and 7B shapes; expected peak ~50 GB (7B: fp32 full trainer + bf16 server)
       part lora_sync 540 python bench/bench_weight_sync.py colocated --lora-rank 64 --sizes 0.5b,7b --repeats 5 ;;
+    rl_from_scratch)  # 4 GPUs: SFT bases side by side, then GRPO / lr-0 control / Dr. GRPO / CISPO side by side
+      # from the base nearest 25% held-out accuracy; only the report, the PNG and the logs are kept in $OUT
+      # (the run stores are too large to bring back)
+      mkdir -p "$OUT/rl_from_scratch"
+      echo "=== rl_from_scratch"
+      timeout 585 python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,1,2,3 --sft-minutes 3.3 \
+        --rl-minutes 5.2 --overrides '{"ray_address": "", "learning_rate": 5e-5, "trainer_compile": false}' \
+        >"$OUT/rl_from_scratch/log.txt" 2>&1
+      echo "=== rl_from_scratch: exit $?"; tail -n 20 "$OUT/rl_from_scratch/log.txt"
+      cp /tmp/rfs/rl_report.md /tmp/rfs/rl_report.json /tmp/rfs/rl_from_scratch.png /tmp/rfs/sft_candidates.json \
+        "$OUT/rl_from_scratch/" 2>/dev/null
+      (cd /tmp/rfs && tar czf "$OUT/rl_from_scratch/logs.tgz" logs) ;;
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary fp8_test trainer_fp8 serving fsdp_test" \
         "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" \
-        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2 lora_sync" >&2 ;;
+        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2 lora_sync rl_from_scratch" >&2 ;;
   esac
 }
 
