@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -51,7 +52,9 @@ RUNS = {  # name -> config overrides on top of the example config
     "control": {"algorithm": "grpo", "learning_rate": 0.0},
     "dr_grpo": {"algorithm": "dr_grpo"},
     "cispo": {"algorithm": "cispo"},
+    "grpo_lr2e-4": {"algorithm": "grpo", "learning_rate": 2e-4},  # is the default step size too timid?
 }
+DEFAULT_RUNS = "grpo,control,dr_grpo,grpo_lr2e-4"  # one per GPU of a 4-GPU machine
 TARGET_ACCURACY = 0.25
 
 
@@ -209,6 +212,11 @@ def series(run_dir: Path) -> dict:
             out["pass@8"].append(m.get("eval/countdown/pass@8/_equation_reward"))
     out["train_key"] = train_key
     out["timing_step_total"] = [m["timing_step_total"] for m in steps if "timing_step_total" in m]
+    # where a step's time goes (means over the steps): the time budget decides how many steps a run makes
+    spans = sorted({k for m in steps for k in m if k.startswith("timing_") and isinstance(m[k], int | float)})
+    out["timing_means"] = {
+        k: round(statistics.fmean(m[k] for m in steps if k in m), 4) for k in spans
+    }
     return out
 
 
@@ -235,6 +243,9 @@ def stage_report(args) -> None:
             f"{p8[0] if p8 and p8[0] is not None else float('nan'):.3f} -> "
             f"{p8[-1] if p8 and p8[-1] is not None else float('nan'):.3f} | {gain:+.1f} |"
         )
+    for name, s in report.items():
+        spans = ", ".join(f"{k.removeprefix('timing_')} {v:.2f}" for k, v in s["timing_means"].items())
+        lines.append(f"\n{name}: mean seconds per step: {spans}")
     table = "\n".join(lines)
     (args.out / "rl_report.md").write_text(table + "\n")
     print(table)
@@ -273,7 +284,7 @@ def main() -> None:
     ap.add_argument("--sft-extra", default="", help="more sft_base.py arguments, space separated")
     ap.add_argument("--eval", type=int, default=200, help="held-out problems scored after SFT")
     ap.add_argument("--base", type=Path, help="the SFT base (rl, train-one): an sft_base.py output folder")
-    ap.add_argument("--runs", default=",".join(RUNS), help=f"of {', '.join(RUNS)}")
+    ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {', '.join(RUNS)}")
     ap.add_argument("--run", help="train-one: the run's name")
     # a run that reaches its wall-clock budget is stopped before its final eval: size the steps to fit
     # (5-6 s per step of 512 completions on an H100, plus about a minute of start-up)

@@ -134,6 +134,11 @@ def test_the_example_config_trains_the_base_with_evals(base_model, tmp_path, mon
         assert [m["step"] for m in steps] == [0, 1]
         assert any(k.startswith("eval/countdown/") for m in steps for k in m), steps
         assert len(reader.rollouts(status="eval")) >= 4
+    import rl_from_scratch  # the report's reading of the run store: reward per step, time per span
+
+    series = rl_from_scratch.series(run_dir)
+    assert series["step"] == [0, 1] and len(series["train_reward"]) == 2
+    assert series["timing_means"]["timing_step_total"] > 0
 
 
 def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path):
@@ -151,11 +156,13 @@ def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path)
         for run in rl_from_scratch.RUNS
     }
     assert configs["control"].learning_rate == 0.0 and configs["grpo"].learning_rate == 5e-5
+    assert configs["grpo_lr2e-4"].learning_rate == 2e-4
     assert {run: c.algorithm for run, c in configs.items()} == {
         "grpo": "grpo",
         "control": "grpo",
         "dr_grpo": "dr_grpo",
         "cispo": "cispo",
+        "grpo_lr2e-4": "grpo",
     }
     for c in configs.values():
         assert c.max_tokens == 192 and c.number_of_steps == 35 and c.model == str(tmp_path)
