@@ -117,8 +117,8 @@ run_part() {
       # (the run stores are too large to bring back)
       mkdir -p "$OUT/rl_from_scratch"
       echo "=== rl_from_scratch"
-      timeout 585 python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,1,2,3 --sft-steps 1200 --sft-minutes 3.3 \
-        --rl-minutes 5.2 --overrides '{"ray_address": "", "learning_rate": 5e-5, "trainer_compile": false}' \
+      timeout 585 python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,1,2,3 --sft-steps 1200 --sft-minutes 3.2 \
+        --rl-minutes 5.6 --overrides '{"ray_address": "", "learning_rate": 5e-5, "trainer_compile": false}' \
         >"$OUT/rl_from_scratch/log.txt" 2>&1
       echo "=== rl_from_scratch: exit $?"; tail -n 20 "$OUT/rl_from_scratch/log.txt"
       cp /tmp/rfs/rl_report.md /tmp/rfs/rl_report.json /tmp/rfs/rl_from_scratch.png /tmp/rfs/sft_candidates.json \

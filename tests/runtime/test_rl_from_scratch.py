@@ -138,6 +138,7 @@ def test_the_example_config_trains_the_base_with_evals(base_model, tmp_path, mon
 
     series = rl_from_scratch.series(run_dir)
     assert series["step"] == [0, 1] and len(series["train_reward"]) == 2
+    assert series["train_key"].endswith("_equation_reward_mean"), series["train_key"]
     assert series["timing_means"]["timing_step_total"] > 0
 
 
@@ -162,6 +163,7 @@ def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path)
         "control": "grpo",
         "dr_grpo": "dr_grpo",
         "cispo": "cispo",
+        "grpo_lr1e-4": "grpo",
         "grpo_lr2e-4": "grpo",
     }
     for c in configs.values():
