@@ -166,13 +166,60 @@ def run_mode(
     start = time.time()
     out_path = workdir / f"{name}.out"  # streamed, so a run killed from outside leaves its log
     with open(out_path, "w") as out:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        stopped = False
+        try:
+            proc.wait(timeout=args.mode_timeout or None)
+        except subprocess.TimeoutExpired:  # SIGTERM: the driver stops its processes, closes its store
+            stopped = True
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     sampler.stop()
     wall = time.time() - start
     log = out_path.read_text(errors="replace")[-6000:]
-    if proc.returncode != 0:
+    if stopped:  # say how far it got and where each process was, then measure what it made
+        print(f"{name}: stopped after --mode-timeout {args.mode_timeout} s; {progress(workdir / name)}")
+        for path in sorted((workdir / name / "logs").glob("*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-4:]
+            print(f"  {path.name}: " + "\n    ".join(line[:240] for line in tail), flush=True)
+        if stored_steps(workdir / name) <= args.warmup:
+            return None
+    elif proc.returncode != 0:
         raise SystemExit(f"{name}: refractor train failed ({proc.returncode}):\n{log}")
     return summarize(name, max_async, workdir / name, sampler, args.warmup, wall, started=start)
+
+
+def kl_text(values: list, keep: int = 12) -> str:
+    """Every step's KL, or the first and last few of a long run."""
+    words = [f"{k:.2e}" if k is not None else "-" for k in values]
+    if len(words) > keep:
+        words = [*words[: keep - 3], "...", *words[-3:]]
+    return " ".join(words)
+
+
+def stored_steps(run_dir: Path) -> int:
+    from refractor.telemetry.query import RunReader
+
+    if not (run_dir / "run.db").is_file():
+        return 0
+    with RunReader(run_dir) as reader:
+        return sum(1 for s in reader.step_metrics() if "timing_step_total" in s)
+
+
+def progress(run_dir: Path) -> str:
+    """Steps stored by a run that was stopped, and their mean time: slow or stuck?"""
+    from refractor.telemetry.query import RunReader
+
+    if not (run_dir / "run.db").is_file():
+        return "no run store"
+    with RunReader(run_dir) as reader:
+        times = [s["timing_step_total"] for s in reader.step_metrics() if "timing_step_total" in s]
+    mean = f", {statistics.fmean(times):.2f} s per step" if times else ""
+    return f"{len(times)} steps stored{mean}"
 
 
 def summarize(
@@ -280,6 +327,12 @@ def main() -> None:
         help="max_async_rollout values to run, in order; each may carry "
         "config overrides: 2+weight_sync_inflight_kv=keep+dispatch_only_needed_groups=true",
     )
+    p.add_argument(
+        "--mode-timeout",
+        type=float,
+        default=0,
+        help="seconds a mode may run (0: no limit); a stopped mode reports its steps and log tails",
+    )
     p.add_argument("--workdir", default="/tmp/refractor_bench_rl")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -297,6 +350,8 @@ def main() -> None:
     results = []
     for name, value, overrides in (parse_mode(t) for t in split_modes(args.modes)):
         r = run_mode(name, value, args, model, workdir, overrides)
+        if r is None:  # stopped before its warm-up steps were over: nothing to measure
+            continue
         results.append(r)
         idle = ", ".join(f"gpu{i} {f:.0%}" for i, f in enumerate(r["gpu_idle_fraction"]))
         print(
@@ -308,7 +363,7 @@ def main() -> None:
         )
         print(
             f"{'':>7}  command -> first step {r['command_to_first_step_s']:.1f} s | kl per step "
-            + " ".join(f"{k:.2e}" if k is not None else "-" for k in r["kl_divergence_inference"]),
+            + kl_text(r["kl_divergence_inference"]),
             flush=True,
         )
         print(
