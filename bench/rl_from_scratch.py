@@ -58,6 +58,7 @@ RUNS = {  # name -> config overrides on top of the example config
 }
 DEFAULT_RUNS = "grpo,control,dr_grpo,grpo_lr1e-4"  # one per GPU of a 4-GPU machine
 TARGET_ACCURACY = 0.25
+RUN_OVERHEAD_MINUTES = 1.5  # an RL run's start-up and evals around its time-budgeted training loop
 
 
 def run_in_parallel(
@@ -174,13 +175,19 @@ def stage_train_one(args) -> None:
 
 def stage_rl(args, base: Path) -> None:
     names = args.runs.split(",")
+    # each run ends itself (final eval included) before the wall-clock deadline stops it from outside:
+    # start-up, the baseline eval and the final eval take about a minute and a half
+    overrides = {
+        "max_train_minutes": max(args.rl_minutes - RUN_OVERHEAD_MINUTES, 0.5),
+        **json.loads(args.overrides),
+    }
     commands = {
         name: [
             sys.executable,
             str(Path(__file__).resolve()),
             "train-one",
             *("--out", str(args.out), "--base", str(base), "--run", name),
-            *("--rl-steps", str(args.rl_steps), "--overrides", args.overrides),
+            *("--rl-steps", str(args.rl_steps), "--overrides", json.dumps(overrides)),
         ]
         for name in names
     }
@@ -285,9 +292,9 @@ def main() -> None:
     ap.add_argument("--base", type=Path, help="the SFT base (rl, train-one): an sft_base.py output folder")
     ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {', '.join(RUNS)}")
     ap.add_argument("--run", help="train-one: the run's name")
-    # a run that reaches its wall-clock budget is stopped before its final eval: size the steps to fit
-    # (2.9 s per step of 512 completions on an H200 with the std base, plus ~40 s of start-up and evals)
-    ap.add_argument("--rl-steps", type=int, default=80)
+    # an upper bound (and the LR schedule's horizon): the runs' training loops end on their time budget
+    # (--rl-minutes less the start-up and evals); 2.9-5.6 s per step of 512 completions on an H200
+    ap.add_argument("--rl-steps", type=int, default=100)
     ap.add_argument("--rl-minutes", type=float, default=5.0, help="wall-clock budget of every RL run")
     ap.add_argument("--overrides", default="{}", help="JSON of more config keys for every RL run")
     ap.add_argument("--cpu", action="store_true", help="SFT on the CPU (toy runs)")

@@ -189,6 +189,20 @@ def test_final_eval_skips_evals_run_at_the_last_step_and_a_failing_eval_fails_th
         asyncio.run(orch.run())
 
 
+def test_max_train_minutes_ends_the_run_like_its_last_step(tok):
+    """Each train step takes 10 s of the clock; a 0.5-minute budget runs out during the third step:
+    the run stops there with a checkpoint and the final eval at step 3, not at number_of_steps."""
+    orch, _, trainer, store, _ = setup(tok, number_of_steps=20, max_train_minutes=0.5, checkpoint_every=10)
+    trainer.on_step = lambda step: setattr(orch.clock, "t", orch.clock.t + 10.0)
+    asyncio.run(orch.run())
+    assert [step for step, _ in trainer.steps] == [0, 1, 2]
+    assert [step for step, _ in trainer.checkpoints] == [3]  # saved as the last step would be
+    assert {r.step for r in store.by_status("eval")} == {0, 2, 3}  # baseline, every 2 steps, final
+    assert store.steps[3]["eval/quiz/policy_version"] == 3
+    assert [e.attrs["step"] for e in store.events if e.name == "train_time_budget_reached"] == [2]
+    assert orch.lanes.in_use() == 0
+
+
 def test_load_evals_holds_out_eval_prompts_by_content(caplog):
     from refractor.config.schema import EvalEntry
     from refractor.envs import get_environment

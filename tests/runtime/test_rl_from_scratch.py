@@ -152,12 +152,15 @@ def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path)
     configs = {
         run: load_config(
             rl_from_scratch.CONFIG,
-            rl_from_scratch.run_overrides(tmp_path, run, tmp_path / "runs", 35, {"learning_rate": 5e-5}),
+            rl_from_scratch.run_overrides(
+                tmp_path, run, tmp_path / "runs", 35, {"learning_rate": 5e-5, "max_train_minutes": 4.1}
+            ),
         )
         for run in rl_from_scratch.RUNS
     }
     assert configs["control"].learning_rate == 0.0 and configs["grpo"].learning_rate == 5e-5
     assert configs["grpo_lr2e-4"].learning_rate == 2e-4
+    assert all(c.max_train_minutes == 4.1 for c in configs.values())  # every run ends on its own
     assert {run: c.algorithm for run, c in configs.items()} == {
         "grpo": "grpo",
         "control": "grpo",

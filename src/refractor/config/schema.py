@@ -256,6 +256,14 @@ class OrchestratorKeys(_Strict):
         16, ge=1, le=MAX_COUNT, description="Kept groups per training step."
     )
     number_of_steps: int = Field(300, ge=1, description="Training steps (also the LR-schedule horizon).")
+    max_train_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="[refractor] Wall-clock budget of the training loop (from its start, after the baseline "
+        "eval): after the step during which it runs out the run ends as if that were the last step (final "
+        "eval, checkpoint when checkpoint_every is on); the LR schedule still spans number_of_steps. "
+        "Null: none.",
+    )
     max_async_rollout: int = Field(
         2, ge=0, le=MAX_COUNT, description="How many steps generation may run ahead of training."
     )

@@ -340,19 +340,36 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ training
     async def _train_loop(self) -> None:
+        started = self.clock()
+        budget = self.settings.max_train_seconds
         while self.counters.trainer_step < self.number_of_steps:
             wait_start = self.clock()
             step, batch = await self.train_queue.get()
             await self._train_one(step, batch, waited=self.clock() - wait_start)
-            if self.ckpt_gate.must_save_after(step):
-                self._event("checkpoint_save_start", step=step)
-                # named by the steps completed (step_10 after the tenth), as evals report them
-                spans = await self.trainer.save_checkpoint(step + 1, self.state_dict())
-                self._event("checkpoint_save_done", step=step)
-                self.store.log_events(spans or [], step=step)
-                for item in self.ckpt_gate.on_saved():
-                    self.train_queue.put_nowait(item)
+            out_of_time = budget is not None and self.clock() - started >= budget
+            if self.ckpt_gate.must_save_after(step) or (out_of_time and self.ckpt_gate.schedule.every > 0):
+                await self._save_checkpoint(step)
+            if out_of_time and self.counters.trainer_step < self.number_of_steps:
+                # the run ends here as after its last step: in-flight groups are cancelled, the final
+                # eval runs at this step
+                log.info(
+                    "max_train_minutes (%.4g) ran out after step %d of %d: ending the run",
+                    budget / 60,
+                    step,
+                    self.number_of_steps,
+                )
+                self._event("train_time_budget_reached", step=step)
+                return
             self.wake()
+
+    async def _save_checkpoint(self, step: int) -> None:
+        self._event("checkpoint_save_start", step=step)
+        # named by the steps completed (step_10 after the tenth), as evals report them
+        spans = await self.trainer.save_checkpoint(step + 1, self.state_dict())
+        self._event("checkpoint_save_done", step=step)
+        self.store.log_events(spans or [], step=step)
+        for item in self.ckpt_gate.on_saved():
+            self.train_queue.put_nowait(item)
 
     async def _train_one(self, step: int, batch: Batch, waited: float) -> None:
         t0 = self.clock()

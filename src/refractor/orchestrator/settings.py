@@ -35,6 +35,8 @@ class OrchestratorSettings:
     filters: FilterSettings
     # servers sleep while the trainer steps, at this level (inference_sleep_during_training); None: never
     inference_sleep_level: int | None = None
+    # the training loop ends after the step during which this many seconds ran out; None: never
+    max_train_seconds: float | None = None
     env_weights: dict[str, float] = field(default_factory=dict)  # environment -> sampling weight
     reward_ranges: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
@@ -65,6 +67,7 @@ class OrchestratorSettings:
             inference_sleep_level=cfg.inference_sleep_level
             if cfg.sleeps_during_training(colocated)
             else None,
+            max_train_seconds=cfg.max_train_minutes * 60 if cfg.max_train_minutes else None,
             env_weights={e.name: e.weight for e in cfg.environments},
             reward_ranges={e.name: (e.reward_min, e.reward_max) for e in cfg.environments},
         )

@@ -125,6 +125,7 @@ MILESTONES = (
     "weight_update",
     "checkpoint_save_start",
     "checkpoint_save_done",
+    "train_time_budget_reached",
 )
 
 
