@@ -5,14 +5,25 @@ differ in the countdown problems' difficulty and in whether the worked solutions
 (rejected tries before the solution). The candidate whose held-out greedy accuracy is nearest 25%
 becomes the base (RL needs room both ways). Stage 2 trains that base with
 ``configs/examples/countdown_from_scratch.yaml`` through ``run_training`` (the code behind
-``refractor train``), one run per GPU, for the same wall-clock budget: GRPO, the same with
-``learning_rate: 0`` (the control: evals must not move), and other algorithms. Stage 3 reads the
-run stores and writes a table and a PNG of training reward and held-out pass@1 / pass@8 per step.
+``refractor train``), the runs spread over the GPUs given (``--gpus 0,0,0`` puts three on one card),
+each with the same wall-clock budget (``max_train_minutes``: a run ends itself, final eval
+included): GRPO, the same with ``learning_rate: 0`` (the control: evals must not move), and other
+algorithms. Stage 3 reads the run stores and writes a table and a PNG of training reward and
+held-out pass@1 / pass@8 per step.
 
     python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,1,2,3 --sft-minutes 4 --rl-minutes 5
     python bench/rl_from_scratch.py sft --out /tmp/rfs --gpus 0,1,2,3
     python bench/rl_from_scratch.py rl --out /tmp/rfs --base /tmp/rfs/easy3 --gpus 0,1,2,3 --rl-minutes 5
     python bench/rl_from_scratch.py report --out /tmp/rfs
+
+Runs longer than one device call (10 minutes) go in segments on the same warm machine: each run ends
+its segment with a checkpoint, and ``rl --resume`` continues every run from it (the base is read back
+from the SFT summary; each segment's final eval is a point of the held-out curve):
+
+    python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,0,0 --candidates std --rl-minutes 5.5 \
+        --rl-steps 500 --overrides '{"ray_address": "", "gpu_memory_utilization": 0.2}'
+    python bench/rl_from_scratch.py rl --out /tmp/rfs --gpus 0,0,0 --rl-minutes 9 --rl-steps 500 --resume \
+        --overrides '{"ray_address": "", "gpu_memory_utilization": 0.2}'
 
 A CPU test runs the stages at toy scale (tests/runtime/test_rl_from_scratch.py).
 """
@@ -58,6 +69,7 @@ RUNS = {  # name -> config overrides on top of the example config
 }
 DEFAULT_RUNS = "grpo,control,dr_grpo,grpo_lr1e-4"  # one per GPU of a 4-GPU machine
 TARGET_ACCURACY = 0.25
+CHECKPOINT_NEVER_ON_SCHEDULE = 1_000_000
 RUN_OVERHEAD_MINUTES = 1.5  # an RL run's start-up and evals around its time-budgeted training loop
 
 
@@ -121,9 +133,9 @@ def stage_sft(args) -> Path:
         print(f"SFT {name}: exit {codes.get(name)}, held-out accuracy by step {s.get('accuracy_at_step')}")
     if not scored:
         raise SystemExit("no SFT candidate finished")
-    best = min(scored, key=lambda n: abs(final_accuracy(scored[n]) - TARGET_ACCURACY))
-    print(f"base: {best} (held-out greedy accuracy {final_accuracy(scored[best]):.3f})")
-    return args.out / best
+    best = chosen_base(args.out)
+    print(f"base: {best.name} (held-out greedy accuracy {final_accuracy(scored[best.name]):.3f})")
+    return best
 
 
 def final_accuracy(summary: dict) -> float:
@@ -140,6 +152,9 @@ def run_overrides(base: Path, run: str, run_dir: Path, steps: int, extra: dict) 
         "run_dir": str(run_dir),
         "run_name": run,
         "number_of_steps": steps,
+        # a checkpoint only where the run ends (its last step or its time budget): a later segment
+        # resumes from it (--resume)
+        "checkpoint_every": CHECKPOINT_NEVER_ON_SCHEDULE,
         "max_tokens": sft["max_tokens"],
         "environments": [
             {
@@ -169,8 +184,19 @@ def stage_train_one(args) -> None:
     from refractor.train import run_training
 
     extra = json.loads(args.overrides)
+    if args.resume:  # the next segment of a run that ended on its time budget with a checkpoint
+        extra["resume_from_checkpoint"] = True
     cfg = load_config(CONFIG, run_overrides(args.base, args.run, args.out / "runs", args.rl_steps, extra))
-    run_training(cfg, quiet=True, overwrite=True)
+    run_training(cfg, quiet=True, overwrite=not args.resume)
+
+
+def chosen_base(out: Path) -> Path:
+    """The SFT stage's pick, read back from its summary (for the ``rl`` stage without ``--base``)."""
+    summaries = json.loads((out / "sft_candidates.json").read_text())
+    scored = {n: s for n, s in summaries.items() if "accuracy_at_step" in s}
+    if not scored:
+        raise SystemExit(f"no scored SFT candidate in {out / 'sft_candidates.json'}: pass --base")
+    return out / min(scored, key=lambda n: abs(final_accuracy(scored[n]) - TARGET_ACCURACY))
 
 
 def stage_rl(args, base: Path) -> None:
@@ -188,6 +214,7 @@ def stage_rl(args, base: Path) -> None:
             "train-one",
             *("--out", str(args.out), "--base", str(base), "--run", name),
             *("--rl-steps", str(args.rl_steps), "--overrides", json.dumps(overrides)),
+            *(["--resume"] if args.resume else []),
         ]
         for name in names
     }
@@ -298,6 +325,13 @@ def main() -> None:
     ap.add_argument("--rl-minutes", type=float, default=5.0, help="wall-clock budget of every RL run")
     ap.add_argument("--overrides", default="{}", help="JSON of more config keys for every RL run")
     ap.add_argument("--cpu", action="store_true", help="SFT on the CPU (toy runs)")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="rl / train-one: continue each run from the checkpoint its last segment ended with "
+        "(a longer run over several calls on one machine; the final eval of each segment is a point "
+        "of the held-out curve)",
+    )
     args = ap.parse_args()
     args.gpus = [g for g in args.gpus.split(",") if g]
     args.sft_extra = args.sft_extra.split()
@@ -308,7 +342,7 @@ def main() -> None:
     if args.stage in ("all", "sft"):
         base = stage_sft(args)
     else:
-        base = args.base
+        base = args.base or chosen_base(args.out)
     if args.stage in ("all", "rl"):
         stage_rl(args, base)
     if args.stage in ("all", "rl", "report"):

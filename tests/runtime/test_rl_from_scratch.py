@@ -13,7 +13,7 @@ import torch
 
 from refractor.config import load_config
 from refractor.telemetry.query import RunReader
-from refractor.train import run_training
+from refractor.trainer.checkpoint import is_complete_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -98,48 +98,53 @@ def test_sft_learns_and_writes_an_hf_checkpoint(base_model):
 
 
 @pytest.mark.slow
-def test_the_example_config_trains_the_base_with_evals(base_model, tmp_path, monkeypatch):
+def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_model, tmp_path, monkeypatch):
+    """``rl_from_scratch.py train-one`` as a device call runs it: the example config on the SFT base,
+    evals included, ending with the checkpoint a later segment (``--resume``) continues from."""
+    import json
+
+    import rl_from_scratch
+
     monkeypatch.setenv("REFRACTOR_ENV_PATH", str(ROOT / "environments"))
     out, _ = base_model
-    cfg = load_config(
-        ROOT / "configs" / "examples" / "countdown_from_scratch.yaml",
-        {
-            "model": str(out),
-            "run_dir": str(tmp_path / "runs"),
-            "ray_address": "",
-            "number_of_steps": 2,
-            "prompts_batch_size_for_trainer": 2,
-            "group_size": 4,
-            "max_concurrent_prompts_per_server": 4,
-            "max_tokens": 16,
-            "mixed_precision_dtype": None,
-            "kv_cache_memory_gb": 0.25,
-            "ray_inference_cpus_per_worker": 1,
-            "ray_trainer_cpus_per_worker": 1,
-            "colocate": False,
-            "eval_after_training": False,
-            "evals": [
-                {
-                    "name": "countdown",
-                    "eval_every": 1,
-                    "num_samples": 4,
-                    "kwargs": {"dataset_name": "procedural", "seed": 1},
-                }
-            ],
-        },
+    shape = {"procedural_min_numbers": 3, "procedural_max_numbers": 3, "procedural_max_number": 20}
+    (out / "sft_summary.json").write_text(json.dumps({"args": {"shape": shape, "max_tokens": 16}}))
+    toy = {
+        "ray_address": "",
+        "prompts_batch_size_for_trainer": 2,
+        "group_size": 4,
+        "max_concurrent_prompts_per_server": 4,
+        "mixed_precision_dtype": None,
+        "kv_cache_memory_gb": 0.25,
+        "ray_inference_cpus_per_worker": 1,
+        "ray_trainer_cpus_per_worker": 1,
+        "colocate": False,
+        "eval_samples": 4,
+    }
+    args = argparse.Namespace(
+        base=out, run="grpo", out=tmp_path, rl_steps=2, overrides=json.dumps(toy), resume=False
     )
-    run_dir = run_training(cfg, quiet=True)
+    rl_from_scratch.stage_train_one(args)
+    run_dir = tmp_path / "runs" / "grpo"
     with RunReader(run_dir) as reader:
         steps = reader.step_metrics()
-        assert [m["step"] for m in steps] == [0, 1]
-        assert any(k.startswith("eval/countdown/") for m in steps for k in m), steps
-        assert len(reader.rollouts(status="eval")) >= 4
-    import rl_from_scratch  # the report's reading of the run store: reward per step, time per span
-
-    series = rl_from_scratch.series(run_dir)
+        assert [m["step"] for m in steps if "timing_step_total" in m] == [0, 1]
+        assert len(reader.rollouts(status="eval")) >= 2 * 4  # the baseline and the final eval
+    assert is_complete_checkpoint(run_dir / "checkpoints" / "step_2")
+    series = rl_from_scratch.series(run_dir)  # the report's reading: reward per step, time per span
     assert series["step"] == [0, 1] and len(series["train_reward"]) == 2
     assert series["train_key"].endswith("_equation_reward_mean"), series["train_key"]
     assert series["timing_means"]["timing_step_total"] > 0
+    assert series["eval_step"] == [0, 2]
+    # the next segment's config: the same run, resumed from that checkpoint, over a longer horizon
+    resumed = load_config(
+        rl_from_scratch.CONFIG,
+        rl_from_scratch.run_overrides(
+            out, "grpo", tmp_path / "runs", 5, {**toy, "resume_from_checkpoint": True}
+        ),
+    )
+    assert resumed.resume_from_checkpoint is True and resumed.number_of_steps == 5
+    assert resumed.checkpoint_every == rl_from_scratch.CHECKPOINT_NEVER_ON_SCHEDULE
 
 
 def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path):
