@@ -15,6 +15,8 @@
 #   bash bench/device_pending.sh megatron_tp2 megatron_pp2    # 2 GPUs (the same)
 #   bash bench/device_pending.sh lora_sync                    # 1 GPU (LoRA adapter vs merged vs full push)
 #   bash bench/device_pending.sh rl_from_scratch              # 4 GPUs (Ray wheel without its jars, pyzmq)
+#   bash bench/device_pending.sh rl_from_scratch_1gpu         # 1 GPU, then rl_from_scratch_resume x 2-3
+#                                                             # (the next calls on the same warm machine)
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
 # runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
 # so the sum of their limits bounds one invocation. Wheels in .whl/ and .whl-ray/ (for a machine that has
@@ -124,10 +126,30 @@ run_part() {
       cp /tmp/rfs/rl_report.md /tmp/rfs/rl_report.json /tmp/rfs/rl_from_scratch.png /tmp/rfs/sft_candidates.json \
         "$OUT/rl_from_scratch/" 2>/dev/null
       (cd /tmp/rfs && tar czf "$OUT/rl_from_scratch/logs.tgz" logs) ;;
+    rl_from_scratch_1gpu | rl_from_scratch_resume)  # 1 GPU, ~30 minutes in segments on one warm machine:
+      # the first part trains the SFT base, then GRPO / lr-0 control / Dr. GRPO side by side on the card,
+      # each ending with a checkpoint; every `rl_from_scratch_resume` call right after it (while the
+      # machine is still held) continues the three runs for 8.5 more minutes; each segment's final eval
+      # is a point of the held-out curve
+      mkdir -p "$OUT/$1"
+      local common=(--out /tmp/rfs --gpus 0,0,0 --runs grpo,control,dr_grpo --rl-steps 600
+        --overrides '{"ray_address": "", "kv_cache_memory_gb": 4, "trainer_compile": false}')
+      echo "=== $1"
+      if [ "$1" = rl_from_scratch_1gpu ]; then
+        timeout 585 python bench/rl_from_scratch.py all "${common[@]}" --candidates std --sft-steps 1200 \
+          --sft-minutes 3.0 --rl-minutes 5.6 >"$OUT/$1/log.txt" 2>&1
+      else
+        timeout 585 python bench/rl_from_scratch.py rl "${common[@]}" --rl-minutes 9.4 --resume \
+          >"$OUT/$1/log.txt" 2>&1
+      fi
+      echo "=== $1: exit $?"; tail -n 12 "$OUT/$1/log.txt"
+      cp /tmp/rfs/rl_report.md /tmp/rfs/rl_report.json /tmp/rfs/rl_from_scratch.png /tmp/rfs/sft_candidates.json \
+        "$OUT/$1/" 2>/dev/null ;;
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary fp8_test trainer_fp8 serving fsdp_test" \
         "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" \
-        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2 lora_sync rl_from_scratch" >&2 ;;
+        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2 lora_sync rl_from_scratch" \
+        "rl_from_scratch_1gpu rl_from_scratch_resume" >&2 ;;
   esac
 }
 

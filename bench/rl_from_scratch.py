@@ -21,9 +21,9 @@ its segment with a checkpoint, and ``rl --resume`` continues every run from it (
 from the SFT summary; each segment's final eval is a point of the held-out curve):
 
     python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,0,0 --candidates std --rl-minutes 5.5 \
-        --rl-steps 500 --overrides '{"ray_address": "", "gpu_memory_utilization": 0.2}'
+        --rl-steps 500 --overrides '{"ray_address": "", "kv_cache_memory_gb": 4}'
     python bench/rl_from_scratch.py rl --out /tmp/rfs --gpus 0,0,0 --rl-minutes 9 --rl-steps 500 --resume \
-        --overrides '{"ray_address": "", "gpu_memory_utilization": 0.2}'
+        --overrides '{"ray_address": "", "kv_cache_memory_gb": 4}'
 
 A CPU test runs the stages at toy scale (tests/runtime/test_rl_from_scratch.py).
 """
