@@ -1,5 +1,6 @@
 """The runs the Megatron trainer tests compare: one rank in the test's process, and a 4-process gloo
-world (spawned once) that runs several layouts one after the other in the same processes."""
+world (spawned once) that runs several layouts one after the other in the same processes, then the
+TP=2 x PP=2 layout in bf16 and the vocabulary-parallel head over the 4 ranks as one group."""
 
 from __future__ import annotations
 
@@ -127,4 +128,61 @@ def four_rank_worker(rank: int, port: int, root: str) -> None:
         parallel.stop()
         if rank == 0:
             torch.save(result, f"{root}/{name}.pt")
+    low = MegatronTrainer(
+        settings(
+            build(BF16_LAYOUT[1]),
+            "megatron",
+            f"{root}/{BF16_LAYOUT[0]}",
+            megatron_tensor_parallel_size=BF16_LAYOUT[2],
+            megatron_pipeline_parallel_size=BF16_LAYOUT[3],
+            mixed_precision_dtype="bfloat16",
+        ),
+        mixed_precision=True,
+    )
+    result = {"metrics": [low.train_step(batch).metrics for batch in batches(1)], "sent": low.stage.dtype}
+    parallel.stop()
+    blocks = vocabulary_blocks(rank)
+    if rank == 0:
+        torch.save(result, f"{root}/{BF16_LAYOUT[0]}.pt")
+        torch.save(blocks, f"{root}/vocabulary-blocks.pt")
     dist.destroy_process_group()
+
+
+BF16_LAYOUT = ("tp2-pp2-bf16", "qwen2", 2, 2)
+VOCABULARY, BLOCK, HIDDEN = 10, 4, 5  # blocks of rows [0, 4), [4, 8), [8, 10) and none on the 4th rank
+
+
+def vocabulary_blocks(rank: int) -> dict | None:
+    """The vocabulary-parallel head (float64) on 4 ranks, rank r holding rows [4r, 4r + 4) of a 10-token
+    head (the last rank none, as a rank whose block of a padded vocabulary is all padding): the
+    per-token log-probs and entropies, the hidden states' gradient summed over the ranks and the
+    gathered weight gradient of ``loss = sum(a * logprobs + b * entropy)``, on rank 0 (None elsewhere)."""
+    from refractor.megatron.vocab_parallel import vocab_parallel_token_logprobs
+
+    inputs = vocabulary_inputs()
+    start = min(rank * BLOCK, VOCABULARY)
+    block = inputs["weight"][start : start + BLOCK].clone().requires_grad_(True)
+    hidden = inputs["hidden"].clone().requires_grad_(True)
+    logprobs, entropy = vocab_parallel_token_logprobs(
+        hidden, block, start, inputs["input_ids"], dist.group.WORLD, temperature=0.8, chunk_size=3
+    )
+    (inputs["a"] * logprobs + inputs["b"] * entropy).sum().backward()
+    grad_hidden = hidden.grad.clone()
+    dist.all_reduce(grad_hidden)
+    blocks = [None] * dist.get_world_size()
+    dist.all_gather_object(blocks, block.grad)
+    if rank != 0:
+        return None
+    return {"logprobs": logprobs, "entropy": entropy, "grad_hidden": grad_hidden, "grad_weight": blocks}
+
+
+def vocabulary_inputs() -> dict[str, torch.Tensor]:
+    """The head, a row's hidden states and tokens, and the loss weights of ``vocabulary_blocks``."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "weight": torch.randn(VOCABULARY, HIDDEN, generator=g, dtype=torch.float64),
+        "hidden": torch.randn(8, HIDDEN, generator=g, dtype=torch.float64),
+        "input_ids": torch.randint(0, VOCABULARY, (8,), generator=g),
+        "a": torch.randn(8, generator=g, dtype=torch.float64),
+        "b": torch.randn(8, generator=g, dtype=torch.float64),
+    }

@@ -1,7 +1,7 @@
 """`train_backend: megatron` layouts are checked when the config loads: one line per broken rule naming
 the keys; a valid layout loads. What the Megatron trainer does not run (the Transformer Engine spec and
 sequence parallelism, mixture-of-experts models, optimizer options beyond float32 AdamW on the trainer's
-device) is refused, one line naming the key."""
+device, master weights other than float32) is refused, one line naming the key."""
 
 from __future__ import annotations
 
@@ -58,6 +58,11 @@ REJECT = [
     ),
     ({"megatron_main_grads_dtype": "bfloat16"}, "`megatron_main_grads_dtype: bfloat16` is not supported"),
     ({"megatron_use_precision_aware_optimizer": True}, "`megatron_use_precision_aware_optimizer: true`"),
+    (
+        {"model_dtype": "bfloat16"},
+        "`model_dtype: bfloat16` is not supported by refractor's Megatron trainer (master weights are "
+        "float32; mixed_precision_dtype sets the compute dtype); set it to float32",
+    ),
     ({"fsdp_cpu_offload": True}, "`fsdp_cpu_offload: true` needs `train_backend: fsdp`"),
 ]
 

@@ -7,6 +7,10 @@
   bit-exact, cast as the FSDP export casts them; a checkpoint resumes exactly (the step after the
   resume equals the step without the stop) and ``refractor convert`` turns it into an HF directory
   that the FSDP trainer also starts from.
+* TP=2 x PP=2 in bf16 (``mixed_precision_dtype``, the stages sending bf16 activations) stays near its
+  float32 run (``test_mixed_precision`` holds one rank's bf16 steps to float32 and float64 references).
+* The vocabulary-parallel head over 4 ranks, one of them holding no token rows, gives the whole
+  softmax's log-probs, entropies and gradients (float64, autograd through ``log_softmax``).
 
 The models are tiny ones of ``_models``: Qwen2, tied, its vocabulary 600 padded to 768 with TP=2 (the
 second TP rank's head block holds 216 tokens and 168 padding rows), and Qwen3, untied, with q/k
@@ -26,7 +30,17 @@ from refractor.models import ModelConfig, read_hf_config
 
 from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
 from ._models import build
-from ._trainer_runs import ARCHS, LAYOUTS, batches, exported, four_rank_worker, run_three_steps, settings
+from ._trainer_runs import (
+    ARCHS,
+    BF16_LAYOUT,
+    LAYOUTS,
+    batches,
+    exported,
+    four_rank_worker,
+    run_three_steps,
+    settings,
+    vocabulary_inputs,
+)
 
 with warnings.catch_warnings():
     quiet_megatron()
@@ -74,7 +88,8 @@ def four_ranks(tmp_path_factory):
     for arch in ARCHS:  # built once, before the ranks read them
         build(arch)
     spawn_ranks(four_rank_worker, (free_port(), str(root)), nprocs=4)
-    results = {name: torch.load(root / f"{name}.pt", weights_only=False) for name, *_ in LAYOUTS}
+    names = [name for name, *_ in LAYOUTS] + [BF16_LAYOUT[0], "vocabulary-blocks"]
+    results = {name: torch.load(root / f"{name}.pt", weights_only=False) for name in names}
     return {**results, "root": root}
 
 
@@ -149,6 +164,34 @@ def test_a_resumed_step_equals_the_step_without_the_stop(four_ranks, layout):
         assert result["resumed_metrics"][key] == result["metrics"][2][key], key
     for name, tensor in result["export"].items():
         assert torch.equal(result["resumed_export"][name], tensor), name
+
+
+def test_a_bf16_tp2_pp2_run_stays_near_its_float32_run(four_ranks):
+    """bf16 rounding moves the steps by ~1e-3 relative (``test_mixed_precision``): 2e-2 is the bound."""
+    low, full = four_ranks[BF16_LAYOUT[0]], four_ranks[BF16_LAYOUT[0].removesuffix("-bf16")]
+    assert low["sent"] == torch.bfloat16
+    for step, (got, want) in enumerate(zip(low["metrics"], full["metrics"], strict=True)):
+        for key in COMPARED:
+            assert got[key] == pytest.approx(want[key], rel=2e-2), (step, key)
+        assert got["trainer/batch/trainable_tokens"] == want["trainer/batch/trainable_tokens"]
+    assert any(g["grad_norm"] != w["grad_norm"] for g, w in zip(low["metrics"], full["metrics"], strict=True))
+
+
+def test_a_vocabulary_split_in_blocks_one_of_them_empty_gives_the_whole_softmax(four_ranks):
+    got = four_ranks["vocabulary-blocks"]
+    inputs = vocabulary_inputs()
+    weight = inputs["weight"].clone().requires_grad_(True)
+    hidden = inputs["hidden"].clone().requires_grad_(True)
+    log_probs = torch.log_softmax(hidden[:-1] @ weight.t() / 0.8, dim=-1)
+    logprobs = torch.cat([log_probs.new_zeros(1), log_probs.gather(1, inputs["input_ids"][1:, None])[:, 0]])
+    entropy = torch.cat([log_probs.new_zeros(1), -(log_probs.exp() * log_probs).sum(-1)])
+    (inputs["a"] * logprobs + inputs["b"] * entropy).sum().backward()
+    assert len({int(t) // 4 for t in inputs["input_ids"][1:]}) == 3  # targets on each rank that has rows
+    torch.testing.assert_close(got["logprobs"], logprobs.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["entropy"], entropy.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["grad_hidden"], hidden.grad, rtol=1e-12, atol=1e-12)
+    assert got["grad_weight"][3].shape == (0, 5)
+    torch.testing.assert_close(torch.cat(got["grad_weight"]), weight.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_one_rank_resume_and_conversion_to_hf(one_rank, tmp_path):

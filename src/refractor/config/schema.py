@@ -115,7 +115,9 @@ class GeneralKeys(_Strict):
     )
     model_dtype: Dtype = Field("float32", description="Dtype of the trainer's master weights.")
     mixed_precision_dtype: Dtype | None = Field(
-        "bfloat16", description="FSDP2 compute dtype (reduce in fp32); null = no mixed precision."
+        "bfloat16",
+        description="Trainer compute dtype, both backends (gradients reduced in fp32; CPU trainers "
+        "compute in fp32); null = no mixed precision.",
     )
     environments: list[EnvironmentEntry] = Field(
         default_factory=list, description="Training environments (required, non-empty)."
@@ -766,8 +768,8 @@ IGNORED_KEYS: dict[str, str] = {
     "megatron_disable_unified_memory_jit": "refractor's Megatron trainer compiles no JIT kernels",
     "megatron_optimizer_offload_fraction": _UNUSED_OFFLOAD,
     "megatron_overlap_cpu_optimizer_d2h_h2d": _UNUSED_OFFLOAD,
-    "megatron_grad_reduce_in_fp32": "refractor's Megatron trainer keeps float32 gradients, reduced in "
-    "float32",
+    "megatron_grad_reduce_in_fp32": "refractor's Megatron trainer accumulates and reduces gradients in "
+    "float32 whatever mixed_precision_dtype computes in",
     "megatron_overlap_grad_reduce": "refractor's Megatron trainer reduces gradients once per minibatch, "
     "after its rows",
     "wandb_upload_logs_detailed": "the log files hold every line; wandb_upload_logs uploads them",
@@ -886,6 +888,7 @@ _MEGATRON_UNBUILT = {
     "megatron_main_params_dtype": ("float32", "master weights are float32"),
     "megatron_exp_avg_dtype": ("float32", "AdamW moments are float32"),
     "megatron_exp_avg_sq_dtype": ("float32", "AdamW moments are float32"),
+    "model_dtype": ("float32", "master weights are float32; mixed_precision_dtype sets the compute dtype"),
 }
 
 

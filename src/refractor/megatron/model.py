@@ -85,7 +85,8 @@ def transformer_config(config: ModelConfig, layout: MegatronLayout, params_dtype
 
 def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: torch.dtype = torch.float32):
     """This rank's GPTModel (local layer spec): its pipeline stage's layers, the embedding on the first
-    stage, the final norm and output layer on the last, its tensor-parallel share of each.
+    stage, the final norm and output layer on the last, its tensor-parallel share of each, every
+    parameter in ``params_dtype`` (the spec's torch norms are made float32, then cast).
 
     Its weights are to be loaded (``shards``), so the construction-time copy of a tied embedding from
     the first stage to the last (an all-reduce of a CUDA copy) is skipped: the model gets no
@@ -101,7 +102,7 @@ def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: t
     layout.check(config)
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.embd = None
-    return GPTModel(
+    model = GPTModel(
         config=transformer_config(config, layout, params_dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm"),
         vocab_size=layout.padded_vocab_size(config.vocab_size),
@@ -112,3 +113,4 @@ def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: t
         pg_collection=groups,
         **_rope_arguments(config),
     )
+    return model.to(dtype=params_dtype)

@@ -4,7 +4,8 @@ Megatron-Core's own optimizers (``DistributedOptimizer``, ``Float16OptimizerWith
 its gradient buffers live on CUDA devices (megatron-core 0.16 allocates them with
 ``torch.cuda.current_device()``); this is torch's AdamW (the FSDP trainer's, ``trainer/optim.py``)
 on the rank's local tensors, which runs on any device and, AdamW being elementwise, updates a shard
-exactly as the whole tensor's update would.
+exactly as the whole tensor's update would. It steps the float32 master weights (``precision.py``) and
+then rounds them into the model's parameters when those are in a lower compute dtype.
 
 ``distributed`` (``megatron_use_distributed_optimizer``): every parameter of the rank has one owner
 among the data-parallel replicas (balanced by size); a replica keeps AdamW state for the parameters
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from refractor.megatron.parallel import MegatronRanks
+from refractor.megatron.precision import MasterWeights
 from refractor.trainer.optim import build_optimizer
 
 
@@ -34,19 +36,20 @@ def assign_owners(sizes: list[int], replicas: int) -> list[int]:
 
 
 class MegatronOptimizer:
-    """AdamW (``learning_rate``, ``weight_decay``; torch's betas and eps) on ``params`` (name -> the
-    rank's parameter)."""
+    """AdamW (``learning_rate``, ``weight_decay``; torch's betas and eps) on the rank's master weights
+    (``weights.master``: name -> parameter)."""
 
     def __init__(
         self,
-        params: dict[str, torch.nn.Parameter],
+        weights: MasterWeights,
         learning_rate: float,
         weight_decay: float,
         ranks: MegatronRanks,
         *,
         distributed: bool,
     ):
-        self.params = params
+        self.weights = weights
+        params = self.params = weights.master
         self.ranks = ranks
         replicas = ranks.data_size if distributed else 1
         if replicas > len(params):
@@ -72,9 +75,13 @@ class MegatronOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.adamw.step()
-        if self.replicas == 1:
-            return
-        for owner in range(self.replicas):  # each replica's updated share to the others
+        if self.replicas > 1:
+            self._share_updates()
+        self.weights.refresh()
+
+    def _share_updates(self) -> None:
+        """Each replica's updated parameters, broadcast to the other replicas."""
+        for owner in range(self.replicas):
             names = [name for name, o in self.owners.items() if o == owner]
             tensors = [self.params[name] for name in names]
             flat = torch.cat([t.reshape(-1) for t in tensors])

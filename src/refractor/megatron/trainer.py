@@ -9,8 +9,10 @@ tensors in buckets on rank 0), ``save_checkpoint`` / ``load_checkpoint`` / ``may
 A rank holds its tensor-parallel shard of its pipeline stage of Megatron-Core's ``GPTModel`` (local
 layer spec), loaded from the HF weights through the mapping (``weights.WeightPlan``). The step
 (``step.py``) runs the shared loss on a vocabulary-parallel head; AdamW is torch's on the local
-tensors (``optimizer.py``). Everything runs in float32 (master weights, compute, gradient
-reductions): ``model_dtype`` / ``mixed_precision_dtype`` are not applied by this trainer yet.
+tensors (``optimizer.py``). Precision (``precision.py``): the model computes in
+``mixed_precision_dtype`` (bfloat16 by default; null: float32) on CUDA, and in float32 on CPU unless
+``mixed_precision=True`` is passed, as the FSDP trainer decides; master weights, gradients, their
+reductions and the AdamW state are float32 (``model_dtype`` must be float32).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from refractor.megatron import parallel
 from refractor.megatron.layout import ParallelSizes
 from refractor.megatron.optimizer import MegatronOptimizer
+from refractor.megatron.precision import MASTER_DTYPE, MasterWeights
 from refractor.megatron.shards import EMBEDDING, OUTPUT, MegatronLayout
 from refractor.megatron.step import StageModel, norm_parameters, run_step, tensor_summed_parameters
 from refractor.megatron.weights import (
@@ -68,7 +71,11 @@ class MegatronTrainer(StepLoop):
         master_addr: str | None = None,
         master_port: int | None = None,
         device: str | torch.device | None = None,
+        mixed_precision: bool | None = None,
     ):
+        """``mixed_precision``: None applies ``mixed_precision_dtype`` on CUDA only (a CPU rank computes in
+        float32, logged, as the FSDP trainer does); True applies it on any device; False computes in
+        float32."""
         self.settings = settings
         parallel.quiet_fallback_warnings()
         self.info = init_distributed(
@@ -77,6 +84,8 @@ class MegatronTrainer(StepLoop):
         self.rank = self.info.rank
         self.world_size = self.info.world_size
         self.device = self.info.device
+        self.master_dtype = MASTER_DTYPE
+        self.compute_dtype = _compute_dtype(settings, self.info.is_cuda, mixed_precision)
         self.checkpoint_dir = settings.checkpoint.root
         self.timeline_attrs: dict[str, Any] = {}
         mg = settings.megatron
@@ -101,8 +110,9 @@ class MegatronTrainer(StepLoop):
         from refractor.megatron.model import build_gpt_model
 
         torch.manual_seed(settings.seed)
-        self.master_dtype = torch.float32
-        self.model = build_gpt_model(self.config, self.layout, self.master_dtype).to(self.device)
+        self.model = build_gpt_model(self.config, self.layout, self.compute_dtype).to(self.device)
+        self.weights = MasterWeights(self.model)
+        self.params = self.weights.master  # what AdamW steps, the export and checkpoints read
         stage = self.ranks.pipeline_rank
         names = self.plan.needed_hf_names(stage)
         if init_checkpoint is None:
@@ -110,13 +120,12 @@ class MegatronTrainer(StepLoop):
         else:  # a refractor checkpoint's weights (HF names) as the initial weights
             hf = self._read_checkpoint_weights(init_checkpoint, names)
         self._load_hf(hf)
-        self.params = dict(self.model.named_parameters())
         if mg.megatron_gradient_checkpointing:
             prepare_layers(self.model.decoder.layers, checkpoint_activations=True, compile=False)
 
         optimizer = settings.optimizer
         self.optimizer = MegatronOptimizer(
-            self.params,
+            self.weights,
             optimizer.learning_rate,
             optimizer.weight_decay,
             self.ranks,
@@ -126,7 +135,10 @@ class MegatronTrainer(StepLoop):
         self.loss_settings = settings.loss
         pad_id = self.hf_config.get("pad_token_id")
         self.step_settings = StepSettings.from_settings(
-            settings, pad_token_id=pad_id if isinstance(pad_id, int) else 0, on_cuda=False, compiled=False
+            settings,
+            pad_token_id=pad_id if isinstance(pad_id, int) else 0,
+            on_cuda=False,
+            compiled=False,
         )
         tied_copy = None
         if self.config.tie_word_embeddings and self.ranks.embedding_group is not None:
@@ -136,7 +148,7 @@ class MegatronTrainer(StepLoop):
             self.ranks,
             self.config.vocab_size,
             self.config.hidden_size,
-            self.master_dtype,
+            self.compute_dtype,
             tied_copy,
             norm_parameters(self.params, self.ranks, tied_copy),
             tensor_summed_parameters(self.params),
@@ -144,8 +156,8 @@ class MegatronTrainer(StepLoop):
         self._step = 0
         self.skipped_updates = 0
         log.info(
-            "megatron trainer rank %d/%d on %s: TP %d x PP %d x DP %d (stage %d, TP rank %d), float32, "
-            "layer recompute %s, AdamW state %s",
+            "megatron trainer rank %d/%d on %s: TP %d x PP %d x DP %d (stage %d, TP rank %d), compute in "
+            "%s (master weights, gradients and AdamW state float32), layer recompute %s, AdamW state %s",
             self.rank,
             self.world_size,
             self.device,
@@ -154,6 +166,7 @@ class MegatronTrainer(StepLoop):
             self.dp_size,
             stage,
             self.ranks.tensor_rank,
+            str(self.compute_dtype).removeprefix("torch."),
             mg.megatron_gradient_checkpointing,
             "split among the replicas" if self.optimizer.replicas > 1 else "whole on every replica",
         )
@@ -161,6 +174,7 @@ class MegatronTrainer(StepLoop):
     def _load_hf(self, hf: Mapping[str, torch.Tensor]) -> None:
         state = self.plan.stage_state(hf, self.ranks.pipeline_rank, self.ranks.tensor_rank)
         self.model.load_state_dict(state, strict=True)
+        self.weights.load(state)
 
     @property
     def step(self) -> int:
@@ -341,6 +355,25 @@ class MegatronTrainer(StepLoop):
         parallel.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _compute_dtype(settings: TrainerSettings, on_cuda: bool, mixed_precision: bool | None) -> torch.dtype:
+    """The model's dtype (``MegatronTrainer``'s ``mixed_precision``); master weights are float32 only."""
+    if settings.model_dtype != "float32":
+        raise ValueError(
+            f"`model_dtype: {settings.model_dtype}`: the Megatron trainer keeps float32 master weights "
+            "(AdamW steps them); set `model_dtype: float32` and `mixed_precision_dtype` for the compute dtype"
+        )
+    wanted = _DTYPES[settings.mixed_precision_dtype] if settings.mixed_precision_dtype else MASTER_DTYPE
+    applies = on_cuda if mixed_precision is None else mixed_precision
+    if applies:
+        return wanted
+    if wanted != MASTER_DTYPE and mixed_precision is None:
+        log.info(
+            "megatron trainer on CPU: computing in float32 (mixed_precision_dtype=%s applies on CUDA)",
+            settings.mixed_precision_dtype,
+        )
+    return MASTER_DTYPE
 
 
 def _model_source(model: str) -> tuple[Path, Path | None]:
