@@ -4,7 +4,9 @@
 its frequencies to ``torch.cuda.current_device()``. ``stage_forward`` runs the model's own embedding,
 decoder (every transformer layer of the stage, the final norm on the last) and output layer, giving
 the decoder the rotary table built from Megatron's frequencies (``get_freqs_non_repeated``) laid out
-as ``get_emb`` lays it out. The full ``forward`` is for the GPU tests.
+as ``get_emb`` lays it out, and the attention of one causal sample (the trainer's ``PackedAttention``,
+which the model's core attention takes as its ``attention_mask``). The full ``forward`` is for the GPU
+tests.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ._models import SHAPE, build
+from refractor.models import PackedAttention
+
+from ._models import build
 
 SEQ = 64
 MEGATRON_WARNINGS = ("Apex", "Transformer Engine", "full scope is deprecated")
@@ -50,16 +54,12 @@ def quiet_megatron() -> None:
 
 
 def start_megatron(tensor_parallel: int, pipeline_parallel: int) -> None:
-    """Megatron-Core's parallel state on this (already joined) gloo world, with CPU stand-ins for the
-    two CUDA-only defaults of its local attention: the scratch buffer of the attention scores (made on
-    the current CUDA device unless one large enough exists) and the RNG tracker its dropout forks (the
-    inference tracker forks nothing; dropout is 0)."""
+    """Megatron-Core's parallel state on this (already joined) gloo world, with the RNG tracker that
+    forks nothing (the default one is CUDA-only; dropout is 0)."""
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as tp
 
     parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
-    heads = SHAPE["num_attention_heads"] // tensor_parallel
-    parallel_state.get_global_memory_buffer().buffer[("mpu", torch.float32)] = torch.empty(heads * SEQ * SEQ)
     tp.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
@@ -81,8 +81,8 @@ def stage_forward(model, config, input_ids: torch.Tensor, hidden: torch.Tensor |
         model.set_input_tensor(hidden)
     freqs = model.rotary_pos_emb.get_freqs_non_repeated(seq)
     rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]  # True: masked out
-    hidden = model.decoder(hidden_states=hidden, attention_mask=causal, rotary_pos_emb=rotary)
+    one_sample = PackedAttention(document_ids=torch.zeros(seq, dtype=torch.long))
+    hidden = model.decoder(hidden_states=hidden, attention_mask=one_sample, rotary_pos_emb=rotary)
     if not model.post_process:
         return hidden
     head = model.shared_embedding_or_output_weight() if config.tie_word_embeddings else None

@@ -82,6 +82,63 @@ def test_gpt_model_on_mapped_weights_computes_hf_logits(tiny_model, one_rank_wor
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def _dot_product_attention_reference(model, mb) -> torch.Tensor:
+    """The decoder's output for the row with Megatron-Core's own ``DotProductAttention`` in every layer (the
+    local spec's core attention: unfused scores) and a dense block-causal mask, True where a query must
+    not see a key (a later token, or another sample; padding tokens see earlier padding)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from refractor.megatron.forward import rotary_table
+
+    length = mb.num_tokens
+    heads = model.config.num_attention_heads
+    # its scores' scratch buffer, made here on the CPU (megatron-core makes one on the current CUDA device)
+    parallel_state.get_global_memory_buffer().buffer[("mpu", torch.float32)] = torch.empty(heads * length**2)
+    own = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    later = torch.ones(length, length, dtype=torch.bool).triu(1)
+    mask = (later | (mb.document_ids[:, None] != mb.document_ids[None, :]))[None, None]
+    try:
+        for layer in model.decoder.layers:
+            layer.self_attention.core_attention = DotProductAttention(
+                model.config, layer.layer_number, AttnMaskType.causal, "self"
+            )
+        hidden = model.embedding(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None])
+        return model.decoder(
+            hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary_table(model, mb.position_ids)
+        )
+    finally:
+        for layer, core in zip(model.decoder.layers, own, strict=True):
+            layer.self_attention.core_attention = core
+
+
+def test_packed_core_attention_equals_megatrons_attention_with_a_block_causal_mask(one_rank_world):
+    """Qwen3 (4 query heads on 2 key/value groups, q/k norms) on a packed row of four samples and
+    padding, float32: the trainer's core attention (refractor's ``PackedAttention``) gives the hidden
+    states Megatron-Core's ``DotProductAttention`` gives under the dense block-causal mask."""
+    from refractor.megatron.attention import PackedCoreAttention
+    from refractor.megatron.forward import stage_forward as trainer_stage_forward
+    from refractor.megatron.model import build_gpt_model
+    from trainer._helpers import make_samples, pack
+
+    path = build("qwen3")
+    config = ModelConfig.from_hf(read_hf_config(path))
+    ((shard,),) = hf_to_shards(dict(iter_safetensors(path)), config, MegatronLayout())
+    model = build_gpt_model(config, MegatronLayout()).eval()
+    model.load_state_dict(shard, strict=True)
+    assert all(
+        isinstance(la.self_attention.core_attention, PackedCoreAttention) for la in model.decoder.layers
+    )
+    (mb,) = pack(make_samples(n=4, seed=3, vocab=500)).micro_batches[0]
+    assert mb.document_ids.unique().tolist() == [-1, 0, 1, 2, 3]
+    with torch.no_grad():
+        got = trainer_stage_forward(model, mb, None)
+        expected = _dot_product_attention_reference(model, mb)
+    real = mb.document_ids >= 0  # padding: only its own earlier tokens, a row no loss reads
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
 def test_tp2_pp2_ranks_on_their_shards_compute_hf_logits(tmp_path):
     """Qwen2 (q/k/v biases, a vocabulary padded from 600 to 768), untied: GPTModel's tied head on
     several stages is set up on a CUDA device (``LanguageModule.setup_embeddings_and_output_layer``)."""

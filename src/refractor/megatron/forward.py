@@ -3,9 +3,10 @@
 The model's own pieces run in order (embedding on the first stage, the decoder's layers, the final
 norm and the head on the last), with two inputs ``GPTModel.forward`` would build differently:
 
-* the attention mask is block-causal over the row's samples (``document_ids``): a token sees the
-  earlier tokens of its own sample only, as refractor's packed attention does. Megatron-Core's
-  local attention takes a boolean ``[1, 1, T, T]`` mask (True: masked out);
+* the attention: the row's ``PackedAttention`` (its samples' document ids and ``cu_seqlens``) goes in
+  as the decoder's ``attention_mask``, which megatron-core hands to every layer's core attention,
+  ``attention.PackedCoreAttention``: a token sees the earlier tokens of its own sample only, as in
+  refractor's own model, and no [T, T] mask is built on a GPU;
 * the rotary table is indexed by each token's position in its sample (``position_ids`` restart at 0
   for every sample), from the model's own frequencies (``get_freqs_non_repeated``), laid out as
   ``RotaryEmbedding.get_emb`` lays it out (which also moves them to a CUDA device).
@@ -20,14 +21,15 @@ import torch
 
 from refractor.megatron.parallel import MegatronRanks
 from refractor.megatron.vocab_parallel import vocab_parallel_token_logprobs
+from refractor.models import PackedAttention
 from refractor.records import MicroBatch
 
 
-def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] bool, True where a query must not see a key (later, or another sample)."""
-    length = document_ids.numel()
-    later = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).triu(1)
-    return (later | (document_ids[:, None] != document_ids[None, :]))[None, None]
+def packed_attention(mb: MicroBatch) -> PackedAttention:
+    """The row's attention: causal within each sample (``document_ids``, ``cu_seqlens``)."""
+    return PackedAttention(
+        document_ids=mb.document_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen or None
+    )
 
 
 def rotary_table(model, position_ids: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,7 @@ def stage_forward(model, mb: MicroBatch, received: torch.Tensor | None) -> torch
         hidden = received
     return model.decoder(
         hidden_states=hidden,
-        attention_mask=block_causal_mask(mb.document_ids),
+        attention_mask=packed_attention(mb),
         rotary_pos_emb=rotary_table(model, mb.position_ids),
     )
 

@@ -1,4 +1,5 @@
-"""Megatron-Core's GPTModel for an HF Llama / Qwen2 / Qwen3 config (needs the ``megatron`` extra).
+"""Megatron-Core's GPTModel for an HF Llama / Qwen2 / Qwen3 config (needs the ``megatron`` extra): the
+local layer spec with refractor's packed attention as its core attention (``attention.py``).
 
 The model takes the weights of ``shards.hf_to_shards`` for its rank. Megatron-Core's parallel state
 (``parallel_state.initialize_model_parallel``) must be set up first: the model reads its rank's
@@ -83,10 +84,21 @@ def transformer_config(config: ModelConfig, layout: MegatronLayout, params_dtype
     )
 
 
+def layer_spec(config: ModelConfig):
+    """Megatron-Core's local layer spec with refractor's packed attention as the core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from refractor.megatron.attention import PackedCoreAttention
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    return spec
+
+
 def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: torch.dtype = torch.float32):
-    """This rank's GPTModel (local layer spec): its pipeline stage's layers, the embedding on the first
-    stage, the final norm and output layer on the last, its tensor-parallel share of each, every
-    parameter in ``params_dtype`` (the spec's torch norms are made float32, then cast).
+    """This rank's GPTModel (local layer spec, ``layer_spec``): its pipeline stage's layers, the embedding
+    on the first stage, the final norm and output layer on the last, its tensor-parallel share of each,
+    every parameter in ``params_dtype`` (the spec's torch norms are made float32, then cast).
 
     Its weights are to be loaded (``shards``), so the construction-time copy of a tied embedding from
     the first stage to the last (an all-reduce of a CUDA copy) is skipped: the model gets no
@@ -94,7 +106,6 @@ def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: t
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if layout.transformer_engine:
@@ -104,7 +115,7 @@ def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: t
     groups.embd = None
     model = GPTModel(
         config=transformer_config(config, layout, params_dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec(config),
         vocab_size=layout.padded_vocab_size(config.vocab_size),
         max_sequence_length=config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

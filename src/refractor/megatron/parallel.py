@@ -2,18 +2,14 @@
 
 ``start(sizes, device)`` builds Megatron-Core's groups over the default process group (already
 joined: NCCL on CUDA, gloo on CPU) in its default order: tensor-parallel ranks adjacent, then
-data-parallel, then pipeline stages. Two defaults of megatron-core 0.16 are CUDA-only and get
-device-neutral stand-ins:
-
-* the scratch buffer of the local attention's scores (``GlobalMemoryBuffer.get_tensor`` allocates
-  on the current CUDA device) is allocated on the rank's device;
-* the RNG tracker that dropout forks is the inference tracker, which forks nothing: every dropout
-  of the models built here is 0, so there is no random state to track.
+data-parallel, then pipeline stages. The RNG tracker that megatron-core's dropout and
+initialization fork is its inference tracker, which forks nothing: every dropout of the models built
+here is 0 and their weights are loaded, so there is no random state to track (the default tracker is
+CUDA-only and refuses a fork before a model-parallel seed is set).
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -80,21 +76,6 @@ class MegatronRanks:
         return self.is_last_stage and self.tensor_rank == 0
 
 
-class _DeviceMemoryBuffer:
-    """Megatron-Core's ``GlobalMemoryBuffer`` protocol with its tensors on ``device``."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None) -> torch.Tensor:
-        needed = math.prod(tensor_shape)
-        held = self.buffer.get((name, dtype))
-        if held is None or held.numel() < needed:
-            held = self.buffer[(name, dtype)] = torch.empty(needed, dtype=dtype, device=self.device)
-        return held[:needed].view(*tensor_shape)
-
-
 def start(sizes: ParallelSizes, device: torch.device) -> MegatronRanks:
     """Megatron-Core's parallel state for ``sizes`` over the default process group."""
     from megatron.core import parallel_state as ps
@@ -105,8 +86,6 @@ def start(sizes: ParallelSizes, device: torch.device) -> MegatronRanks:
         pipeline_model_parallel_size=sizes.pipeline,
         create_gloo_process_groups=False,
     )
-    if device.type != "cuda":
-        ps._GLOBAL_MEMORY_BUFFER = _DeviceMemoryBuffer(device)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     stages = sizes.pipeline
     return MegatronRanks(

@@ -1,7 +1,8 @@
 """One training step of the Megatron trainer on one rank: the FSDP trainer's step (``trainer/step.py``)
 with the model split by tensor and pipeline parallelism.
 
-1. Rows are grouped into minibatches as the FSDP step groups them (``group_minibatches``): every
+1. Rows are grouped into minibatches as the FSDP step groups them (``group_minibatches``; on CUDA a
+   minibatch's rows are concatenated into passes of ``trainer_max_tokens_per_forward`` tokens): every
    rank of a replica holds the same rows (its data-parallel rank's micro-batches), and ranks agree on
    the count of minibatches and rows.
 2. ``ppo_clip_ref_logprobs: batch``: a no-grad pass stores the pre-update log-probs on the last stage.

@@ -12,7 +12,9 @@ layer spec), loaded from the HF weights through the mapping (``weights.WeightPla
 tensors (``optimizer.py``). Precision (``precision.py``): the model computes in
 ``mixed_precision_dtype`` (bfloat16 by default; null: float32) on CUDA, and in float32 on CPU unless
 ``mixed_precision=True`` is passed, as the FSDP trainer decides; master weights, gradients, their
-reductions and the AdamW state are float32 (``model_dtype`` must be float32).
+reductions and the AdamW state are float32 (``model_dtype`` must be float32). Attention over packed
+rows is refractor's own (``attention.py``), and on CUDA a minibatch's rows are concatenated into passes
+of ``trainer_max_tokens_per_forward`` tokens as the FSDP trainer concatenates them.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class MegatronTrainer(StepLoop):
         self.step_settings = StepSettings.from_settings(
             settings,
             pad_token_id=pad_id if isinstance(pad_id, int) else 0,
-            on_cuda=False,
+            on_cuda=self.info.is_cuda,
             compiled=False,
         )
         tied_copy = None
