@@ -7,7 +7,8 @@ AdamW state (``refractor.megatron.precision``).
 * Three training steps in bf16 and in fp16 stay near the float32 steps: loss, grad norm, entropy and
   KL to the rollout policy within 2e-2 relative (measured: at most 2.3e-3, on the KL, in either dtype),
   and are not the float32 steps (the compute ran in the low dtype); after every update the model's
-  parameters are the float32 masters rounded, and the AdamW state is float32.
+  parameters are the float32 masters rounded, and the AdamW state is float32; a resumed bf16 run
+  equals the run without the stop.
 * On CPU the config's bf16 computes in float32 unless the trainer is told otherwise (as the FSDP trainer
   decides, logged); a ``model_dtype`` other than float32 is refused naming the key.
 
@@ -27,7 +28,7 @@ from refractor.models import ModelConfig, read_hf_config
 
 from ._cpu_forward import MEGATRON_WARNINGS, quiet_megatron
 from ._models import build
-from ._trainer_runs import ARCHS, batches, exported, settings
+from ._trainer_runs import ARCHS, batches, exported, run_three_steps, settings
 
 with warnings.catch_warnings():
     quiet_megatron()
@@ -39,6 +40,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 COMPARED = ("loss", "grad_norm", "entropy", "kl_divergence_inference")
 STEP_RTOL = 2e-2
+RESUMED = ("qwen2", "bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +55,28 @@ def world():
         dist.destroy_process_group()
 
 
-def _train(arch: str, dtype: str | None, root) -> dict:
-    """Three steps of a one-rank Megatron trainer computing in ``dtype`` (None: float32)."""
+def _train(arch: str, dtype: str | None, root, checkpoint: bool) -> dict:
+    """Three steps of a one-rank Megatron trainer computing in ``dtype`` (None: float32); with
+    ``checkpoint``, a checkpoint after the second."""
     from refractor.megatron import parallel
     from refractor.megatron.trainer import MegatronTrainer
 
-    trainer = MegatronTrainer(
-        settings(build(arch), "megatron", root / arch / str(dtype), mixed_precision_dtype=dtype),
-        mixed_precision=True,
-    )
+    keys = settings(build(arch), "megatron", root / arch / str(dtype), mixed_precision_dtype=dtype)
+    trainer = MegatronTrainer(keys, mixed_precision=True)
     try:
-        metrics = [trainer.train_step(batch).metrics for batch in batches(1)]
-        model = dict(trainer.model.named_parameters())
-        state = trainer.optimizer.state()
+        if checkpoint:
+            run = run_three_steps(trainer, 1)
+        else:
+            run = {
+                "metrics": [trainer.train_step(b).metrics for b in batches(1)],
+                "export": exported(trainer),
+            }
         return {
-            "metrics": metrics,
-            "export": exported(trainer),
-            "model": model,
+            **run,
+            "settings": keys,
+            "model": dict(trainer.model.named_parameters()),
             "masters": trainer.params,
-            "adamw": state,
+            "adamw": trainer.optimizer.state(),
             "compute_dtype": trainer.compute_dtype,
         }
     finally:
@@ -81,7 +86,11 @@ def _train(arch: str, dtype: str | None, root) -> dict:
 @pytest.fixture(scope="module")
 def runs(world, tmp_path_factory):
     root = tmp_path_factory.mktemp("precision")
-    return {(arch, dtype): _train(arch, dtype, root) for arch in ARCHS for dtype in (None, *DTYPES)}
+    return {
+        (arch, dtype): _train(arch, dtype, root, checkpoint=(arch, dtype) == RESUMED)
+        for arch in ARCHS
+        for dtype in (None, *DTYPES)
+    }
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -155,6 +164,25 @@ def test_the_model_holds_the_float32_masters_rounded_and_adamw_state_is_float32(
     for name, tensor in run["export"].items():
         assert tensor.dtype == torch.float32
         assert (tensor - full[name]).abs().max().item() <= 4 * 1e-3 + 1e-6, name
+
+
+def test_a_bf16_run_resumes_exactly(runs):
+    """The checkpoint holds the float32 masters: the step after a resume equals the step without the stop."""
+    from refractor.megatron import parallel
+    from refractor.megatron.trainer import MegatronTrainer
+
+    run = runs[RESUMED]
+    resumed = MegatronTrainer(run["settings"], mixed_precision=True)
+    try:
+        assert resumed.load_checkpoint("latest") == 2
+        metrics = resumed.train_step(batches(1)[2]).metrics
+        after = exported(resumed)
+    finally:
+        parallel.stop()
+    for key in COMPARED:
+        assert metrics[key] == run["metrics"][2][key], key
+    for name, tensor in run["export"].items():
+        assert torch.equal(after[name], tensor), name
 
 
 def test_on_cpu_the_config_dtype_computes_in_float32_unless_asked(world, tmp_path, caplog):

@@ -7,6 +7,7 @@
   bit-exact, cast as the FSDP export casts them; a checkpoint resumes exactly (the step after the
   resume equals the step without the stop) and ``refractor convert`` turns it into an HF directory
   that the FSDP trainer also starts from.
+* Rows concatenated into longer passes (what a CUDA rank does) give the same steps.
 * TP=2 x PP=2 in bf16 (``mixed_precision_dtype``, the stages sending bf16 activations) stays near its
   float32 run (``test_mixed_precision`` holds one rank's bf16 steps to float32 and float64 references).
 * The vocabulary-parallel head over 4 ranks, one of them holding no token rows, gives the whole
@@ -164,6 +165,26 @@ def test_a_resumed_step_equals_the_step_without_the_stop(four_ranks, layout):
         assert result["resumed_metrics"][key] == result["metrics"][2][key], key
     for name, tensor in result["export"].items():
         assert torch.equal(result["resumed_export"][name], tensor), name
+
+
+def test_rows_concatenated_into_passes_give_the_same_steps(one_rank, tmp_path):
+    """On CUDA a minibatch's rows run as passes of up to ``trainer_max_tokens_per_forward`` tokens (the
+    attention keeps their samples apart, padding in the middle of a pass included); forced here on CPU."""
+    from dataclasses import replace
+
+    from refractor.megatron import parallel
+    from refractor.megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(settings(build("qwen2"), "megatron", tmp_path))
+    trainer.step_settings = replace(trainer.step_settings, max_tokens_per_forward=4096)
+    try:
+        metrics = [trainer.train_step(batch).metrics for batch in batches(1)]
+    finally:
+        parallel.stop()
+    rows = one_rank["qwen2"]["megatron"]["metrics"]
+    assert [m["trainer/batch/micro_batches"] for m in metrics] == [1, 2, 1]  # one pass per minibatch
+    assert all(r["trainer/batch/micro_batches"] > 1 for r in rows)
+    _assert_same_steps(metrics, rows)
 
 
 def test_a_bf16_tp2_pp2_run_stays_near_its_float32_run(four_ranks):
