@@ -106,7 +106,7 @@ def _dot_product_attention_reference(model, mb) -> torch.Tensor:
             )
         hidden = model.embedding(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None])
         return model.decoder(
-            hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary_table(model, mb.position_ids)
+            hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary_table(model, mb)
         )
     finally:
         for layer, core in zip(model.decoder.layers, own, strict=True):

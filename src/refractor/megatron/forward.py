@@ -32,11 +32,13 @@ def packed_attention(mb: MicroBatch) -> PackedAttention:
     )
 
 
-def rotary_table(model, position_ids: torch.Tensor) -> torch.Tensor:
-    """[T, 1, 1, D]: the rotary angles of each token's position."""
+def rotary_table(model, mb: MicroBatch) -> torch.Tensor:
+    """[T, 1, 1, D]: the rotary angles of each token's position. ``max_seqlen`` (the longest span of
+    ``cu_seqlens``) bounds every position, so the table's length is known without reading the device."""
     rotary = model.rotary_pos_emb
-    freqs = rotary.get_freqs_non_repeated(int(position_ids.max()) + 1).to(position_ids.device)
-    return torch.cat([freqs, freqs], dim=-1)[position_ids][:, None, None, :]
+    length = mb.max_seqlen or int(mb.position_ids.max()) + 1
+    freqs = rotary.get_freqs_non_repeated(length).to(mb.position_ids.device)
+    return torch.cat([freqs, freqs], dim=-1)[mb.position_ids][:, None, None, :]
 
 
 def stage_forward(model, mb: MicroBatch, received: torch.Tensor | None) -> torch.Tensor:
@@ -51,7 +53,7 @@ def stage_forward(model, mb: MicroBatch, received: torch.Tensor | None) -> torch
     return model.decoder(
         hidden_states=hidden,
         attention_mask=packed_attention(mb),
-        rotary_pos_emb=rotary_table(model, mb.position_ids),
+        rotary_pos_emb=rotary_table(model, mb),
     )
 
 

@@ -113,6 +113,8 @@ class MegatronTrainer(StepLoop):
 
         torch.manual_seed(settings.seed)
         self.model = build_gpt_model(self.config, self.layout, self.compute_dtype).to(self.device)
+        rotary = self.model.rotary_pos_emb  # its frequencies are a plain attribute, which Module.to leaves
+        rotary.inv_freq = rotary.inv_freq.to(self.device)
         self.weights = MasterWeights(self.model)
         self.params = self.weights.master  # what AdamW steps, the export and checkpoints read
         stage = self.ranks.pipeline_rank
