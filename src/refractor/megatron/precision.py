@@ -16,10 +16,12 @@ layers bf16 parameters). The rest stays float32:
 This is also how Megatron-Core trains in bf16 (``Float16Module``, float32 ``main_grad`` buffers, float32
 main parameters in its optimizer), here without its CUDA-only buffers. ``torch.autocast`` over float32
 parameters is not used: megatron-core's linear autograd functions restore the autocast state in their
-backward for CUDA only (``custom_bwd(device_type="cuda")``), and a plain ``autograd.Function`` such as
-the vocabulary-parallel head runs its backward under whatever autocast state the autograd thread has,
-so the same step would compute differently on CPU and CUDA; autocast would also keep the residual
-stream, and with it the pipeline sends, in float32 (bf16 + fp32 promotes to fp32).
+backward for CUDA only (``custom_bwd(device_type="cuda")``), so on CPU a ``ColumnParallelLinear``
+backward run outside the autocast region multiplies a bf16 gradient by the float32 weight and fails,
+and a plain ``autograd.Function`` such as the vocabulary-parallel head runs its backward under
+whatever autocast state the autograd thread has: the same step would compute differently on CPU and
+CUDA. Autocast would also keep the residual stream, and with it the pipeline sends, in float32
+(bf16 + fp32 promotes to fp32).
 
 With the compute dtype float32 the model's parameters are the masters (nothing is copied). float16
 gets no loss scaling, as in the FSDP2 trainer.
