@@ -104,7 +104,7 @@ run_part() {
         "2+inference_num_workers=3+eval_num_servers=1+evals=[{name: countdown, eval_every: 2, num_samples: 64, kwargs: {dataset_name: procedural}}],2+inference_num_workers=2+trainer_num_workers=2" ;;
     megatron)  # 1 GPU: Megatron TP=1/PP=1 vs FSDP2 on the same weights and batch (parity, throughput, MFU)
       part megatron_100m 240 python bench/bench_megatron.py --size 100m
-      part megatron 420 python bench/bench_megatron.py --size 0.5b ;;
+      part megatron 540 python bench/bench_megatron.py --size 0.5b ;;
     megatron_tp2 | megatron_pp2)  # 2 GPUs: TP=2 (PP=2) vs FSDP2 over the same 2 GPUs, and vs the 1-GPU
       # rows of the `megatron` part when its JSON is in $OUT/megatron (same size and tokens)
       local layout=${1#megatron_} reference=()
