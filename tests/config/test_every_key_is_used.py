@@ -51,7 +51,6 @@ READ_ELSEWHERE: dict[str, str] = {
     for key in (
         "megatron_context_parallel_size",
         "megatron_expert_parallel_size",
-        "megatron_sequence_parallel",
         "megatron_use_transformer_engine",
         "megatron_fp8",
         "megatron_optimizer_cpu_offload",

@@ -45,15 +45,20 @@ def settings(model, backend: str, checkpoint_dir, **keys) -> TrainerSettings:
     )
 
 
-def batches(dp: int):
-    """Three steps of 7 samples; the second has two minibatches (two AdamW updates)."""
-    from trainer._helpers import make_samples, pack
+def batches(dp: int, pad_to: int | None = None):
+    """Three steps of 7 samples; the second has two minibatches (two AdamW updates). ``pad_to``: rows
+    padded to this multiple (None: the helpers' 16; 1: rows of any length, odd ones included)."""
+    from refractor.algorithms.packing import pack_train_batch
+    from trainer._helpers import PAD_TO, SEQ_LEN, make_samples
 
     return [
-        pack(
+        pack_train_batch(
             make_samples(n=7, seed=20 + i, vocab=VOCAB),
-            num_dp_ranks=dp,
             step=i,
+            seq_len=SEQ_LEN,
+            pad_to_multiple_of=pad_to or PAD_TO,
+            pad_token_id=0,
+            num_dp_ranks=dp,
             number_of_minibatches=1 + (i == 1),
         )
         for i in range(3)
@@ -128,6 +133,40 @@ def four_rank_worker(rank: int, port: int, root: str) -> None:
         parallel.stop()
         if rank == 0:
             torch.save(result, f"{root}/{name}.pt")
+    for name, arch, tp, pp, pad_to in SP_LAYOUTS:
+        trainer = MegatronTrainer(
+            settings(
+                build(arch),
+                "megatron",
+                f"{root}/{name}",
+                megatron_tensor_parallel_size=tp,
+                megatron_pipeline_parallel_size=pp,
+                megatron_sequence_parallel=True,
+            )
+        )
+        # the tokens the first layer's norm and its attention see, pass by pass
+        layer = trainer.model.decoder.layers[0]
+        seen = {"norm": [], "attention": []}
+        hooks = [
+            layer.input_layernorm.register_forward_pre_hook(
+                lambda _, a, seen=seen: seen["norm"].append(a[0].shape[0])
+            ),
+            layer.self_attention.core_attention.register_forward_pre_hook(
+                lambda _, a, seen=seen: seen["attention"].append(a[0].shape[0])
+            ),
+        ]
+        steps = batches(4 // (tp * pp), pad_to)
+        result = {
+            "metrics": [trainer.train_step(batch).metrics for batch in steps],
+            "export": exported(trainer),
+            "rows": [mb.num_tokens for batch in steps for mb in batch.micro_batches[trainer.dp_rank]],
+            "seen": seen,
+        }
+        for hook in hooks:
+            hook.remove()
+        parallel.stop()
+        if rank == 0:
+            torch.save(result, f"{root}/{name}.pt")
     low = MegatronTrainer(
         settings(
             build(BF16_LAYOUT[1]),
@@ -149,6 +188,13 @@ def four_rank_worker(rank: int, port: int, root: str) -> None:
 
 
 BF16_LAYOUT = ("tp2-pp2-bf16", "qwen2", 2, 2)
+# (name, model, TP, PP, rows padded to): sequence parallelism, compared with the same layout without it
+# (LAYOUTS, rows padded to 16) and with one rank; rows of any length (1) make passes of odd lengths,
+# which the trainer pads to a multiple of TP
+SP_LAYOUTS = [
+    ("tp2-pp2-sp", "qwen2", 2, 2, None),
+    ("tp2-dp2-sp", "qwen3-untied", 2, 1, 1),
+]
 VOCABULARY, BLOCK, HIDDEN = 10, 4, 5  # blocks of rows [0, 4), [4, 8), [8, 10) and none on the 4th rank
 
 

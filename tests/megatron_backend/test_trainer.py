@@ -35,6 +35,7 @@ from ._trainer_runs import (
     ARCHS,
     BF16_LAYOUT,
     LAYOUTS,
+    SP_LAYOUTS,
     batches,
     exported,
     four_rank_worker,
@@ -89,7 +90,7 @@ def four_ranks(tmp_path_factory):
     for arch in ARCHS:  # built once, before the ranks read them
         build(arch)
     spawn_ranks(four_rank_worker, (free_port(), str(root)), nprocs=4)
-    names = [name for name, *_ in LAYOUTS] + [BF16_LAYOUT[0], "vocabulary-blocks"]
+    names = [name for name, *_ in LAYOUTS + SP_LAYOUTS] + [BF16_LAYOUT[0], "vocabulary-blocks"]
     results = {name: torch.load(root / f"{name}.pt", weights_only=False) for name in names}
     return {**results, "root": root}
 
@@ -185,6 +186,28 @@ def test_rows_concatenated_into_passes_give_the_same_steps(one_rank, tmp_path):
     assert [m["trainer/batch/micro_batches"] for m in metrics] == [1, 2, 1]  # one pass per minibatch
     assert all(r["trainer/batch/micro_batches"] > 1 for r in rows)
     _assert_same_steps(metrics, rows)
+
+
+@pytest.mark.parametrize("layout", [name for name, *_ in SP_LAYOUTS])
+def test_sequence_parallelism_gives_the_steps_without_it_and_of_one_rank(four_ranks, one_rank, layout):
+    """Sequence parallelism moves where the norms and residual adds run, not what they compute: the
+    steps equal the same layout's without it and one rank's (float32 sums in another order, rel 1e-5
+    on the loss and the norm). tp2-dp2-sp's rows have odd lengths, padded to a multiple of TP."""
+    result = four_ranks[layout]
+    without = four_ranks[layout.removesuffix("-sp")]
+    arch, tp, pp = _layout(layout.removesuffix("-sp"))
+    odd = next(pad_to for name, *_, pad_to in SP_LAYOUTS if name == layout) == 1
+    assert any(rows % 2 for rows in result["rows"]) == odd
+    for step, (got, want) in enumerate(zip(result["metrics"], without["metrics"], strict=True)):
+        for key in ("loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (step, key)
+    _assert_same_steps(result["metrics"], one_rank[arch]["megatron"]["metrics"], same_rows=False)
+    # the weights exported: the same names and shapes, the values those of the run without it
+    _assert_close_weights(result["export"], without["export"])
+    # rank 0's first layer: its norm holds half of each pass, its attention the whole (padded) pass
+    seen = result["seen"]
+    assert seen["norm"] and [2 * n for n in seen["norm"]] == seen["attention"]
+    assert set(seen["attention"]) <= {rows + rows % 2 for rows in result["rows"]}
 
 
 def test_a_bf16_tp2_pp2_run_stays_near_its_float32_run(four_ranks):

@@ -11,15 +11,19 @@ norm and the head on the last), with two inputs ``GPTModel.forward`` would build
   for every sample), from the model's own frequencies (``get_freqs_non_repeated``), laid out as
   ``RotaryEmbedding.get_emb`` lays it out (which also moves them to a CUDA device).
 
-Sequence parallelism is not on this path: megatron-core 0.16's local layer spec (torch norms) refuses
-it, so every tensor-parallel rank holds the whole row's hidden states.
+With sequence parallelism (``sequence_parallel.py``) the embedding's output is split along the
+sequence before the decoder, stages send each other their TP rank's block, and the last stage gathers
+the final norm's output back before the head; the rotary table and the attention stay the whole pass's
+(the layers' attention runs on the gathered sequence).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from refractor.megatron.parallel import MegatronRanks
+from refractor.megatron.sequence_parallel import gather_sequence, scatter_sequence
 from refractor.megatron.vocab_parallel import vocab_parallel_token_logprobs
 from refractor.models import PackedAttention
 from refractor.records import MicroBatch
@@ -41,12 +45,16 @@ def rotary_table(model, mb: MicroBatch) -> torch.Tensor:
     return torch.cat([freqs, freqs], dim=-1)[mb.position_ids][:, None, None, :]
 
 
-def stage_forward(model, mb: MicroBatch, received: torch.Tensor | None) -> torch.Tensor:
-    """This stage's output for the row: hidden states [T, 1, H], after the final norm on the last
-    stage. ``received``: the previous stage's output (None on the
-    first stage)."""
+def stage_forward(
+    model, mb: MicroBatch, received: torch.Tensor | None, sequence_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """This stage's output for the row: hidden states [T, 1, H] (with ``sequence_group``, the TP group
+    under sequence parallelism: this rank's [T / TP, 1, H] block), after the final norm on the last
+    stage. ``received``: the previous stage's output (None on the first stage)."""
     if model.pre_process:
         hidden = model.embedding(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None])
+        if sequence_group is not None:
+            hidden = scatter_sequence(hidden, sequence_group)
     else:
         model.set_input_tensor(received)
         hidden = received
@@ -76,12 +84,17 @@ def row_logprobs(
     ranks: MegatronRanks,
     temperature: float,
     chunk_size: int,
+    sequence_parallel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last stage's per-token (log-prob, entropy) [T] of the row, the same on every TP rank."""
+    """The last stage's per-token (log-prob, entropy) [T] of the row, the same on every TP rank.
+    ``sequence_parallel``: ``hidden`` is this rank's block of the sequence."""
     from megatron.core import tensor_parallel
 
     # every TP rank computes the head on the same hidden states; backward sums the ranks' shares
-    hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=ranks.tensor_group)
+    if sequence_parallel:
+        hidden = gather_sequence(hidden, ranks.tensor_group)
+    else:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=ranks.tensor_group)
     weight, start = head_weight(model, vocab_size, ranks)
     return vocab_parallel_token_logprobs(
         hidden[:, 0],

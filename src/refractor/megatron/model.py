@@ -84,21 +84,36 @@ def transformer_config(config: ModelConfig, layout: MegatronLayout, params_dtype
     )
 
 
-def layer_spec(config: ModelConfig):
-    """Megatron-Core's local layer spec with refractor's packed attention as the core attention."""
+def layer_spec(config: ModelConfig, sequence_parallel: bool = False):
+    """Megatron-Core's local layer spec with refractor's packed attention as the core attention; with
+    ``sequence_parallel`` its parallel linears gather / reduce-scatter the sequence
+    (``sequence_parallel.py``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from refractor.megatron.attention import PackedCoreAttention
 
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = PackedCoreAttention
+    if sequence_parallel:
+        from refractor.megatron.sequence_linears import SequenceColumnLinear, SequenceRowLinear
+
+        mlp = spec.submodules.mlp.submodules
+        attention.linear_qkv = mlp.linear_fc1 = SequenceColumnLinear
+        attention.linear_proj = mlp.linear_fc2 = SequenceRowLinear
     return spec
 
 
-def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: torch.dtype = torch.float32):
+def build_gpt_model(
+    config: ModelConfig,
+    layout: MegatronLayout,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+):
     """This rank's GPTModel (local layer spec, ``layer_spec``): its pipeline stage's layers, the embedding
     on the first stage, the final norm and output layer on the last, its tensor-parallel share of each,
     every parameter in ``params_dtype`` (the spec's torch norms are made float32, then cast).
+    ``sequence_parallel`` (TP > 1): the layers take and give this rank's block of the sequence.
 
     Its weights are to be loaded (``shards``), so the construction-time copy of a tied embedding from
     the first stage to the last (an all-reduce of a CUDA copy) is skipped: the model gets no
@@ -111,11 +126,13 @@ def build_gpt_model(config: ModelConfig, layout: MegatronLayout, params_dtype: t
     if layout.transformer_engine:
         raise NotImplementedError("the Transformer Engine layer spec is not built yet (docs/megatron.md)")
     layout.check(config)
+    if sequence_parallel and layout.tensor_parallel == 1:
+        raise ValueError("sequence parallelism splits the sequence among TP ranks: it needs TP > 1")
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.embd = None
     model = GPTModel(
         config=transformer_config(config, layout, params_dtype),
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, sequence_parallel),
         vocab_size=layout.padded_vocab_size(config.vocab_size),
         max_sequence_length=config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -30,6 +30,7 @@ from refractor.algorithms.loss import LossSettings, LossStats, policy_loss
 from refractor.megatron.forward import row_logprobs, stage_forward
 from refractor.megatron.optimizer import MegatronOptimizer
 from refractor.megatron.parallel import MegatronRanks
+from refractor.megatron.sequence_parallel import SEQUENCE_SUMMED
 from refractor.megatron.shards import is_tensor_parallel
 from refractor.records import MicroBatch, TrainBatch
 from refractor.trainer.step import StepOutcome, StepSettings, group_minibatches
@@ -50,6 +51,11 @@ class StageModel:
     tied_copy: torch.nn.Parameter | None  # the tied embedding this rank holds when it lives on two stages
     norm_params: tuple[torch.nn.Parameter, ...]  # the gradients this rank counts in the norm
     tensor_summed: tuple[torch.nn.Parameter, ...]  # replicated, each TP rank's gradient a share
+    sequence_parallel: bool = False  # activations between the layers split along the sequence over TP
+
+    def stage_tokens(self, mb: MicroBatch) -> int:
+        """Tokens of the row that this rank's stages send each other."""
+        return mb.num_tokens // self.ranks.tensor_size if self.sequence_parallel else mb.num_tokens
 
     def forward_row(self, mb: MicroBatch, grad: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the activations received from the previous stage or None, this stage's output); a stage
@@ -57,10 +63,12 @@ class StageModel:
         ranks = self.ranks
         received = None
         if not ranks.is_first_stage:
-            received = torch.empty(mb.num_tokens, 1, self.hidden_size, dtype=self.dtype, device=ranks.device)
+            received = torch.empty(
+                self.stage_tokens(mb), 1, self.hidden_size, dtype=self.dtype, device=ranks.device
+            )
             dist.recv(received, src=ranks.previous_stage)
             received.requires_grad_(grad)
-        out = stage_forward(self.model, mb, received)
+        out = stage_forward(self.model, mb, received, ranks.tensor_group if self.sequence_parallel else None)
         if not ranks.is_last_stage:
             dist.send(out.detach().contiguous(), dst=ranks.next_stage)
         return received, out
@@ -82,7 +90,14 @@ class StageModel:
 
     def logprobs(self, out: torch.Tensor, mb: MicroBatch, settings: StepSettings):
         return row_logprobs(
-            self.model, out, mb, self.vocab_size, self.ranks, settings.temperature, settings.chunk_size
+            self.model,
+            out,
+            mb,
+            self.vocab_size,
+            self.ranks,
+            settings.temperature,
+            settings.chunk_size,
+            sequence_parallel=self.sequence_parallel,
         )
 
 
@@ -168,7 +183,8 @@ def run_step(
 
 def finalize_gradients(stage: StageModel, params: list[torch.nn.Parameter]) -> None:
     """Sum the gradients that are shares: the q/k norms' over the TP ranks (each normalizes its own
-    heads with the one weight), the tied embedding's two copies (first and last stage), and the
+    heads with the one weight), with sequence parallelism the other norms' (each normalizes its own
+    tokens), the tied embedding's two copies (first and last stage), and the
     data-parallel replicas'."""
     ranks = stage.ranks
     for p in params:
@@ -193,10 +209,15 @@ def _sum_grads(params, group: dist.ProcessGroup) -> None:
     )
 
 
-def tensor_summed_parameters(params: dict[str, torch.nn.Parameter]) -> tuple[torch.nn.Parameter, ...]:
+def tensor_summed_parameters(
+    params: dict[str, torch.nn.Parameter], sequence_parallel: bool = False
+) -> tuple[torch.nn.Parameter, ...]:
     """Replicated parameters whose gradient each TP rank holds a share of: the q/k norms (Qwen3),
-    applied to every head, of which each rank holds its own (Megatron-Core sums them likewise)."""
-    return tuple(p for name, p in params.items() if name.endswith(QK_NORMS))
+    applied to every head, of which each rank holds its own (Megatron-Core sums them likewise); with
+    sequence parallelism also the norms applied to each rank's block of the sequence
+    (``sequence_parallel.SEQUENCE_SUMMED``)."""
+    summed = QK_NORMS + (SEQUENCE_SUMMED if sequence_parallel else ())
+    return tuple(p for name, p in params.items() if name.endswith(summed))
 
 
 def norm_parameters(

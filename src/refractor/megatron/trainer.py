@@ -20,8 +20,10 @@ of ``trainer_max_tokens_per_forward`` tokens as the FSDP trainer concatenates th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -92,8 +94,15 @@ class MegatronTrainer(StepLoop):
         self.timeline_attrs: dict[str, Any] = {}
         mg = settings.megatron
         sizes = ParallelSizes(
-            tensor=mg.megatron_tensor_parallel_size, pipeline=mg.megatron_pipeline_parallel_size
+            tensor=mg.megatron_tensor_parallel_size,
+            pipeline=mg.megatron_pipeline_parallel_size,
+            sequence_parallel=mg.megatron_sequence_parallel,
         )
+        if sizes.sequence_parallel and sizes.tensor == 1:
+            raise ValueError(
+                "`megatron_sequence_parallel: true` needs `megatron_tensor_parallel_size` > 1 (it splits "
+                "the sequence among the tensor-parallel ranks)"
+            )
         if self.world_size % sizes.model_parallel:
             raise ValueError(
                 f"{self.world_size} trainer ranks do not split into TP {sizes.tensor} x PP {sizes.pipeline} "
@@ -112,7 +121,9 @@ class MegatronTrainer(StepLoop):
         from refractor.megatron.model import build_gpt_model
 
         torch.manual_seed(settings.seed)
-        self.model = build_gpt_model(self.config, self.layout, self.compute_dtype).to(self.device)
+        self.model = build_gpt_model(
+            self.config, self.layout, self.compute_dtype, sequence_parallel=sizes.sequence_parallel
+        ).to(self.device)
         rotary = self.model.rotary_pos_emb  # its frequencies are a plain attribute, which Module.to leaves
         rotary.inv_freq = rotary.inv_freq.to(self.device)
         self.weights = MasterWeights(self.model)
@@ -144,6 +155,11 @@ class MegatronTrainer(StepLoop):
             on_cuda=self.info.is_cuda,
             compiled=False,
         )
+        if sizes.sequence_parallel:  # every pass splits into TP blocks of the sequence
+            multiple = self.step_settings.pass_pad_multiple
+            self.step_settings = dataclasses.replace(
+                self.step_settings, pass_pad_multiple=math.lcm(multiple or 1, sizes.tensor)
+            )
         tied_copy = None
         if self.config.tie_word_embeddings and self.ranks.embedding_group is not None:
             tied_copy = self.params[EMBEDDING if self.ranks.is_first_stage else OUTPUT]
@@ -155,12 +171,14 @@ class MegatronTrainer(StepLoop):
             self.compute_dtype,
             tied_copy,
             norm_parameters(self.params, self.ranks, tied_copy),
-            tensor_summed_parameters(self.params),
+            tensor_summed_parameters(self.params, sizes.sequence_parallel),
+            sizes.sequence_parallel,
         )
         self._step = 0
         self.skipped_updates = 0
         log.info(
-            "megatron trainer rank %d/%d on %s: TP %d x PP %d x DP %d (stage %d, TP rank %d), compute in "
+            "megatron trainer rank %d/%d on %s: TP %d x PP %d x DP %d (stage %d, TP rank %d), sequence "
+            "parallelism %s, compute in "
             "%s (master weights, gradients and AdamW state float32), layer recompute %s, AdamW state %s",
             self.rank,
             self.world_size,
@@ -170,6 +188,7 @@ class MegatronTrainer(StepLoop):
             self.dp_size,
             stage,
             self.ranks.tensor_rank,
+            sizes.sequence_parallel,
             str(self.compute_dtype).removeprefix("torch."),
             mg.megatron_gradient_checkpointing,
             "split among the replicas" if self.optimizer.replicas > 1 else "whole on every replica",

@@ -77,6 +77,7 @@ class MegatronSettings:
     megatron_pipeline_parallel_size: int = 1
     megatron_gradient_checkpointing: bool = True  # each decoder layer recomputed in the backward
     megatron_use_distributed_optimizer: bool = True  # AdamW state split among data-parallel replicas
+    megatron_sequence_parallel: bool = False  # activations outside attention / MLP split over TP ranks
 
     @property
     def model_parallel_size(self) -> int:
