@@ -26,7 +26,8 @@ One process per rank. Under torchrun the FSDP rows shard over the whole world (d
 every rank, the same global batch), so ``megatron_fp32`` with TP=2 on 2 GPUs is compared with FSDP2
 over the same 2 GPUs; ``--reference`` adds the ratios against the 1-GPU rows of an earlier run's JSON
 (``bench_megatron.json`` of ``python bench/bench_megatron.py`` with the same ``--size`` and ``--tokens``).
-``--rows`` picks rows (default all four; the float32 pair takes most of the time).
+``--rows`` picks rows (default all four; the float32 pair takes most of the time). ``--sp`` turns on
+sequence parallelism (``megatron_sequence_parallel``) in the Megatron rows (``--tp`` > 1).
 
     PYTHONPATH=src:bench python bench/bench_megatron.py --size 0.5b
     PYTHONPATH=src:bench torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b --tp 2 \\
@@ -133,7 +134,7 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def row_settings(row: str, model_dir: Path, tp: int, pp: int, learning_rate: float):
+def row_settings(row: str, model_dir: Path, tp: int, pp: int, learning_rate: float, sp: bool = False):
     from refractor.trainer.settings import TrainerSettings
 
     keys: dict = {"model": str(model_dir), "learning_rate": learning_rate}
@@ -146,7 +147,10 @@ def row_settings(row: str, model_dir: Path, tp: int, pp: int, learning_rate: flo
         )
     elif row.startswith("megatron"):
         keys.update(
-            train_backend="megatron", megatron_tensor_parallel_size=tp, megatron_pipeline_parallel_size=pp
+            train_backend="megatron",
+            megatron_tensor_parallel_size=tp,
+            megatron_pipeline_parallel_size=pp,
+            megatron_sequence_parallel=sp,
         )
         if row == "megatron_fp32":
             keys.update(mixed_precision_dtype=None)
@@ -265,6 +269,9 @@ def main() -> None:
     ap.add_argument("--size", default="0.5b", choices=sorted(model_specs()))
     ap.add_argument("--tp", type=int, default=1, help="megatron_tensor_parallel_size")
     ap.add_argument("--pp", type=int, default=1, help="megatron_pipeline_parallel_size")
+    ap.add_argument(
+        "--sp", action="store_true", help="megatron_sequence_parallel: true for the Megatron rows (--tp > 1)"
+    )
     ap.add_argument("--tokens", type=int, default=None, help="global tokens per step (default: 4 rows)")
     ap.add_argument("--seq-len", type=int, default=None, help="packed row length (default 4096; tiny 256)")
     ap.add_argument("--warmup", type=int, default=2, help="steps before the timed ones (compared too)")
@@ -292,6 +299,8 @@ def main() -> None:
     world = info.world_size
     global print
     print = builtins.print if info.rank == 0 else (lambda *a, **k: None)  # noqa: A001
+    if args.sp and args.tp == 1:
+        raise SystemExit("--sp (sequence parallelism) needs --tp > 1")
     if world % (args.tp * args.pp):
         raise SystemExit(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} ranks")
 
@@ -311,7 +320,8 @@ def main() -> None:
     )
     print(
         f"layouts: FSDP2 over {world} rank(s) (DP {world}); Megatron TP {args.tp} x PP {args.pp} x DP "
-        f"{dp_megatron}. Parity pairs: megatron_fp32 vs fsdp_fp32 (float32 on both), megatron_bf16 vs "
+        f"{dp_megatron}{' with sequence parallelism' if args.sp else ''}. Parity pairs: megatron_fp32 vs "
+        "fsdp_fp32 (float32 on both), megatron_bf16 vs "
         "fsdp_bf16 (each backend's default: bf16 compute, float32 master weights and reductions)"
     )
     rows = [row for row in ROWS if row in args.rows.split(",")]
@@ -323,6 +333,7 @@ def main() -> None:
         "world": world,
         "tp": args.tp,
         "pp": args.pp,
+        "sp": args.sp,
         "device": device_name,
         "n_params": n_params,
         "tokens": real,
@@ -330,7 +341,7 @@ def main() -> None:
         "rows": {},
     }
     for row in rows:
-        settings = row_settings(row, model_dir, args.tp, args.pp, args.learning_rate)
+        settings = row_settings(row, model_dir, args.tp, args.pp, args.learning_rate, args.sp)
         batch = pack_train_batch(
             samples,
             step=0,

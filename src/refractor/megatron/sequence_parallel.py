@@ -47,10 +47,15 @@ SEQUENCE_SUMMED = (
 )
 
 
+# torch's one-tensor all-gather and reduce-scatter, under their current names where torch has them
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[n, ...] on each rank -> [n * ranks, ...], rank order."""
     out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _ALL_GATHER(out, x.contiguous(), group=group)
     return out
 
 
@@ -60,7 +65,7 @@ def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if x.shape[0] % ranks:
         raise ValueError(f"sequence parallelism: {x.shape[0]} tokens do not split over {ranks} ranks")
     out = x.new_empty((x.shape[0] // ranks, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _REDUCE_SCATTER(out, x.contiguous(), group=group)
     return out
 
 
