@@ -1,6 +1,6 @@
 """`train_backend: megatron` layouts are checked when the config loads: one line per broken rule naming
 the keys; a valid layout loads. What the Megatron trainer does not run (the Transformer Engine spec and
-sequence parallelism, mixture-of-experts models, optimizer options beyond float32 AdamW on the trainer's
+mixture-of-experts models, optimizer options beyond float32 AdamW on the trainer's
 device, master weights other than float32) is refused, one line naming the key."""
 
 from __future__ import annotations
@@ -48,10 +48,6 @@ REJECT = [
     ({CP: 2}, "`megatron_context_parallel_size` > 1 needs `megatron_use_transformer_engine: true`"),
     ({"megatron_fp8": True}, "`megatron_fp8: true` needs `megatron_use_transformer_engine: true`"),
     (
-        {TP: 2, "trainer_num_workers": 2, "megatron_sequence_parallel": True},
-        "`megatron_sequence_parallel: true` needs Megatron-Core's Transformer Engine layer spec",
-    ),
-    (
         {"megatron_optimizer_cpu_offload": True},
         "`megatron_optimizer_cpu_offload: true` is not supported by refractor's Megatron trainer (AdamW "
         "state stays on the trainer's device); set it to false",
@@ -88,11 +84,13 @@ def test_every_broken_rule_is_reported_at_once():
         {TP: 2, PP: 2, "trainer_num_workers": 8},
         {TP: 2, "trainer_num_workers": 2},
         {PP: 4, "trainer_num_workers": 4, "megatron_use_distributed_optimizer": False},
+        {TP: 2, "trainer_num_workers": 2, "megatron_sequence_parallel": True},
     ],
 )
 def test_a_valid_layout_loads(keys):
     cfg = load_config(None, {**ENV, "model": str(build("qwen3")), "train_backend": "megatron", **keys})
-    assert cfg.train_backend == "megatron" and cfg.megatron_sequence_parallel is False
+    assert cfg.train_backend == "megatron"
+    assert cfg.megatron_sequence_parallel is keys.get("megatron_sequence_parallel", False)
 
 
 def test_a_model_that_is_not_on_this_machine_is_checked_for_the_layout_alone():
@@ -114,8 +112,8 @@ def test_a_mixture_of_experts_model_is_refused(tmp_path):
 
 
 def test_sequence_parallel_is_off_unless_set():
-    """Telescope's default (true, meaning: when it can run) resolves to off: the Megatron trainer runs the
-    local layer spec, which has no sequence parallelism."""
+    """Telescope's default (true, meaning: when it can run) resolves to off: sequence parallelism is
+    turned on by setting it."""
     assert load_config(None, ENV).megatron_sequence_parallel is False
     cfg = load_config(None, {**ENV, TP: 2})
     assert cfg.megatron_sequence_parallel is False

@@ -466,8 +466,9 @@ class MegatronKeys(_Strict):
     )
     megatron_sequence_parallel: bool = Field(
         True,
-        description="Sequence parallelism among the tensor-parallel ranks (needs TP > 1 and the Transformer "
-        "Engine layer spec, not built yet; false unless set).",
+        description="Sequence parallelism: with TP > 1, the activations between attention and the MLP "
+        "(norms, residual stream) split along the sequence among the tensor-parallel ranks (false "
+        "unless set).",
     )
     megatron_use_distributed_optimizer: bool = Field(
         True,
@@ -830,8 +831,7 @@ class RefractorConfig(
         ):
             data = {**data, "free_lane_after_generation": False}
         # sequence parallelism splits the sequence among tensor-parallel ranks; Telescope's default, true,
-        # means "when it can run": with TP > 1 and the Transformer Engine layer spec, which refractor's
-        # Megatron trainer does not build, so when the user did not set it, it is off
+        # means "when it can run" (TP > 1); refractor turns it on only when the user sets it
         if isinstance(data, dict) and "megatron_sequence_parallel" not in data:
             data = {**data, "megatron_sequence_parallel": False}
         return data
@@ -898,7 +898,7 @@ def _yaml(value: Any) -> str:
 
 def _megatron_errors(c: RefractorConfig) -> list[str]:
     """The layout's broken rules, then what refractor's Megatron trainer does not run (docs/megatron.md):
-    the Transformer Engine layer spec (so FP8, context and sequence parallelism), mixture-of-experts
+    the Transformer Engine layer spec (so FP8 and context parallelism), mixture-of-experts
     models, and optimizer options beyond float32 AdamW on the trainer's device."""
     sizes = ParallelSizes(
         tensor=c.megatron_tensor_parallel_size,
@@ -921,12 +921,6 @@ def _megatron_errors(c: RefractorConfig) -> list[str]:
             "`megatron_use_transformer_engine: true`: refractor's Megatron trainer builds Megatron-Core's "
             "local layer spec only (the Transformer Engine spec, and with it FP8 and context parallelism, "
             "is not built yet); set it to false"
-        )
-    if c.megatron_sequence_parallel and sizes.tensor > 1:
-        errors.append(
-            "`megatron_sequence_parallel: true` needs Megatron-Core's Transformer Engine layer spec (its "
-            "local spec's norms have no sequence parallelism), which refractor's Megatron trainer does not "
-            "build yet; set it to false"
         )
     if shape is not None and shape.num_experts:
         errors.append(
