@@ -55,3 +55,19 @@ def test_lora_flags_give_the_native_engine_its_adapter_shape(monkeypatch):
     result = CliRunner().invoke(app, [*serve, "--engine", "vllm", "--lora-rank", "8"])
     assert result.exit_code != 0 and "native engine only" in result.output
     assert CliRunner().invoke(app, serve).exit_code == 0 and configs[-1].lora_rank == 0  # no adapters
+
+
+def test_a_vllm_cpu_server_whose_step_cannot_hold_a_prompt_is_refused_in_one_line(monkeypatch):
+    """vLLM on CPU runs without chunked prefill (a split seeded prompt kills its engine), so a step
+    must hold the longest prompt; the refusal comes before vLLM starts."""
+    started = []
+    monkeypatch.setattr("refractor.inference.vllm.launcher.cuda_available", lambda: False)
+    monkeypatch.setattr("os.execvpe", lambda *args: started.append(args))
+    serve = ["serve", "--model", "refractor-testing/tiny-qwen2", "--engine", "vllm", "--max-model-len", "512"]
+    result = CliRunner().invoke(app, [*serve, "--max-num-batched-tokens", "256"], terminal_width=400)
+    assert result.exit_code != 0 and not started
+    assert "max_num_batched_tokens (256) is below max_model_len (512)" in result.output, result.output
+    assert "Traceback" not in result.output
+    result = CliRunner().invoke(app, [*serve, "--max-num-batched-tokens", "512"])
+    assert result.exit_code == 0, result.output
+    assert "--no-enable-chunked-prefill" in started[0][1]

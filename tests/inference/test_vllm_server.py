@@ -1,8 +1,10 @@
 """The vLLM launcher (config -> flags, start failure reporting), what a running CPU server returns
-for token-in/token-out requests (checked against transformers in fp32), and its pause rules."""
+for token-in/token-out requests (checked against transformers in fp32; seeded ones too), and its
+pause rules."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import threading
@@ -101,6 +103,20 @@ def test_config_becomes_explicit_vllm_flags():
     assert gpu_env["VLLM_SERVER_DEV_MODE"] == "0" and gpu_env["REFRACTOR_CONTROL_TOKEN"] == ""
 
 
+def test_vllm_on_cpu_runs_without_chunked_prefill():
+    """vLLM 0.32 rewinds a seeded request's generator after a partial prefill, which a CPU generator
+    cannot do: on CPU every prompt is prefilled whole, so a step's budget must hold the longest."""
+    settings = VllmServerSettings(max_model_len=1024)
+    assert "--no-enable-chunked-prefill" in vllm_command("/m", "127.0.0.1", 1, settings, on_cpu=True)[0]
+    assert "--no-enable-chunked-prefill" not in vllm_command("/m", "127.0.0.1", 1, settings, on_cpu=False)[0]
+    small = VllmServerSettings(max_model_len=1024, max_num_batched_tokens=512)
+    assert (
+        flag(vllm_command("/m", "127.0.0.1", 1, small, on_cpu=False)[0], "--max-num-batched-tokens") == "512"
+    )
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(512\) is below max_model_len \(1024\)"):
+        vllm_command("/m", "127.0.0.1", 1, small, on_cpu=True)
+
+
 @pytest.mark.vllm
 def test_a_failed_start_reports_the_server_log(tmp_path):
     empty = tmp_path / "not-a-model"
@@ -176,6 +192,51 @@ def test_generate_endpoint_returns_tokens_logprobs_and_versions(
         assert choice["weight_versions"] == [{"version": "2", "start": 0, "end": len(tokens)}]
         reference = hf_token_logprobs(hf_models[0], prompt, tokens)
         assert torch.allclose(torch.tensor(logprobs, dtype=torch.float64), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.vllm
+def test_seeded_requests_beyond_one_steps_budget_are_served_and_draw_the_same_tokens_again(
+    vllm_server, vllm_sender, vllm_model_name, hf_models, hf_token_logprobs
+):
+    """Seeded requests (``deterministic_rollouts``) whose prompts together exceed a step's token budget
+    (8 x 500 tokens, the budget 2,048): with chunked prefill vLLM 0.32 on CPU split the prompt that did
+    not fit and its engine died rewinding that request's CPU generator, failing every request after.
+    Each answer is the transformers reference's, and a second round in the reverse order draws the
+    same tokens."""
+    vllm_sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=3)
+    prompts = [[3 + (37 * i + 11 * j) % 300 for j in range(500)] for i in range(8)]
+
+    async def one(client: httpx.AsyncClient, i: int) -> list[dict]:
+        response = await client.post(
+            vllm_server.url + "/inference/v1/generate",
+            json={
+                "model": vllm_model_name,
+                "token_ids": prompts[i],
+                "sampling_params": {
+                    "temperature": 1.0,
+                    "max_tokens": 6,
+                    "logprobs": 0,
+                    "ignore_eos": True,
+                    "seed": 1000 + i,
+                },
+            },
+        )
+        assert response.status_code == 200, response.text
+        return [(e["token_id"], e["logprob"]) for e in response.json()["choices"][0]["logprobs"]["content"]]
+
+    async def round_of(order: list[int]) -> dict[int, list]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            answers = await asyncio.gather(*(one(client, i) for i in order))
+        return dict(zip(order, answers, strict=True))
+
+    first = asyncio.run(round_of(list(range(8))))
+    again = asyncio.run(round_of(list(reversed(range(8)))))
+    assert [[t for t, _ in first[i]] for i in range(8)] == [[t for t, _ in again[i]] for i in range(8)]
+    for i, answer in first.items():
+        tokens = [t for t, _ in answer]
+        reference = hf_token_logprobs(hf_models[0], prompts[i], tokens)
+        logprobs = torch.tensor([lp for _, lp in answer], dtype=torch.float64)
+        assert len(tokens) == 6 and torch.allclose(logprobs, reference, atol=1e-4, rtol=0), i
 
 
 @pytest.mark.vllm

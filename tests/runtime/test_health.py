@@ -59,7 +59,7 @@ def test_a_dead_server_process_is_named_at_once_with_its_log(tiny_qwen2_path):
     )
 
     async def process_check(name: str) -> tuple[bool, str]:
-        return handle.alive(), handle.log_tail()
+        return handle.alive(), handle.exit_report()
 
     async def scenario():
         async with InferenceClient(handle.url, name="server-3", control_token=TEST_CONTROL_TOKEN) as client:

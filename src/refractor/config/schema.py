@@ -614,7 +614,11 @@ class InferenceKeys(_Strict):
     )
     max_num_seqs: int | None = Field(None, ge=1, le=MAX_COUNT, description="Scheduler concurrency.")
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, le=MAX_TOKENS, description="Per-step token budget."
+        None,
+        ge=1,
+        le=MAX_TOKENS,
+        description="Per-step token budget; at least max_model_len for the native engine and vLLM on CPU, "
+        "which prefill a whole prompt in one step.",
     )
     enable_prefix_caching: bool = Field(
         True,

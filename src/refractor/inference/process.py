@@ -4,6 +4,10 @@ Both engines' launchers use this, so start-up errors look the same (exit code or
 server's last log lines) and stopping always takes the whole process group (API server, engine
 core, workers). ``die_with_parent`` makes the kernel SIGTERM the server when the process that
 started it dies, even by SIGKILL: a Ray actor killed mid-run leaves no orphan server behind.
+
+A server that exited is reported with the error that killed its engine, read from its whole log
+(``log_errors``), before its last lines: a dying vLLM server's last lines are its shutdown, while
+the engine's traceback lies hundreds of lines above, under the tracebacks of the requests it failed.
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -24,6 +30,39 @@ import httpx
 from refractor.errors import RefractorUserError
 
 _PR_SET_PDEATHSIG = 1
+
+# vLLM's engine process logs this line, then the traceback of the error that killed it; the API server
+# logs one traceback per request failed after it, each ending in EngineDeadError
+VLLM_ENGINE_FATAL = "EngineCore encountered a fatal error"
+_TRACEBACK = "Traceback (most recent call last):"
+# a Python exception line, bare or behind vLLM's "(EngineCore pid=N) ERROR 11-27 04:35:17 [core.py:1512] "
+_EXCEPTION_LINE = re.compile(
+    r"(?:\([^)]*\) (?:ERROR|CRITICAL) \S+ \S+ \[[^\]]*\] )?"
+    r"(?P<exception>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)(?::\s.*)?)"
+)
+
+
+def log_errors(log_lines: Iterable[str]) -> tuple[str | None, str | None]:
+    """The errors a server's log names: the exception line that follows vLLM's engine-fatal line (the
+    error that killed its engine), and the one that ends the log's last Python traceback; None for
+    each the log does not have."""
+    after_fatal = in_traceback = False
+    engine_error = last_error = None
+    for line in log_lines:
+        if VLLM_ENGINE_FATAL in line:
+            after_fatal, engine_error = True, None
+            continue
+        if _TRACEBACK in line:
+            in_traceback = True
+            continue
+        match = _EXCEPTION_LINE.fullmatch(line.rstrip())
+        if match is None:
+            continue
+        if after_fatal and engine_error is None:
+            engine_error = match["exception"]
+        if in_traceback:
+            last_error, in_traceback = match["exception"], False
+    return engine_error, last_error
 
 
 class ServerStartError(RefractorUserError, RuntimeError):
@@ -62,7 +101,8 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class ServerProcess:
-    """Handle of a running server: ``url``, ``alive()``, ``log_tail()``, ``wait_healthy()``, ``stop()``."""
+    """Handle of a running server: ``url``, ``alive()``, ``log_tail()``, ``exit_report()``,
+    ``wait_healthy()``, ``stop()``."""
 
     def __init__(
         self, process: subprocess.Popen, url: str, log_path: Path, what: str, scratch_dir: Path | None = None
@@ -121,13 +161,27 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def exit_report(self, lines: int = 40) -> str:
+        """What the log of a server that exited says: the error that killed its engine (vLLM), else
+        the last error it logged, then its last ``lines`` lines."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                engine_error, last_error = log_errors(f)
+        except OSError:
+            engine_error = last_error = None
+        if engine_error:
+            head = f"Its engine died of: {engine_error}\n"
+        else:
+            head = f"The last error in its log: {last_error}\n" if last_error else ""
+        return f"{head}Its last log lines ({self.log_path}):\n{self.log_tail(lines)}"
+
     def wait_healthy(self, timeout_s: float) -> ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.alive():
                 raise ServerStartError(
                     f"{self.what} at {self.url} exited with code {self.process.returncode} while "
-                    f"starting; last log lines ({self.log_path}):\n{self.log_tail()}"
+                    f"starting.\n{self.exit_report()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:

@@ -161,7 +161,7 @@ def serve(
         )
     if engine == "vllm":
         # Branch point owned by the vLLM integration (refractor.inference.vllm.launcher).
-        from refractor.inference.vllm.launcher import VllmServerSettings, serve_vllm
+        from refractor.inference.vllm.launcher import VllmServerSettings, VllmStartError, serve_vllm
 
         settings = VllmServerSettings(
             gpu_memory_utilization=gpu_memory_utilization,
@@ -176,15 +176,18 @@ def serve(
             enable_sleep_mode=enable_sleep_mode,
             enable_prefix_caching=enable_prefix_caching,
         )
-        serve_vllm(
-            path,
-            host,
-            port,
-            settings,
-            control_token=control_token,
-            api_key=api_key,
-            enable_docs=enable_docs,
-        )
+        try:
+            serve_vllm(
+                path,
+                host,
+                port,
+                settings,
+                control_token=control_token,
+                api_key=api_key,
+                enable_docs=enable_docs,
+            )
+        except VllmStartError as err:  # settings vLLM cannot run with here, said before it starts
+            raise typer.BadParameter(str(err)) from None
         return
     import logging
 

@@ -4,11 +4,11 @@ Two kinds of component, two mechanisms:
 
 * **Inference servers** are polled by :class:`ServerWatchdog`, a task beside the orchestrator. Every
   ``heartbeat_interval_s`` it asks each server's actor whether the server process still runs (a
-  dead process fails the run at once, with its last log lines) and probes ``/health``; a server
-  that has not answered for ``heartbeat_timeout_s`` fails the run as hung. Generation requests
-  to a dead server fail fast anyway, but without the watchdog the run would keep discarding
-  rollouts and never finish a step. With ``on_failure`` (``refractor.runtime.restarts``) a dead
-  or hung server is first replaced, up to a limit.
+  dead process fails the run at once, with the error its log names and its last log lines) and
+  probes ``/health``; a server that has not answered for ``heartbeat_timeout_s`` fails the run as
+  hung. Generation requests to a dead server fail fast anyway, but without the watchdog the run
+  would keep discarding rollouts and never finish a step. With ``on_failure``
+  (``refractor.runtime.restarts``) a dead or hung server is first replaced, up to a limit.
 * **Trainer ranks** cannot answer while they compute, so each call to them (step, weight sync,
   checkpoint) has a deadline, ``trainer_call_timeout_s``: :func:`await_ranks` names the ranks that
   died (their actor is gone) or did not finish in time (a hung collective waits forever otherwise).
@@ -48,7 +48,7 @@ class Probe(Protocol):
     async def health(self) -> bool: ...
 
 
-ProcessCheck = Callable[[str], Awaitable[tuple[bool, str]]]  # server name -> (process alive, log tail)
+ProcessCheck = Callable[[str], Awaitable[tuple[bool, str]]]  # name -> (process alive, exit report)
 # a server found dead or hung -> True when it was replaced (the watch goes on), else the run stops
 FailureHandler = Callable[[str, "ComponentFailure"], Awaitable[bool]]
 
@@ -132,8 +132,8 @@ def actor_process_check(actor_of: Callable[[str], Any], timeout_s: float = 30.0)
         actor = actor_of(name)
         try:
             alive = await asyncio.wait_for(await_ref(actor.alive.remote()), timeout_s)
-            tail = "" if alive else await asyncio.wait_for(await_ref(actor.log_tail.remote()), timeout_s)
-            return bool(alive), tail
+            report = "" if alive else await asyncio.wait_for(await_ref(actor.exit_report.remote()), timeout_s)
+            return bool(alive), report
         except ray.exceptions.RayActorError as err:
             return False, f"(its Ray actor died: {err})"
         except TimeoutError:
@@ -176,12 +176,8 @@ async def await_ranks(refs: Sequence[Any], what: str, timeout_s: float) -> list[
             t.cancel()
 
 
-def _exited(server: Probe, tail: str) -> ComponentFailure:
+def _exited(server: Probe, report: str) -> ComponentFailure:
     return ComponentFailure(
         f"inference server {server.name} ({getattr(server, 'base_url', '?')}): its "
-        "process exited during the run." + _tail(tail)
+        "process exited during the run." + (f"\n{report.rstrip()}" if report.strip() else "")
     )
-
-
-def _tail(text: str) -> str:
-    return f"\nIts last log lines:\n{text.rstrip()}" if text.strip() else ""

@@ -232,8 +232,9 @@ class InferenceServerActor:
         """Where this server runs: its node's address and the GPUs Ray gave it."""
         return {"node": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
-    def log_tail(self) -> str:
-        return self.server.log_tail() if self.server is not None else ""
+    def exit_report(self) -> str:
+        """The error that ended the server process (as its log names it) and its last log lines."""
+        return self.server.exit_report() if self.server is not None else ""
 
     def stop(self) -> None:
         if self.server is not None:

@@ -18,7 +18,12 @@ by the child). Always on:
     registered inside each spawned worker by importing the worker extension module.
 CPU specifics: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI of the CPU
 wheel crashes looking up the ``vllm`` distribution), an explicit KV-cache size (otherwise vLLM
-reserves ``gpu_memory_utilization`` x host RAM), and eager mode (torch.compile start-up is slow).
+reserves ``gpu_memory_utilization`` x host RAM), eager mode (torch.compile start-up is slow), and
+no chunked prefill: vLLM 0.32 throws away the token sampled after a partial prefill and rewinds the
+request's seeded generator by its offset, which a CPU generator does not have: the error kills the
+engine, so one seeded request (``deterministic_rollouts``) split over two steps fails every request
+after it. Without chunking a step holds whole prompts only, so ``max_num_batched_tokens`` must be at
+least ``max_model_len`` there (unset, vLLM takes the larger of it and 2048), as for the native engine.
 With ``otlp_traces_endpoint`` (``enable_vllm_tracing``), every finished request's span goes there as
 OTLP/HTTP protobuf: the run's receiver (``refractor.telemetry.otlp``) reads its latency from it.
 With ``lora_rank`` (``lora_sync: adapter``) the server serves one LoRA adapter under the served model's
@@ -190,6 +195,14 @@ def vllm_command(
         argv += _adapter_args(s.served_model_name or str(model), s, adapter_dir)
     elif s.served_model_name:
         argv += ["--served-model-name", s.served_model_name]
+    if on_cpu:
+        if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < s.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({s.max_num_batched_tokens}) is below max_model_len "
+                f"({s.max_model_len}): vLLM on CPU runs without chunked prefill (a seeded request whose "
+                "prompt is split kills its engine), so one step must hold a whole prompt"
+            )
+        argv.append("--no-enable-chunked-prefill")
     if s.max_num_seqs is not None:
         argv += ["--max-num-seqs", str(s.max_num_seqs)]
     if s.max_num_batched_tokens is not None:
@@ -283,15 +296,18 @@ def start_vllm_server(
         except ValueError as err:
             raise VllmStartError(f"vLLM server for {model_path}: {err}") from None
     try:
-        argv, env_add = vllm_command(
-            str(model_path),
-            host,
-            port,
-            settings,
-            on_cpu=not cuda_available(),
-            control_token=control_token,
-            adapter_dir=adapter_dir,
-        )
+        try:
+            argv, env_add = vllm_command(
+                str(model_path),
+                host,
+                port,
+                settings,
+                on_cpu=not cuda_available(),
+                control_token=control_token,
+                adapter_dir=adapter_dir,
+            )
+        except ValueError as err:
+            raise VllmStartError(f"vLLM server for {model_path}: {err}") from None
         if log_path is None:
             log_dir = Path(tempfile.mkdtemp(prefix="refractor-vllm-"))
             log_path = log_dir / f"vllm-{port}.log"
@@ -330,16 +346,19 @@ def serve_vllm(
     enable_docs: bool = False,
 ) -> None:
     """``refractor serve --engine vllm``: run the server in the foreground (this process becomes it)."""
-    argv, env_add = vllm_command(
-        str(model),
-        host,
-        port,
-        settings or VllmServerSettings(),
-        on_cpu=not cuda_available(),
-        control_token=control_token,
-        api_key=api_key,
-        enable_docs=enable_docs,
-    )
+    try:
+        argv, env_add = vllm_command(
+            str(model),
+            host,
+            port,
+            settings or VllmServerSettings(),
+            on_cpu=not cuda_available(),
+            control_token=control_token,
+            api_key=api_key,
+            enable_docs=enable_docs,
+        )
+    except ValueError as err:
+        raise VllmStartError(f"vLLM server for {model}: {err}") from None
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(argv[0], argv, {**os.environ, **env_add})
