@@ -181,12 +181,14 @@ def run_mode(
     sampler.stop()
     wall = time.time() - start
     log = out_path.read_text(errors="replace")[-6000:]
-    if stopped:  # say how far it got and where each process was, then measure what it made
-        print(f"{name}: stopped after --mode-timeout {args.mode_timeout} s; {progress(workdir / name)}")
+    if stopped:  # say how far it got (slow or stuck?) and where each process was, then measure it
+        times = stored_step_times(workdir / name)
+        mean = f", {statistics.fmean(times):.2f} s per step" if times else ""
+        print(f"{name}: stopped after --mode-timeout {args.mode_timeout} s; {len(times)} steps stored{mean}")
         for path in sorted((workdir / name / "logs").glob("*.log")):
             tail = path.read_text(errors="replace").splitlines()[-4:]
             print(f"  {path.name}: " + "\n    ".join(line[:240] for line in tail), flush=True)
-        if stored_steps(workdir / name) <= args.warmup:
+        if len(times) <= args.warmup:
             return None
     elif proc.returncode != 0:
         raise SystemExit(f"{name}: refractor train failed ({proc.returncode}):\n{log}")
@@ -201,25 +203,14 @@ def kl_text(values: list, keep: int = 12) -> str:
     return " ".join(words)
 
 
-def stored_steps(run_dir: Path) -> int:
+def stored_step_times(run_dir: Path) -> list[float]:
+    """``timing_step_total`` of every step a run stored (none without a run store)."""
     from refractor.telemetry.query import RunReader
 
     if not (run_dir / "run.db").is_file():
-        return 0
+        return []
     with RunReader(run_dir) as reader:
-        return sum(1 for s in reader.step_metrics() if "timing_step_total" in s)
-
-
-def progress(run_dir: Path) -> str:
-    """Steps stored by a run that was stopped, and their mean time: slow or stuck?"""
-    from refractor.telemetry.query import RunReader
-
-    if not (run_dir / "run.db").is_file():
-        return "no run store"
-    with RunReader(run_dir) as reader:
-        times = [s["timing_step_total"] for s in reader.step_metrics() if "timing_step_total" in s]
-    mean = f", {statistics.fmean(times):.2f} s per step" if times else ""
-    return f"{len(times)} steps stored{mean}"
+        return [s["timing_step_total"] for s in reader.step_metrics() if "timing_step_total" in s]
 
 
 def summarize(

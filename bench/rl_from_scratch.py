@@ -64,7 +64,7 @@ RUNS = {  # name -> config overrides on top of the example config
     "dr_grpo": {"algorithm": "dr_grpo"},
     "cispo": {"algorithm": "cispo"},
     "grpo_lr1e-4": {"algorithm": "grpo", "learning_rate": 1e-4},
-    # 2e-4 diverged on the std base (held-out pass@1 0.218 -> 0.167 in 35 steps, H200)
+    # past the stable step size (it lowers held-out accuracy; bench/RESULTS.md): the upper bracket
     "grpo_lr2e-4": {"algorithm": "grpo", "learning_rate": 2e-4},
 }
 DEFAULT_RUNS = "grpo,control,dr_grpo,grpo_lr1e-4"  # one per GPU of a 4-GPU machine
@@ -133,9 +133,9 @@ def stage_sft(args) -> Path:
         print(f"SFT {name}: exit {codes.get(name)}, held-out accuracy by step {s.get('accuracy_at_step')}")
     if not scored:
         raise SystemExit("no SFT candidate finished")
-    best = chosen_base(args.out)
-    print(f"base: {best.name} (held-out greedy accuracy {final_accuracy(scored[best.name]):.3f})")
-    return best
+    best = pick_base(scored)
+    print(f"base: {best} (held-out greedy accuracy {final_accuracy(scored[best]):.3f})")
+    return args.out / best
 
 
 def final_accuracy(summary: dict) -> float:
@@ -190,13 +190,18 @@ def stage_train_one(args) -> None:
     run_training(cfg, quiet=True, overwrite=not args.resume)
 
 
+def pick_base(scored: dict[str, dict]) -> str:
+    """The scored candidate whose held-out accuracy is nearest the target."""
+    return min(scored, key=lambda n: abs(final_accuracy(scored[n]) - TARGET_ACCURACY))
+
+
 def chosen_base(out: Path) -> Path:
     """The SFT stage's pick, read back from its summary (for the ``rl`` stage without ``--base``)."""
     summaries = json.loads((out / "sft_candidates.json").read_text())
     scored = {n: s for n, s in summaries.items() if "accuracy_at_step" in s}
     if not scored:
         raise SystemExit(f"no scored SFT candidate in {out / 'sft_candidates.json'}: pass --base")
-    return out / min(scored, key=lambda n: abs(final_accuracy(scored[n]) - TARGET_ACCURACY))
+    return out / pick_base(scored)
 
 
 def stage_rl(args, base: Path) -> None:
@@ -320,7 +325,7 @@ def main() -> None:
     ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {', '.join(RUNS)}")
     ap.add_argument("--run", help="train-one: the run's name")
     # an upper bound (and the LR schedule's horizon): the runs' training loops end on their time budget
-    # (--rl-minutes less the start-up and evals); 2.9-5.6 s per step of 512 completions on an H200
+    # (--rl-minutes less the start-up and evals)
     ap.add_argument("--rl-steps", type=int, default=100)
     ap.add_argument("--rl-minutes", type=float, default=5.0, help="wall-clock budget of every RL run")
     ap.add_argument("--overrides", default="{}", help="JSON of more config keys for every RL run")

@@ -143,8 +143,12 @@ class CheckpointSchedule:
         self.every = 0 if checkpoint_every is False else int(checkpoint_every)
         self.number_of_steps = number_of_steps
 
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
     def should_save(self, step: int) -> bool:
-        if self.every <= 0:
+        if not self.enabled:
             return False
         return (step + 1) % self.every == 0 or step == self.number_of_steps - 1
 

@@ -347,7 +347,7 @@ class Orchestrator:
             step, batch = await self.train_queue.get()
             await self._train_one(step, batch, waited=self.clock() - wait_start)
             out_of_time = budget is not None and self.clock() - started >= budget
-            if self.ckpt_gate.must_save_after(step) or (out_of_time and self.ckpt_gate.schedule.every > 0):
+            if self.ckpt_gate.must_save_after(step) or (out_of_time and self.ckpt_gate.schedule.enabled):
                 await self._save_checkpoint(step)
             if out_of_time and self.counters.trainer_step < self.number_of_steps:
                 # the run ends here as after its last step: in-flight groups are cancelled, the final
