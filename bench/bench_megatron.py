@@ -6,12 +6,12 @@ Both trainers load one random-weight HF checkpoint (written once, before either 
 * ``fsdp_fp32``: the FSDP2 ``Trainer`` in float32 (master weights and compute), eager layers, every
   layer recomputed in the backward: the conditions of ``megatron_fp32``. Its parity reference.
 * ``megatron_fp32``: ``MegatronTrainer`` (``train_backend: megatron``) in float32
-  (``mixed_precision_dtype: null``) with ``--tp`` / ``--pp`` as ``megatron_tensor_parallel_size`` /
-  ``megatron_pipeline_parallel_size``; its default layer recompute.
+  (``mixed_precision_dtype: null``) with ``--tp`` / ``--pp`` / ``--cp`` as ``megatron_tensor_parallel_size``
+  / ``megatron_pipeline_parallel_size`` / ``megatron_context_parallel_size``; its default layer recompute.
 * ``fsdp_bf16``: the FSDP2 trainer's defaults (fp32 master weights, bf16 compute, compiled layers,
   checkpointing auto): what a run trains with today. The reference of ``megatron_bf16``.
 * ``megatron_bf16``: the Megatron trainer's defaults (bf16 compute over fp32 master weights, gradients
-  and AdamW state; varlen FlashAttention; every layer recomputed), ``--tp`` / ``--pp`` as above.
+  and AdamW state; varlen FlashAttention; every layer recomputed), ``--tp`` / ``--pp`` / ``--cp`` as above.
 
 Per step: loss and grad norm of each row; the relative gaps of ``megatron_fp32`` against ``fsdp_fp32``
 with PASS / FAIL against issue 22's tolerances (loss 1e-4, grad norm 1e-3, relative), and of
@@ -24,7 +24,8 @@ the ratios megatron_bf16 / fsdp_bf16 and megatron_fp32 / fsdp_fp32.
 
 One process per rank. Under torchrun the FSDP rows shard over the whole world (data parallelism over
 every rank, the same global batch), so ``megatron_fp32`` with TP=2 on 2 GPUs is compared with FSDP2
-over the same 2 GPUs; ``--reference`` adds the ratios against the 1-GPU rows of an earlier run's JSON
+over the same 2 GPUs (with ``--cp 2`` the 2 CP ranks share every row where each FSDP2 rank holds whole
+rows); ``--reference`` adds the ratios against the 1-GPU rows of an earlier run's JSON
 (``bench_megatron.json`` of ``python bench/bench_megatron.py`` with the same ``--size`` and ``--tokens``).
 ``--rows`` picks rows (default all four; the float32 pair takes most of the time). ``--sp`` turns on
 sequence parallelism (``megatron_sequence_parallel``) in the Megatron rows (``--tp`` > 1).
@@ -32,10 +33,12 @@ sequence parallelism (``megatron_sequence_parallel``) in the Megatron rows (``--
     PYTHONPATH=src:bench python bench/bench_megatron.py --size 0.5b
     PYTHONPATH=src:bench torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b --tp 2 \\
         --reference OUT_OF_THE_1_GPU_RUN/bench_megatron.json
+    PYTHONPATH=src:bench torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b --cp 2 \\
+        --seq-len 32768 --tokens 65536 --rows fsdp_bf16,megatron_bf16
     # dry run of the script on CPU (gloo, a tiny model; no MFU or memory):
     BENCH_DEVICE=cpu PYTHONPATH=src:bench python bench/bench_megatron.py --size tiny
     BENCH_DEVICE=cpu PYTHONPATH=src:bench torchrun --nproc-per-node 2 bench/bench_megatron.py --size tiny \\
-        --tp 2
+        --tp 2   # or --cp 2
 """
 
 from __future__ import annotations
@@ -134,7 +137,9 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def row_settings(row: str, model_dir: Path, tp: int, pp: int, learning_rate: float, sp: bool = False):
+def row_settings(
+    row: str, model_dir: Path, tp: int, pp: int, learning_rate: float, sp: bool = False, cp: int = 1
+):
     from refractor.trainer.settings import TrainerSettings
 
     keys: dict = {"model": str(model_dir), "learning_rate": learning_rate}
@@ -150,6 +155,7 @@ def row_settings(row: str, model_dir: Path, tp: int, pp: int, learning_rate: flo
             train_backend="megatron",
             megatron_tensor_parallel_size=tp,
             megatron_pipeline_parallel_size=pp,
+            megatron_context_parallel_size=cp,
             megatron_sequence_parallel=sp,
         )
         if row == "megatron_fp32":
@@ -249,7 +255,7 @@ def print_reference(results: dict, size: str, path: str) -> None:
             f"{results['tokens']} tokens: ratios skipped"
         )
         return
-    label = f"world {earlier['world']} TP {earlier['tp']} PP {earlier['pp']}"
+    label = f"world {earlier['world']} TP {earlier['tp']} PP {earlier['pp']} CP {earlier.get('cp', 1)}"
     for row, entry in results["rows"].items():  # each row against the same row of the earlier run
         if row in earlier["rows"]:
             ratio = entry["tok_s"] / earlier["rows"][row]["tok_s"]
@@ -269,6 +275,7 @@ def main() -> None:
     ap.add_argument("--size", default="0.5b", choices=sorted(model_specs()))
     ap.add_argument("--tp", type=int, default=1, help="megatron_tensor_parallel_size")
     ap.add_argument("--pp", type=int, default=1, help="megatron_pipeline_parallel_size")
+    ap.add_argument("--cp", type=int, default=1, help="megatron_context_parallel_size")
     ap.add_argument(
         "--sp", action="store_true", help="megatron_sequence_parallel: true for the Megatron rows (--tp > 1)"
     )
@@ -281,7 +288,9 @@ def main() -> None:
         "--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {', '.join(ROWS)}"
     )
     ap.add_argument(
-        "--reference", default=None, help="bench_megatron.json of a 1-rank run: ratios against it"
+        "--reference",
+        default=None,
+        help="bench_megatron.json of an earlier run (1 rank, or another layout): ratios against it",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -301,8 +310,10 @@ def main() -> None:
     print = builtins.print if info.rank == 0 else (lambda *a, **k: None)  # noqa: A001
     if args.sp and args.tp == 1:
         raise SystemExit("--sp (sequence parallelism) needs --tp > 1")
-    if world % (args.tp * args.pp):
-        raise SystemExit(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} ranks")
+    if world % (args.tp * args.pp * args.cp):
+        raise SystemExit(
+            f"--tp {args.tp} x --pp {args.pp} x --cp {args.cp} does not divide the {world} ranks"
+        )
 
     seq_len = args.seq_len or (256 if args.size == "tiny" else 4096)
     tokens = args.tokens or 4 * seq_len
@@ -313,15 +324,15 @@ def main() -> None:
     real = sum(len(s.input_ids) for s in samples)
     peak = peak_flops(world)
     device_name = torch.cuda.get_device_name() if DEVICE != "cpu" else "CPU (gloo dry run)"
-    dp_megatron = world // (args.tp * args.pp)
+    dp_megatron = world // (args.tp * args.pp * args.cp)
     print(
         f"device {world} x {device_name}, torch {torch.__version__}; Qwen2-shaped {args.size}: "
         f"N={n_params / 1e6:.1f}M, {len(samples)} samples, {real} tokens per step in rows of {seq_len}"
     )
     print(
-        f"layouts: FSDP2 over {world} rank(s) (DP {world}); Megatron TP {args.tp} x PP {args.pp} x DP "
-        f"{dp_megatron}{' with sequence parallelism' if args.sp else ''}. Parity pairs: megatron_fp32 vs "
-        "fsdp_fp32 (float32 on both), megatron_bf16 vs "
+        f"layouts: FSDP2 over {world} rank(s) (DP {world}); Megatron TP {args.tp} x PP {args.pp} x CP "
+        f"{args.cp} x DP {dp_megatron}{' with sequence parallelism' if args.sp else ''}. Parity pairs: "
+        "megatron_fp32 vs fsdp_fp32 (float32 on both), megatron_bf16 vs "
         "fsdp_bf16 (each backend's default: bf16 compute, float32 master weights and reductions)"
     )
     rows = [row for row in ROWS if row in args.rows.split(",")]
@@ -333,6 +344,7 @@ def main() -> None:
         "world": world,
         "tp": args.tp,
         "pp": args.pp,
+        "cp": args.cp,
         "sp": args.sp,
         "device": device_name,
         "n_params": n_params,
@@ -341,7 +353,7 @@ def main() -> None:
         "rows": {},
     }
     for row in rows:
-        settings = row_settings(row, model_dir, args.tp, args.pp, args.learning_rate, args.sp)
+        settings = row_settings(row, model_dir, args.tp, args.pp, args.learning_rate, args.sp, args.cp)
         batch = pack_train_batch(
             samples,
             step=0,

@@ -13,6 +13,7 @@
 #   bash bench/device_pending.sh trainer_7b_offload           # 1 GPU of a machine with >= 256 GB RAM
 #   bash bench/device_pending.sh megatron                     # 1 GPU (megatron-core wheel in .whl/)
 #   bash bench/device_pending.sh megatron_tp2 megatron_pp2    # 2 GPUs (the same)
+#   bash bench/device_pending.sh megatron_cp2                 # 2 GPUs (the same; context parallelism)
 #   bash bench/device_pending.sh lora_sync                    # 1 GPU (LoRA adapter vs merged vs full push)
 #   bash bench/device_pending.sh rl_from_scratch              # 4 GPUs (Ray wheel without its jars, pyzmq)
 #   bash bench/device_pending.sh rl_from_scratch_1gpu         # 1 GPU, then rl_from_scratch_resume x 2-3
@@ -111,6 +112,13 @@ run_part() {
       [ -f "$OUT/megatron/bench_megatron.json" ] && reference=(--reference "$OUT/megatron/bench_megatron.json")
       part "$1" 420 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b "--${layout%2}" 2 \
         "${reference[@]}" ;;
+    megatron_cp2)  # 2 GPUs: 32k-token rows shared by 2 Megatron CP ranks vs FSDP2 ranks each holding whole
+      # rows (parity and throughput, bf16 rows: float32 attention over a 32k row takes a dense mask), then
+      # the Megatron trainer with each rank holding whole rows (DP 2)
+      part megatron_cp2 420 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b --cp 2 \
+        --seq-len 32768 --tokens 65536 --rows fsdp_bf16,megatron_bf16
+      part megatron_cp1 300 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b \
+        --seq-len 32768 --tokens 65536 --rows megatron_bf16 --reference "$OUT/megatron_cp2/bench_megatron.json" ;;
     lora_sync)  # 1 GPU: trainer and native server on one card (CUDA IPC); full, merged and adapter pushes of
       # LoRA rank 64, Qwen2.5-0.5B and 7B shapes; expected peak ~50 GB (7B: fp32 full trainer + bf16 server)
       part lora_sync 540 python bench/bench_weight_sync.py colocated --lora-rank 64 --sizes 0.5b,7b --repeats 5 ;;
@@ -148,7 +156,7 @@ run_part() {
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary fp8_test trainer_fp8 serving fsdp_test" \
         "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" \
-        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2 lora_sync rl_from_scratch" \
+        "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2 megatron_cp2 lora_sync rl_from_scratch" \
         "rl_from_scratch_1gpu rl_from_scratch_resume" >&2 ;;
   esac
 }

@@ -45,7 +45,11 @@ REJECT = [
         "`megatron_sequence_parallel: true` needs `megatron_tensor_parallel_size` > 1",
     ),
     ({EP: 2}, "`megatron_expert_parallel_size` (2) needs a mixture-of-experts model; this model is dense"),
-    ({CP: 2}, "`megatron_context_parallel_size` > 1 needs `megatron_use_transformer_engine: true`"),
+    (
+        {CP: 2, TP: 2, "trainer_num_workers": 6},
+        "`trainer_num_workers` (6) must be a multiple of `megatron_tensor_parallel_size` x "
+        "`megatron_pipeline_parallel_size` x `megatron_context_parallel_size` = 2 x 1 x 2 = 4",
+    ),
     ({"megatron_fp8": True}, "`megatron_fp8: true` needs `megatron_use_transformer_engine: true`"),
     (
         {"megatron_optimizer_cpu_offload": True},
@@ -85,6 +89,8 @@ def test_every_broken_rule_is_reported_at_once():
         {TP: 2, "trainer_num_workers": 2},
         {PP: 4, "trainer_num_workers": 4, "megatron_use_distributed_optimizer": False},
         {TP: 2, "trainer_num_workers": 2, "megatron_sequence_parallel": True},
+        {CP: 2, "trainer_num_workers": 2},
+        {CP: 2, TP: 2, PP: 2, "trainer_num_workers": 16, "megatron_sequence_parallel": True},
     ],
 )
 def test_a_valid_layout_loads(keys):
@@ -122,6 +128,7 @@ def test_sequence_parallel_is_off_unless_set():
 
 
 def test_transformer_engine_rules_follow_the_installed_package():
+    """Context parallelism is refractor's own (no Transformer Engine rule); FP8 needs the TE spec."""
     sizes = ParallelSizes(context=2)
 
     def errors(present: bool, **flags) -> list[str]:
@@ -130,7 +137,9 @@ def test_transformer_engine_rules_follow_the_installed_package():
     assert errors(True, use_transformer_engine=True, fp8=True) == []
     (missing,) = errors(False, use_transformer_engine=True, fp8=True)
     assert "needs the transformer_engine package, which is not installed" in missing
-    assert len(errors(True, use_transformer_engine=False, fp8=True)) == 2  # CP and FP8 both need TE
+    (fp8,) = errors(True, use_transformer_engine=False, fp8=True)
+    assert "`megatron_fp8: true` needs `megatron_use_transformer_engine: true`" in fp8
+    assert errors(False, use_transformer_engine=False, fp8=False) == []
 
 
 def test_expert_parallelism_shares_the_experts_among_context_and_data_parallel_ranks():

@@ -902,7 +902,7 @@ def _yaml(value: Any) -> str:
 
 def _megatron_errors(c: RefractorConfig) -> list[str]:
     """The layout's broken rules, then what refractor's Megatron trainer does not run (docs/megatron.md):
-    the Transformer Engine layer spec (so FP8 and context parallelism), mixture-of-experts
+    the Transformer Engine layer spec (so FP8), mixture-of-experts
     models, and optimizer options beyond float32 AdamW on the trainer's device."""
     sizes = ParallelSizes(
         tensor=c.megatron_tensor_parallel_size,
@@ -923,8 +923,8 @@ def _megatron_errors(c: RefractorConfig) -> list[str]:
     if c.megatron_use_transformer_engine and transformer_engine_installed():
         errors.append(
             "`megatron_use_transformer_engine: true`: refractor's Megatron trainer builds Megatron-Core's "
-            "local layer spec only (the Transformer Engine spec, and with it FP8 and context parallelism, "
-            "is not built yet); set it to false"
+            "local layer spec only (the Transformer Engine spec, and with it FP8, is not built yet); set it "
+            "to false"
         )
     if shape is not None and shape.num_experts:
         errors.append(

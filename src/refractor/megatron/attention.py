@@ -11,6 +11,11 @@ The row's ``PackedAttention`` reaches every layer as the decoder's ``attention_m
 megatron-core hands from the block to each layer's self-attention and on to its core attention
 untouched; it is built once per row, outside the checkpointed layers, so the recompute uses it too.
 
+Context parallelism passes ``refractor.trainer.context_parallel.ContextParallelAttention`` in the same
+place: the core attention then sees this CP rank's tokens, and the object attends them to the whole
+row's keys and values (``forward.py``). Megatron-Core's own context parallelism (the Transformer Engine
+attention's, ``TransformerConfig.context_parallel_size``) stays off.
+
 Tensor parallelism needs nothing here: a rank's query, key and value hold its own heads and key/value
 groups (``[T, 1, heads / TP, D]``). Grouped-query attention: Megatron-Core's fused QKV puts the query
 heads of group g at ``[g * heads / groups, (g + 1) * heads / groups)``, the rule by which refractor's
@@ -23,11 +28,13 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from refractor.models import PackedAttention
+from refractor.trainer.context_parallel import ContextParallelAttention
 
 
 class PackedCoreAttention(MegatronModule):
     """Megatron-Core's core-attention interface (``DotProductAttention``'s arguments) over one packed row
-    ``[T, 1, heads, D]``; ``attention_mask`` is the row's ``PackedAttention``."""
+    ``[T, 1, heads, D]``; ``attention_mask`` is the row's ``PackedAttention`` (with context parallelism,
+    its ``ContextParallelAttention``)."""
 
     def __init__(
         self,
@@ -43,7 +50,8 @@ class PackedCoreAttention(MegatronModule):
         super().__init__(config=config)
         if attention_type != "self" or config.context_parallel_size != 1:
             raise NotImplementedError(
-                "refractor's packed core attention is causal self-attention without context parallelism"
+                "refractor's packed core attention is causal self-attention; its context parallelism is "
+                "refractor's (ContextParallelAttention), not Transformer Engine's"
             )
         if softmax_scale is not None or config.attention_dropout or attention_dropout:
             raise NotImplementedError(
@@ -56,15 +64,16 @@ class PackedCoreAttention(MegatronModule):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: PackedAttention,
+        attention_mask: PackedAttention | ContextParallelAttention,
         attn_mask_type=None,
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
         """[T, 1, heads, D] query and [T, 1, groups, D] key/value -> [T, 1, heads * D]."""
-        if not isinstance(attention_mask, PackedAttention):
+        if not isinstance(attention_mask, PackedAttention | ContextParallelAttention):
             raise TypeError(
-                "PackedCoreAttention takes the row's PackedAttention as the decoder's attention_mask, "
+                "PackedCoreAttention takes the row's PackedAttention (or ContextParallelAttention) as the "
+                "decoder's attention_mask, "
                 f"got {type(attention_mask).__name__}"
             )
         if query.shape[1] != 1 or attention_bias is not None or packed_seq_params is not None:

@@ -15,6 +15,14 @@ With sequence parallelism (``sequence_parallel.py``) the embedding's output is s
 sequence before the decoder, stages send each other their TP rank's block, and the last stage gathers
 the final norm's output back before the head; the rotary table and the attention stay the whole pass's
 (the layers' attention runs on the gathered sequence).
+
+With context parallelism the row's ``RowShard`` (``refractor.trainer.context_parallel``, the FSDP
+trainer's split) gives this rank its tokens: the embedding, the rotary table (each token's position in
+its sample) and every layer run on them, and the attention is ``ContextParallelAttention``: this rank's
+queries against the whole row's keys and values, gathered from the CP group in every layer (their
+gradients go back to the ranks that hold them). The last stage computes the log-prob of the token after
+each of its tokens and gathers them into the whole row (``RowShard.token_values``). Under sequence
+parallelism too, a TP rank's block is a block of its CP rank's tokens.
 """
 
 from __future__ import annotations
@@ -24,35 +32,51 @@ import torch.distributed as dist
 
 from refractor.megatron.parallel import MegatronRanks
 from refractor.megatron.sequence_parallel import gather_sequence, scatter_sequence
-from refractor.megatron.vocab_parallel import vocab_parallel_token_logprobs
+from refractor.megatron.vocab_parallel import vocab_parallel_logprobs_entropy, vocab_parallel_token_logprobs
 from refractor.models import PackedAttention
 from refractor.records import MicroBatch
+from refractor.trainer.context_parallel import ContextParallelAttention, RowShard
 
 
-def packed_attention(mb: MicroBatch) -> PackedAttention:
-    """The row's attention: causal within each sample (``document_ids``, ``cu_seqlens``)."""
+def packed_attention(
+    mb: MicroBatch, shard: RowShard | None = None
+) -> PackedAttention | ContextParallelAttention:
+    """The row's attention: causal within each sample (``document_ids``, ``cu_seqlens``); with
+    ``shard``, this CP rank's queries over the whole row."""
+    if shard is not None:
+        return shard.attention()
     return PackedAttention(
         document_ids=mb.document_ids, cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen or None
     )
 
 
-def rotary_table(model, mb: MicroBatch) -> torch.Tensor:
-    """[T, 1, 1, D]: the rotary angles of each token's position. ``max_seqlen`` (the longest span of
-    ``cu_seqlens``) bounds every position, so the table's length is known without reading the device."""
+def rotary_table(model, mb: MicroBatch, shard: RowShard | None = None) -> torch.Tensor:
+    """[T, 1, 1, D] (with ``shard``, this CP rank's tokens): the rotary angles of each token's position.
+    ``max_seqlen`` (the longest span of ``cu_seqlens``) bounds every position, so the table's length is
+    known without reading the device."""
+    positions = mb.position_ids if shard is None else shard.local(mb.position_ids)
     rotary = model.rotary_pos_emb
     length = mb.max_seqlen or int(mb.position_ids.max()) + 1
     freqs = rotary.get_freqs_non_repeated(length).to(mb.position_ids.device)
-    return torch.cat([freqs, freqs], dim=-1)[mb.position_ids][:, None, None, :]
+    return torch.cat([freqs, freqs], dim=-1)[positions][:, None, None, :]
 
 
 def stage_forward(
-    model, mb: MicroBatch, received: torch.Tensor | None, sequence_group: dist.ProcessGroup | None = None
+    model,
+    mb: MicroBatch,
+    received: torch.Tensor | None,
+    sequence_group: dist.ProcessGroup | None = None,
+    shard: RowShard | None = None,
 ) -> torch.Tensor:
-    """This stage's output for the row: hidden states [T, 1, H] (with ``sequence_group``, the TP group
-    under sequence parallelism: this rank's [T / TP, 1, H] block), after the final norm on the last
-    stage. ``received``: the previous stage's output (None on the first stage)."""
+    """This stage's output for the row: hidden states [T, 1, H] (with ``shard``, this CP rank's T / CP
+    tokens; with ``sequence_group``, the TP group under sequence parallelism: this rank's block of them,
+    [T / TP, 1, H]), after the final norm on the last stage. ``received``: the previous stage's output
+    (None on the first stage)."""
     if model.pre_process:
-        hidden = model.embedding(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None])
+        input_ids, position_ids = mb.input_ids, mb.position_ids
+        if shard is not None:
+            input_ids, position_ids = shard.local(input_ids), shard.local(position_ids)
+        hidden = model.embedding(input_ids=input_ids[None], position_ids=position_ids[None])
         if sequence_group is not None:
             hidden = scatter_sequence(hidden, sequence_group)
     else:
@@ -60,8 +84,8 @@ def stage_forward(
         hidden = received
     return model.decoder(
         hidden_states=hidden,
-        attention_mask=packed_attention(mb),
-        rotary_pos_emb=rotary_table(model, mb),
+        attention_mask=packed_attention(mb, shard),
+        rotary_pos_emb=rotary_table(model, mb, shard),
     )
 
 
@@ -85,9 +109,11 @@ def row_logprobs(
     temperature: float,
     chunk_size: int,
     sequence_parallel: bool = False,
+    shard: RowShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last stage's per-token (log-prob, entropy) [T] of the row, the same on every TP rank.
-    ``sequence_parallel``: ``hidden`` is this rank's block of the sequence."""
+    """The last stage's per-token (log-prob, entropy) [T] of the row, the same on every TP and CP rank.
+    ``sequence_parallel``: ``hidden`` is this rank's block of the sequence; ``shard``: of this CP rank's
+    tokens, whose values are gathered into the row (each CP rank keeps its tokens' gradients)."""
     from megatron.core import tensor_parallel
 
     # every TP rank computes the head on the same hidden states; backward sums the ranks' shares
@@ -96,6 +122,17 @@ def row_logprobs(
     else:
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=ranks.tensor_group)
     weight, start = head_weight(model, vocab_size, ranks)
+    if shard is not None:
+        logprobs, entropy = vocab_parallel_logprobs_entropy(
+            hidden[:, 0],
+            weight,
+            start,
+            shard.next_tokens(mb.input_ids),
+            ranks.tensor_group,
+            temperature=temperature,
+            chunk_size=chunk_size,
+        )
+        return shard.token_values(logprobs), shard.token_values(entropy)
     return vocab_parallel_token_logprobs(
         hidden[:, 0],
         weight,

@@ -2,7 +2,8 @@
 
 A run's trainer ranks form a grid TP x PP x CP x DP: tensor parallelism splits every layer's
 matrices, pipeline parallelism gives each stage a contiguous range of layers, context parallelism
-splits every sequence, and data parallelism takes the ranks left over. Expert parallelism shares
+splits every packed row (refractor's own, with any of the others: ``forward.py``), and data
+parallelism takes the ranks left over. Expert parallelism shares
 the CP x DP ranks among a mixture-of-experts model's experts. Each broken rule is one line naming
 the keys to change; the model's shape is checked when its ``config.json`` is on this machine.
 """
@@ -110,10 +111,6 @@ def layout_errors(
         errors.append(
             f"`megatron_sequence_parallel: true` needs {TP_KEY} > 1 (it splits the sequence among the "
             "tensor-parallel ranks); set it to false"
-        )
-    if sizes.context > 1 and not use_transformer_engine:
-        errors.append(
-            f"{CP_KEY} > 1 needs {TE_KEY} (Megatron-Core's local attention has no context parallelism)"
         )
     if fp8 and not use_transformer_engine:
         errors.append(f"`megatron_fp8: true` needs {TE_KEY}: FP8 GEMMs come from Transformer Engine")

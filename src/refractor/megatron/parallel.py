@@ -2,7 +2,9 @@
 
 ``start(sizes, device)`` builds Megatron-Core's groups over the default process group (already
 joined: NCCL on CUDA, gloo on CPU) in its default order: tensor-parallel ranks adjacent, then
-data-parallel, then pipeline stages. The RNG tracker that megatron-core's dropout and
+context-parallel, then data-parallel, then pipeline stages. The context-parallel ranks of a replica
+share its rows (``refractor.trainer.context_parallel``): they hold the same parameters and sum their
+gradients with the data-parallel replicas'. The RNG tracker that megatron-core's dropout and
 initialization fork is its inference tracker, which forks nothing: every dropout of the models built
 here is 0 and their weights are loaded, so there is no random state to track (the default tracker is
 CUDA-only and refuses a fork before a model-parallel seed is set).
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from refractor.megatron.layout import ParallelSizes
+from refractor.trainer.context_parallel import ContextGroup
 
 # megatron-core's warnings about the fallbacks this path takes on purpose (torch norms and kernels in
 # place of Apex / Transformer Engine ones) and about CUDA tuning: they say nothing about a run here
@@ -36,7 +39,7 @@ def quiet_fallback_warnings() -> None:
 
 @dataclass(frozen=True)
 class MegatronRanks:
-    """This rank's coordinates in the TP x DP x PP grid, its groups and its device."""
+    """This rank's coordinates in the TP x CP x DP x PP grid, its groups and its device."""
 
     tensor_rank: int
     tensor_size: int
@@ -46,6 +49,8 @@ class MegatronRanks:
     data_size: int
     tensor_group: dist.ProcessGroup
     data_group: dist.ProcessGroup
+    context: ContextGroup  # the CP ranks sharing this rank's rows (a group of one without CP)
+    gradient_group: dist.ProcessGroup  # the DP x CP ranks holding the same parameters: they sum gradients
     model_group: dist.ProcessGroup  # the TP x PP ranks of one model replica
     # global ranks of the stages' ranks with this rank's TP and DP coordinates, stage by stage
     stage_ranks: tuple[int, ...]
@@ -72,8 +77,13 @@ class MegatronRanks:
 
     @property
     def is_lead(self) -> bool:
-        """The one rank of its replica that counts the loss: the last stage's first TP rank."""
-        return self.is_last_stage and self.tensor_rank == 0
+        """The one rank of its replica that counts the loss: the last stage's first TP and CP rank."""
+        return self.is_last_stage and self.tensor_rank == 0 and self.context.is_lead
+
+    @property
+    def is_first_replica(self) -> bool:
+        """A rank of the first replica's first CP rank: the one copy of the weights that is exported."""
+        return self.data_rank == 0 and self.context.rank == 0
 
 
 def start(sizes: ParallelSizes, device: torch.device) -> MegatronRanks:
@@ -84,6 +94,7 @@ def start(sizes: ParallelSizes, device: torch.device) -> MegatronRanks:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tensor,
         pipeline_model_parallel_size=sizes.pipeline,
+        context_parallel_size=sizes.context,
         create_gloo_process_groups=False,
     )
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -97,6 +108,12 @@ def start(sizes: ParallelSizes, device: torch.device) -> MegatronRanks:
         data_size=ps.get_data_parallel_world_size(),
         tensor_group=ps.get_tensor_model_parallel_group(),
         data_group=ps.get_data_parallel_group(),
+        context=ContextGroup(
+            sizes.context,
+            ps.get_context_parallel_rank(),
+            ps.get_context_parallel_group() if sizes.context > 1 else None,
+        ),
+        gradient_group=ps.get_data_parallel_group(with_context_parallel=True),
         model_group=ps.get_model_parallel_group(),
         stage_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
         embedding_group=ps.get_embedding_group(check_initialized=False) if stages > 1 else None,

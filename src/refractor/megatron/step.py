@@ -1,21 +1,25 @@
 """One training step of the Megatron trainer on one rank: the FSDP trainer's step (``trainer/step.py``)
-with the model split by tensor and pipeline parallelism.
+with the model split by tensor and pipeline parallelism and each row by context parallelism.
 
 1. Rows are grouped into minibatches as the FSDP step groups them (``group_minibatches``; on CUDA a
    minibatch's rows are concatenated into passes of ``trainer_max_tokens_per_forward`` tokens): every
    rank of a replica holds the same rows (its data-parallel rank's micro-batches), and ranks agree on
-   the count of minibatches and rows.
+   the count of minibatches and rows. With context parallelism a pass is padded to a multiple of
+   2 x CP tokens and each CP rank runs its share of it (``forward.py``).
 2. ``ppo_clip_ref_logprobs: batch``: a no-grad pass stores the pre-update log-probs on the last stage.
 3. Per minibatch: each row runs forward through the stages (activations sent stage to stage), the
    last stage computes the log-probs on its vocabulary-parallel head and the shared loss
-   (``policy_loss``), and the backward runs back through the stages (gradients sent the other way)
-   before the next row starts. Megatron-Core's own pipeline schedules allocate their buffers on
-   CUDA devices; this schedule runs wherever torch does, one row in flight at a time.
+   (``policy_loss``; with CP, on the whole row gathered from the CP ranks, identically on each, as the
+   FSDP trainer's CP computes it: the loss has per-sample terms), and the backward runs back through
+   the stages (gradients sent the other way) before the next row starts. Megatron-Core's own pipeline
+   schedules allocate their buffers on CUDA devices; this schedule runs wherever torch does, one row in
+   flight at a time.
 4. Gradients are finalized: a tied head's copy on the last stage and the first stage's embedding sum
-   their gradients; data-parallel replicas sum theirs (the loss is normalized by the global token
-   count, so gradients add up). The norm counts every element once (tensor-parallel duplicates,
-   the replicated norms, and the tied copy are left out of the sum), is clipped as the FSDP step clips,
-   and AdamW steps unless the norm is not finite (counted).
+   their gradients; data-parallel replicas and CP ranks sum theirs (the loss is normalized by the global
+   token count, so gradients add up; a CP rank's gradient is that of its own tokens' log-probs). The
+   norm counts every element once (tensor-parallel duplicates, the replicated norms, and the tied copy
+   are left out of the sum), is clipped as the FSDP step clips, and AdamW steps unless the norm is not
+   finite (counted).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from refractor.megatron.parallel import MegatronRanks
 from refractor.megatron.sequence_parallel import SEQUENCE_SUMMED
 from refractor.megatron.shards import is_tensor_parallel
 from refractor.records import MicroBatch, TrainBatch
+from refractor.trainer.context_parallel import RowShard
 from refractor.trainer.step import StepOutcome, StepSettings, group_minibatches
 from refractor.trainer.timing import StepTimer
 
@@ -55,9 +60,17 @@ class StageModel:
 
     def stage_tokens(self, mb: MicroBatch) -> int:
         """Tokens of the row that this rank's stages send each other."""
-        return mb.num_tokens // self.ranks.tensor_size if self.sequence_parallel else mb.num_tokens
+        tokens = mb.num_tokens // self.ranks.context.size
+        return tokens // self.ranks.tensor_size if self.sequence_parallel else tokens
 
-    def forward_row(self, mb: MicroBatch, grad: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def row_shard(self, mb: MicroBatch) -> RowShard | None:
+        """This CP rank's share of the row (None without context parallelism)."""
+        context = self.ranks.context
+        return context.shard(mb.document_ids) if context.enabled else None
+
+    def forward_row(
+        self, mb: MicroBatch, grad: bool, shard: RowShard | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the activations received from the previous stage or None, this stage's output); a stage
         before the last sends its output on."""
         ranks = self.ranks
@@ -68,7 +81,8 @@ class StageModel:
             )
             dist.recv(received, src=ranks.previous_stage)
             received.requires_grad_(grad)
-        out = stage_forward(self.model, mb, received, ranks.tensor_group if self.sequence_parallel else None)
+        sequence_group = ranks.tensor_group if self.sequence_parallel else None
+        out = stage_forward(self.model, mb, received, sequence_group, shard)
         if not ranks.is_last_stage:
             dist.send(out.detach().contiguous(), dst=ranks.next_stage)
         return received, out
@@ -88,7 +102,7 @@ class StageModel:
         if received is not None:
             dist.send(received.grad.contiguous(), dst=ranks.previous_stage)
 
-    def logprobs(self, out: torch.Tensor, mb: MicroBatch, settings: StepSettings):
+    def logprobs(self, out: torch.Tensor, mb: MicroBatch, settings: StepSettings, shard: RowShard | None):
         return row_logprobs(
             self.model,
             out,
@@ -98,6 +112,7 @@ class StageModel:
             settings.temperature,
             settings.chunk_size,
             sequence_parallel=self.sequence_parallel,
+            shard=shard,
         )
 
 
@@ -111,8 +126,10 @@ def reference_logprobs(
         refs = []
         for i, mb in enumerate(group):
             with timer.span("ref_logprobs", minibatch=g, microbatch=i):
-                _, hidden = stage.forward_row(mb, grad=False)
-                refs.append(stage.logprobs(hidden, mb, settings)[0] if stage.ranks.is_last_stage else None)
+                shard = stage.row_shard(mb)
+                _, hidden = stage.forward_row(mb, False, shard)
+                last = stage.ranks.is_last_stage
+                refs.append(stage.logprobs(hidden, mb, settings, shard)[0] if last else None)
         out.append(refs)
     return out
 
@@ -141,9 +158,10 @@ def run_step(
             optimizer.zero_grad()
         for i, mb in enumerate(group):
             with timer.span("forward", minibatch=g, microbatch=i):
-                received, out = stage.forward_row(mb, grad=True)
+                shard = stage.row_shard(mb)
+                received, out = stage.forward_row(mb, True, shard)
                 if ranks.is_last_stage:
-                    logprobs, entropy = stage.logprobs(out, mb, settings)
+                    logprobs, entropy = stage.logprobs(out, mb, settings, shard)
             loss = None
             if ranks.is_last_stage:
                 with timer.span("loss_computation", minibatch=g, microbatch=i):
@@ -161,7 +179,7 @@ def run_step(
                 loss = result.loss
             with timer.span("backward", minibatch=g, microbatch=i):
                 stage.backward_row(out, received, loss)
-            if not ranks.is_lead:  # the replica's lead counts each row once
+            if not ranks.is_lead:  # the replica's lead counts each row once (CP ranks share it)
                 continue
             outcome.stats = outcome.stats + result.stats
             outcome.loss += result.stats.values[0] * (mb.loss_normalizer / max(batch.loss_normalizer, 1e-12))
@@ -184,8 +202,8 @@ def run_step(
 def finalize_gradients(stage: StageModel, params: list[torch.nn.Parameter]) -> None:
     """Sum the gradients that are shares: the q/k norms' over the TP ranks (each normalizes its own
     heads with the one weight), with sequence parallelism the other norms' (each normalizes its own
-    tokens), the tied embedding's two copies (first and last stage), and the
-    data-parallel replicas'."""
+    tokens), the tied embedding's two copies (first and last stage), and the data-parallel replicas'
+    and CP ranks' (each computed its own tokens' share)."""
     ranks = stage.ranks
     for p in params:
         if p.grad is None:  # a parameter the rows did not reach still joins the sums
@@ -194,8 +212,8 @@ def finalize_gradients(stage: StageModel, params: list[torch.nn.Parameter]) -> N
         _sum_grads(stage.tensor_summed, ranks.tensor_group)
     if stage.tied_copy is not None:
         dist.all_reduce(stage.tied_copy.grad, group=ranks.embedding_group)
-    if ranks.data_size > 1:
-        _sum_grads(params, ranks.data_group)
+    if ranks.data_size * ranks.context.size > 1:
+        _sum_grads(params, ranks.gradient_group)
 
 
 def _sum_grads(params, group: dist.ProcessGroup) -> None:

@@ -7,7 +7,8 @@ tensors in buckets on rank 0), ``save_checkpoint`` / ``load_checkpoint`` / ``may
 <checkpoint>`` work as for FSDP checkpoints), ``shutdown``.
 
 A rank holds its tensor-parallel shard of its pipeline stage of Megatron-Core's ``GPTModel`` (local
-layer spec), loaded from the HF weights through the mapping (``weights.WeightPlan``). The step
+layer spec), loaded from the HF weights through the mapping (``weights.WeightPlan``); with context
+parallelism it runs its share of every row (``forward.py``). The step
 (``step.py``) runs the shared loss on a vocabulary-parallel head; AdamW is torch's on the local
 tensors (``optimizer.py``). Precision (``precision.py``): the model computes in
 ``mixed_precision_dtype`` (bfloat16 by default; null: float32) on CUDA, and in float32 on CPU unless
@@ -96,6 +97,7 @@ class MegatronTrainer(StepLoop):
         sizes = ParallelSizes(
             tensor=mg.megatron_tensor_parallel_size,
             pipeline=mg.megatron_pipeline_parallel_size,
+            context=mg.megatron_context_parallel_size,
             sequence_parallel=mg.megatron_sequence_parallel,
         )
         if sizes.sequence_parallel and sizes.tensor == 1:
@@ -106,7 +108,7 @@ class MegatronTrainer(StepLoop):
         if self.world_size % sizes.model_parallel:
             raise ValueError(
                 f"{self.world_size} trainer ranks do not split into TP {sizes.tensor} x PP {sizes.pipeline} "
-                "model replicas"
+                f"x CP {sizes.context} model replicas"
             )
         self.ranks = parallel.start(sizes, self.device)
         self.dp_size = self.ranks.data_size
@@ -155,11 +157,14 @@ class MegatronTrainer(StepLoop):
             on_cuda=self.info.is_cuda,
             compiled=False,
         )
-        if sizes.sequence_parallel:  # every pass splits into TP blocks of the sequence
-            multiple = self.step_settings.pass_pad_multiple
-            self.step_settings = dataclasses.replace(
-                self.step_settings, pass_pad_multiple=math.lcm(multiple or 1, sizes.tensor)
-            )
+        # every pass splits into 2 x CP chunks (StepSettings.pass_multiple), and under sequence
+        # parallelism a CP rank's share into TP blocks
+        multiple = self.step_settings.pass_pad_multiple
+        if sizes.sequence_parallel:
+            multiple = math.lcm(multiple or 1, sizes.tensor * sizes.context)
+        self.step_settings = dataclasses.replace(
+            self.step_settings, pass_pad_multiple=multiple, context_parallel_size=sizes.context
+        )
         tied_copy = None
         if self.config.tie_word_embeddings and self.ranks.embedding_group is not None:
             tied_copy = self.params[EMBEDDING if self.ranks.is_first_stage else OUTPUT]
@@ -177,14 +182,15 @@ class MegatronTrainer(StepLoop):
         self._step = 0
         self.skipped_updates = 0
         log.info(
-            "megatron trainer rank %d/%d on %s: TP %d x PP %d x DP %d (stage %d, TP rank %d), sequence "
-            "parallelism %s, compute in "
+            "megatron trainer rank %d/%d on %s: TP %d x PP %d x CP %d x DP %d (stage %d, TP rank %d), "
+            "sequence parallelism %s, compute in "
             "%s (master weights, gradients and AdamW state float32), layer recompute %s, AdamW state %s",
             self.rank,
             self.world_size,
             self.device,
             sizes.tensor,
             sizes.pipeline,
+            sizes.context,
             self.dp_size,
             stage,
             self.ranks.tensor_rank,
@@ -248,7 +254,7 @@ class MegatronTrainer(StepLoop):
     def _stage_hf_weights(self) -> dict[str, torch.Tensor]:
         """This stage's weights as whole HF tensors on its first replica's first TP rank ({} elsewhere)."""
         out: dict[str, torch.Tensor] = {}
-        if self.ranks.data_rank != 0:
+        if not self.ranks.is_first_replica:
             return out
         for stage, tensors in self.plan.buckets(
             self.settings.weight_broadcast_bucket_mb * 2**20, self.master_dtype

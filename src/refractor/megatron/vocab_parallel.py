@@ -107,6 +107,30 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 
+def vocab_parallel_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    vocab_start: int,
+    targets: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise (log-prob of ``targets`` [N], entropy) as ``chunked_logprobs_entropy`` returns them,
+    from this rank's rows ``[vocab_start, vocab_start + V_r)`` of the head (``weight`` [V_r, H]) and
+    the hidden states [N, H]."""
+    return _VocabParallelLogprobEntropy.apply(
+        hidden,
+        weight,
+        targets.long(),
+        int(vocab_start),
+        effective_temperature(temperature),
+        int(chunk_size),
+        group,
+    )
+
+
 def vocab_parallel_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -118,16 +142,15 @@ def vocab_parallel_token_logprobs(
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (log-prob, entropy) aligned with ``input_ids`` as ``token_logprobs_and_entropy``
-    returns them (position 0 holds 0.0), from this rank's rows ``[vocab_start, vocab_start + V_r)`` of
-    the head (``weight`` [V_r, H]) and the whole row's hidden states [T, H]."""
-    logprobs, entropy = _VocabParallelLogprobEntropy.apply(
+    returns them (position 0 holds 0.0), from the whole row's hidden states [T, H]."""
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
         hidden[:-1],
         weight,
-        input_ids[1:].long(),
-        int(vocab_start),
-        effective_temperature(temperature),
-        int(chunk_size),
+        vocab_start,
+        input_ids[1:],
         group,
+        temperature=temperature,
+        chunk_size=chunk_size,
     )
     zero = logprobs.new_zeros(1)
     return torch.cat([zero, logprobs]), torch.cat([zero, entropy])

@@ -208,10 +208,10 @@ def export_buckets(
     """Whole HF tensors in ``dtype`` bucket by bucket on global rank 0 (the first replica's first
     stage's first TP rank); every rank yields as many buckets, the others empty ones. A later stage's
     bucket is gathered on that stage's first TP rank of the first replica and sent to rank 0."""
-    lead_of_stage = ranks.data_rank == 0 and ranks.tensor_rank == 0
+    lead_of_stage = ranks.is_first_replica and ranks.tensor_rank == 0
     for stage, tensors in plan.buckets(bucket_bytes, dtype):
         flat = None
-        if ranks.data_rank == 0 and stage == ranks.pipeline_rank:
+        if ranks.is_first_replica and stage == ranks.pipeline_rank:
             flat = gather_bucket(tensors, params, plan, ranks, dtype)
             if stage != 0 and lead_of_stage:
                 dist.send(flat, dst=0)

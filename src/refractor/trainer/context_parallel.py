@@ -122,6 +122,17 @@ class RowShard:
     def attention(self) -> ContextParallelAttention:
         return ContextParallelAttention(self)
 
+    def next_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token after each of this rank's tokens (the row's last token: itself, a label that
+        ``token_values`` drops), so that a rank predicts across its chunks' boundaries."""
+        return input_ids[(self.positions + 1).clamp(max=input_ids.numel() - 1)]
+
+    def token_values(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's per-token values about ``next_tokens`` [T / cp] -> the whole row's [T], aligned
+        with the tokens they are about (position 0 holds 0.0: it predicts nothing), as one rank's
+        ``token_logprobs_and_entropy`` aligns them; ``gather_shared``'s backward."""
+        return torch.cat([values.new_zeros(1), self.gather_shared(values)[:-1]])
+
 
 class _GatherShared(torch.autograd.Function):
     @staticmethod

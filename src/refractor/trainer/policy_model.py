@@ -97,18 +97,15 @@ class PolicyModel(nn.Module):
         """``forward`` on this rank's share of the row (``context_parallel.py``): the log-prob of the
         token after each held token, gathered into the whole row and shifted into place."""
         shard = self.context.shard(mb.document_ids)
-        held = shard.positions
         hidden = self.lm(shard.local(mb.input_ids), shard.local(mb.position_ids), attention=shard.attention())
-        following = mb.input_ids[(held + 1).clamp(max=mb.input_ids.numel() - 1)]
         logprobs, entropy = chunked_logprobs_entropy(
-            hidden, self.lm_head_weight(), following, temperature=temperature, chunk_size=chunk_size
+            hidden,
+            self.lm_head_weight(),
+            shard.next_tokens(mb.input_ids),
+            temperature=temperature,
+            chunk_size=chunk_size,
         )
-        # position 0 predicts nothing; the last token's successor is not in the row
-        zero = logprobs.new_zeros(1)
-        return (
-            torch.cat([zero, shard.gather_shared(logprobs)[:-1]]),
-            torch.cat([zero, shard.gather_shared(entropy)[:-1]]),
-        )
+        return shard.token_values(logprobs), shard.token_values(entropy)
 
 
 # ---------------------------------------------------------------- construction

@@ -75,14 +75,19 @@ class MegatronSettings:
 
     megatron_tensor_parallel_size: int = 1
     megatron_pipeline_parallel_size: int = 1
+    megatron_context_parallel_size: int = 1  # ranks that share each packed row (megatron/forward.py)
     megatron_gradient_checkpointing: bool = True  # each decoder layer recomputed in the backward
     megatron_use_distributed_optimizer: bool = True  # AdamW state split among data-parallel replicas
     megatron_sequence_parallel: bool = False  # activations outside attention / MLP split over TP ranks
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that hold one copy of the model."""
-        return self.megatron_tensor_parallel_size * self.megatron_pipeline_parallel_size
+        """Ranks that run one data-parallel replica's rows: one copy of the model per CP rank."""
+        return (
+            self.megatron_tensor_parallel_size
+            * self.megatron_pipeline_parallel_size
+            * self.megatron_context_parallel_size
+        )
 
 
 _SECTIONS: dict[str, type] = {

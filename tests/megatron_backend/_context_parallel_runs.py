@@ -1,0 +1,70 @@
+"""The context-parallel runs ``test_context_parallel`` compares with one rank: a 4-process gloo world
+(spawned once) that runs the CP layouts one after the other in the same processes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ._cpu_forward import quiet_megatron
+from ._models import build
+from ._trainer_runs import batches, exported, settings
+
+# (name, model, TP, PP, sequence parallelism): CP = 2 on 4 ranks, data parallelism takes the rest.
+# Qwen3 (untied, q/k norms summed over TP) under TP; Qwen2 (tied: its embedding and head on two stages
+# sum their gradients) under PP; the CP x DP layout splits AdamW's state among the replicas.
+LAYOUTS = [
+    ("cp2-tp2", "qwen3-untied", 2, 1, False),
+    ("cp2-pp2", "qwen2", 1, 2, False),
+    ("cp2-dp2", "qwen2", 1, 1, False),
+    ("cp2-tp2-sp", "qwen3-untied", 2, 1, True),
+]
+STEPS = 2  # the second step has two minibatches: three AdamW updates
+
+
+def run_steps(trainer, dp: int) -> dict:
+    """``STEPS`` steps' metrics and the exported weights after them."""
+    metrics = [trainer.train_step(batch).metrics for batch in batches(dp)[:STEPS]]
+    return {"metrics": metrics, "export": exported(trainer)}
+
+
+def four_rank_worker(rank: int, port: int, root: str) -> None:
+    from refractor.megatron import parallel
+    from refractor.megatron.trainer import MegatronTrainer
+    from refractor.trainer.distributed import init_distributed
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    torch.set_num_threads(1)
+    quiet_megatron()
+    init_distributed(rank, 4, master_port=port)
+    for name, arch, tp, pp, sequence_parallel in LAYOUTS:
+        trainer = MegatronTrainer(
+            settings(
+                build(arch),
+                "megatron",
+                f"{root}/{name}",
+                megatron_tensor_parallel_size=tp,
+                megatron_pipeline_parallel_size=pp,
+                megatron_context_parallel_size=2,
+                megatron_sequence_parallel=sequence_parallel,
+            )
+        )
+        # the tokens the first layer's core attention sees as queries, pass by pass
+        queries: list[int] = []
+        hook = trainer.model.decoder.layers[0].self_attention.core_attention.register_forward_pre_hook(
+            lambda _, args, queries=queries: queries.append(args[0].shape[0])
+        )
+        result = run_steps(trainer, trainer.dp_size)
+        hook.remove()
+        result["queries"] = queries
+        result["rows"] = [
+            mb.num_tokens
+            for batch in batches(trainer.dp_size)[:STEPS]
+            for mb in batch.micro_batches[trainer.dp_rank]
+        ]
+        parallel.stop()
+        if rank == 0:
+            torch.save(result, f"{root}/{name}.pt")
+    dist.destroy_process_group()
