@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+
+from refractor.trainer.settings import MegatronSettings
 
 from ._cpu_forward import quiet_megatron
 from ._models import build
@@ -22,12 +25,34 @@ LAYOUTS = [
     ("cp2-tp2-sp", "qwen3-untied", 2, 1, True),
 ]
 STEPS = 2  # the second step has two minibatches: three AdamW updates
+RESUMED = "cp2-dp2"  # saved after its steps, then resumed without CP (DP=4)
 
 
 def run_steps(trainer, dp: int) -> dict:
     """``STEPS`` steps' metrics and the exported weights after them."""
     metrics = [trainer.train_step(batch).metrics for batch in batches(dp)[:STEPS]]
     return {"metrics": metrics, "export": exported(trainer)}
+
+
+def resume_without_context_parallelism(trainer, layout_settings) -> dict:
+    """Save ``trainer``'s checkpoint and run the next step on it; then a trainer without CP (the 4 ranks
+    as 4 replicas) resumes from the checkpoint and runs the same step."""
+    from refractor.megatron import parallel
+    from refractor.megatron.trainer import MegatronTrainer
+
+    trainer.save_checkpoint()
+    after = trainer.train_step(batches(trainer.dp_size)[STEPS]).metrics
+    export = exported(trainer)
+    parallel.stop()
+    resumed = MegatronTrainer(replace(layout_settings, megatron=MegatronSettings()))
+    assert resumed.load_checkpoint("latest") == STEPS
+    return {
+        "step": after,
+        "export": export,
+        "resumed_step": resumed.train_step(batches(resumed.dp_size)[STEPS]).metrics,
+        "resumed_export": exported(resumed),
+        "resumed_dp": resumed.dp_size,
+    }
 
 
 def four_rank_worker(rank: int, port: int, root: str) -> None:
@@ -40,17 +65,16 @@ def four_rank_worker(rank: int, port: int, root: str) -> None:
     quiet_megatron()
     init_distributed(rank, 4, master_port=port)
     for name, arch, tp, pp, sequence_parallel in LAYOUTS:
-        trainer = MegatronTrainer(
-            settings(
-                build(arch),
-                "megatron",
-                f"{root}/{name}",
-                megatron_tensor_parallel_size=tp,
-                megatron_pipeline_parallel_size=pp,
-                megatron_context_parallel_size=2,
-                megatron_sequence_parallel=sequence_parallel,
-            )
+        layout_settings = settings(
+            build(arch),
+            "megatron",
+            f"{root}/{name}",
+            megatron_tensor_parallel_size=tp,
+            megatron_pipeline_parallel_size=pp,
+            megatron_context_parallel_size=2,
+            megatron_sequence_parallel=sequence_parallel,
         )
+        trainer = MegatronTrainer(layout_settings)
         # the tokens the first layer's core attention sees as queries, pass by pass
         queries: list[int] = []
         hook = trainer.model.decoder.layers[0].self_attention.core_attention.register_forward_pre_hook(
@@ -64,6 +88,8 @@ def four_rank_worker(rank: int, port: int, root: str) -> None:
             for batch in batches(trainer.dp_size)[:STEPS]
             for mb in batch.micro_batches[trainer.dp_rank]
         ]
+        if name == RESUMED:
+            result["resume"] = resume_without_context_parallelism(trainer, layout_settings)
         parallel.stop()
         if rank == 0:
             torch.save(result, f"{root}/{name}.pt")

@@ -4,8 +4,8 @@ rank holding it.
 On 4 processes (spawned once for the module) CP=2 runs with TP=2, with PP=2, with DP=2 (AdamW state
 split among the replicas) and with TP=2 under sequence parallelism; each layout's steps (loss, gradient
 norm, statistics) and its exported weights after three AdamW updates equal one rank's, and each rank's
-layers saw half of every pass's tokens as queries. The split itself, the mask and the log-prob gather
-are the FSDP trainer's (``tests/trainer/test_context_parallel.py``).
+layers saw half of every pass's tokens as queries. A CP=2 x DP=2 checkpoint resumes as DP=4. The split
+itself, the mask and the log-prob gather are the FSDP trainer's (``tests/trainer/test_context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from ._context_parallel_runs import LAYOUTS, STEPS, four_rank_worker, run_steps
+from ._context_parallel_runs import LAYOUTS, RESUMED, STEPS, four_rank_worker, run_steps
 from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
 from ._models import build
 from ._trainer_runs import settings
@@ -91,3 +91,16 @@ def test_each_context_parallel_rank_attends_half_of_every_pass(four_ranks, layou
     result = four_ranks[layout]
     queries, rows = result["queries"], result["rows"]
     assert queries and set(queries) == {(n + (-n) % 4) // 2 for n in rows}
+
+
+def test_a_checkpoint_saved_under_context_parallelism_resumes_without_it(four_ranks):
+    """CP changes no shard (the AdamW state is per TP x PP shard): a CP=2 x DP=2 checkpoint resumes on
+    the same 4 ranks as DP=4, and its next step equals the CP run's next step (the rows packed for 4
+    replicas: float32 sums in another order)."""
+    resume = four_ranks[RESUMED]["resume"]
+    assert resume["resumed_dp"] == 4
+    for key in COMPARED:
+        rel = 1e-4 if key == "grad_norm" else 1e-5
+        assert resume["resumed_step"][key] == pytest.approx(resume["step"][key], rel=rel, abs=1e-7), key
+    for name, tensor in resume["export"].items():
+        torch.testing.assert_close(resume["resumed_export"][name], tensor, rtol=0, atol=1e-5, msg=name)
