@@ -1,8 +1,9 @@
 """Context parallelism in the Megatron trainer (CPU, gloo, float32): ranks sharing each row train as one
 rank holding it.
 
-On 4 processes (spawned once for the module) CP=2 runs with TP=2, with PP=2, with DP=2 (AdamW state
-split among the replicas) and with TP=2 under sequence parallelism; each layout's steps (loss, gradient
+On 4 processes (spawned once for the module) CP=2 runs with TP=2, with PP=2 (also with a minibatch's
+rows concatenated into passes, as on a GPU), with DP=2 (AdamW state split among the replicas) and with
+TP=2 under sequence parallelism; each layout's steps (loss, gradient
 norm, statistics) and its exported weights after three AdamW updates equal one rank's, and each rank's
 layers saw half of every pass's tokens as queries. A CP=2 x DP=2 checkpoint resumes as DP=4. The split
 itself, the mask and the log-prob gather are the FSDP trainer's (``tests/trainer/test_context_parallel.py``).
@@ -67,7 +68,7 @@ def test_context_parallel_layouts_equal_one_rank(four_ranks, one_rank, layout):
     """Tolerance: float32 sums in another order (the attention over gathered keys, the CP x DP gradient
     sum) -> rel 1e-5 on the loss and the statistics, 1e-4 on the norm; the weights after three AdamW
     updates at lr 1e-3 within 1e-5 (1% of one update)."""
-    _, arch, tp, pp, _ = next(entry for entry in LAYOUTS if entry[0] == layout)
+    _, arch, tp, pp, *_ = next(entry for entry in LAYOUTS if entry[0] == layout)
     result, reference = four_ranks[layout], one_rank[arch]
     assert len(result["metrics"]) == STEPS
     for step, (got, want) in enumerate(zip(result["metrics"], reference["metrics"], strict=True)):
@@ -89,8 +90,10 @@ def test_each_context_parallel_rank_attends_half_of_every_pass(four_ranks, layou
     padded to a multiple of 2 x CP; under sequence parallelism the TP blocks gathered back to them),
     once per pass in the no-grad reference pass, the forward and the recompute."""
     result = four_ranks[layout]
-    queries, rows = result["queries"], result["rows"]
-    assert queries and set(queries) == {(n + (-n) % 4) // 2 for n in rows}
+    queries, passes = result["queries"], result["rows"]
+    assert queries and set(queries) == {(n + (-n) % 4) // 2 for n in passes}
+    if layout.endswith("-passes"):  # one pass per minibatch: 3 minibatches, 3 passes of each kind
+        assert len(passes) == 3 and len(queries) == 3 * 3
 
 
 def test_a_checkpoint_saved_under_context_parallelism_resumes_without_it(four_ranks):
