@@ -117,8 +117,10 @@ run_part() {
       # the Megatron trainer with each rank holding whole rows (DP 2)
       part megatron_cp2 420 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b --cp 2 \
         --seq-len 32768 --tokens 65536 --rows fsdp_bf16,megatron_bf16
+      local cp2=()
+      [ -f "$OUT/megatron_cp2/bench_megatron.json" ] && cp2=(--reference "$OUT/megatron_cp2/bench_megatron.json")
       part megatron_cp1 300 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b \
-        --seq-len 32768 --tokens 65536 --rows megatron_bf16 --reference "$OUT/megatron_cp2/bench_megatron.json" ;;
+        --seq-len 32768 --tokens 65536 --rows megatron_bf16 "${cp2[@]}" ;;
     lora_sync)  # 1 GPU: trainer and native server on one card (CUDA IPC); full, merged and adapter pushes of
       # LoRA rank 64, Qwen2.5-0.5B and 7B shapes; expected peak ~50 GB (7B: fp32 full trainer + bf16 server)
       part lora_sync 540 python bench/bench_weight_sync.py colocated --lora-rank 64 --sizes 0.5b,7b --repeats 5 ;;

@@ -52,7 +52,7 @@ class MegatronRanks:
     context: ContextGroup  # the CP ranks sharing this rank's rows (a group of one without CP)
     gradient_group: dist.ProcessGroup  # the DP x CP ranks holding the same parameters: they sum gradients
     model_group: dist.ProcessGroup  # the TP x PP ranks of one model replica
-    # global ranks of the stages' ranks with this rank's TP and DP coordinates, stage by stage
+    # global ranks of the stages' ranks with this rank's TP, CP and DP coordinates, stage by stage
     stage_ranks: tuple[int, ...]
     # the first and the last stage's ranks of this coordinate (a tied embedding lives on both);
     # None on a middle stage and with one stage
@@ -82,7 +82,8 @@ class MegatronRanks:
 
     @property
     def is_first_replica(self) -> bool:
-        """A rank of the first replica's first CP rank: the one copy of the weights that is exported."""
+        """A rank of the first replica and its first CP rank: the ranks whose shards are exported and
+        saved (one copy of the weights)."""
         return self.data_rank == 0 and self.context.rank == 0
 
 

@@ -24,6 +24,9 @@ How a pass runs (``PolicyModel.forward`` with a ``ContextGroup``):
 
 Exactness: the loss and gradients equal those of ``cp = 1`` up to summation order (tested with
 gloo on CPU, ``tests/trainer/test_context_parallel.py``).
+
+The Megatron trainer's context parallelism (``megatron_context_parallel_size``) runs the same split,
+attention and log-prob gather inside Megatron-Core's model (``refractor/megatron/forward.py``).
 """
 
 from __future__ import annotations
@@ -129,8 +132,9 @@ class RowShard:
 
     def token_values(self, values: torch.Tensor) -> torch.Tensor:
         """This rank's per-token values about ``next_tokens`` [T / cp] -> the whole row's [T], aligned
-        with the tokens they are about (position 0 holds 0.0: it predicts nothing), as one rank's
-        ``token_logprobs_and_entropy`` aligns them; ``gather_shared``'s backward."""
+        with the tokens they are about (position 0 holds 0.0: it predicts nothing) as one rank's
+        ``token_logprobs_and_entropy`` aligns them; the backward keeps this rank's own values'
+        gradients (``gather_shared``)."""
         return torch.cat([values.new_zeros(1), self.gather_shared(values)[:-1]])
 
 
