@@ -12,6 +12,10 @@
   copies that are separate tensors holding the AdamW state.
 * A run with offload, bf16 compute and gradients, and bf16 / fp16 moments resumes exactly; a config
   with these keys loads (the refusals: ``test_layout``).
+* Two data-parallel replicas with the AdamW state split between them: offloading half of each
+  replica's parameters gives the steps without offload bit for bit and resumes exactly; in bf16, the
+  data-parallel sum in bf16 (``megatron_grad_reduce_in_fp32: false``) and bf16 main grads stay within
+  2e-2 relative of the float32 sums' steps and are not them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import warnings
 import pytest
 import torch
 
-from ._cpu_forward import MEGATRON_WARNINGS, quiet_megatron
+from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
 from ._models import build
 from ._trainer_runs import batches, exported, run_three_steps, settings
 
@@ -363,3 +367,82 @@ def test_a_config_with_the_optimizer_keys_loads():
     megatron = TrainerSettings.from_config(cfg).megatron
     for key, value in keys.items():
         assert getattr(megatron, key) == value, key
+
+
+# ------------------------------------------------------------------ two data-parallel replicas
+TWO_RANK_RUNS = {  # name -> (bf16 compute, keys)
+    "plain": (False, {}),
+    "offload": (False, {"megatron_optimizer_cpu_offload": True, "megatron_optimizer_offload_fraction": 0.5}),
+    "bf16": (True, {}),
+    "bf16-reduce": (True, {"megatron_grad_reduce_in_fp32": False}),
+    "bf16-grads": (
+        True,
+        {"megatron_use_precision_aware_optimizer": True, "megatron_main_grads_dtype": "bfloat16"},
+    ),
+}
+
+
+def two_rank_worker(rank: int, port: int, root: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from refractor.megatron import parallel
+    from refractor.trainer.distributed import init_distributed
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    torch.set_num_threads(1)
+    quiet_megatron()
+    init_distributed(rank, 2, master_port=port)
+    results = {}
+    for name, (mixed, keys) in TWO_RANK_RUNS.items():
+        trainer = _trainer(f"{root}/{name}", mixed, **keys)
+        results[name] = run_three_steps(trainer, 2)
+        results[name]["offloaded"] = sorted(trainer.optimizer.offloaded)
+        results[name]["owned"] = sorted(trainer.optimizer.owned)
+        parallel.stop()
+    resumed = _trainer(f"{root}/offload", False, **TWO_RANK_RUNS["offload"][1])
+    assert resumed.load_checkpoint("latest") == 2
+    results["resumed"] = {"metrics": resumed.train_step(batches(2)[2]).metrics, "export": exported(resumed)}
+    parallel.stop()
+    everyone = [None] * 2
+    dist.all_gather_object(everyone, {name: r.get("offloaded") for name, r in results.items()})
+    if rank == 0:
+        results["offloaded_per_rank"] = [o["offload"] for o in everyone]
+        torch.save(results, f"{root}/results.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two-ranks")
+    build("qwen2")
+    spawn_ranks(two_rank_worker, (free_port(), str(root)), nprocs=2)
+    return torch.load(root / "results.pt", weights_only=False)
+
+
+def test_two_replicas_offloading_half_their_share_step_as_without_offload_and_resume(two_ranks):
+    offload, plain = two_ranks["offload"], two_ranks["plain"]
+    first, second = two_ranks["offloaded_per_rank"]
+    assert first and second and not set(first) & set(second)  # each replica offloads what it owns
+    assert len(offload["offloaded"]) < len(offload["owned"])
+    for run in (offload, two_ranks["resumed"]):
+        steps = run["metrics"] if run is offload else [*offload["metrics"][:2], run["metrics"]]
+        for got, want in zip(steps, plain["metrics"], strict=True):
+            for key in COMPARED:
+                assert got[key] == want[key], key
+        for name, tensor in plain["export"].items():
+            assert torch.equal(run["export"][name], tensor), name
+
+
+@pytest.mark.parametrize("name", ["bf16-reduce", "bf16-grads"])
+def test_bf16_gradient_sums_stay_near_the_float32_sums(two_ranks, name):
+    """bf16 rounding of the summed gradients moves the steps by far less than the bf16 compute does
+    (``test_mixed_precision``: 2e-2 relative against float32)."""
+    run, reference = two_ranks[name], two_ranks["bf16"]
+    for got, want in zip(run["metrics"], reference["metrics"], strict=True):
+        for key in COMPARED:
+            assert got[key] == pytest.approx(want[key], rel=2e-2), key
+    assert any(
+        not torch.equal(run["export"][n], t) for n, t in reference["export"].items()
+    )  # the sums were rounded

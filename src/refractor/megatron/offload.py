@@ -87,5 +87,7 @@ class HostCopies:
     @torch.no_grad()
     def weights_in(self) -> None:
         """Set the host copies from the device masters (at the start and after a checkpoint load)."""
+        if self.stream is not None:  # a copy of the last update may still read them
+            self.stream.synchronize()
         for name, host in self.params.items():
             host.copy_(self.masters[name])
