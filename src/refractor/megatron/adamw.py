@@ -2,8 +2,8 @@
 ``megatron_exp_avg_sq_dtype``), as Megatron-Core's precision-aware optimizer stores them.
 
 Between steps each moment is kept in its storage dtype; a step upcasts the stored moments to float32,
-runs torch's AdamW update on them (the FSDP trainer's ``ShardLocalAdamW``, the same kernel as with
-float32 moments), and stores the new moments back, rounded to nearest:
+runs torch's AdamW update on them (the functional AdamW the FSDP trainer's ``ShardLocalAdamW`` runs,
+the same kernel as with float32 moments), and stores the new moments back, rounded to nearest:
 
 * float32: the state is torch's own, the update is torch's AdamW bit for bit;
 * bfloat16: the float32 moment rounded to bfloat16 (relative error at most 2^-8 per step);
@@ -15,16 +15,16 @@ float32 moments), and stores the new moments back, rounded to nearest:
 
 The parameter update of a step reads the float32 moments before they are rounded, so one step from a
 given state is float32 AdamW; the rounding shows from the next step on. The parameters stepped are
-float32 (the master weights); a gradient in another dtype is upcast by the caller.
+float32 (the master weights); a gradient in another dtype (bf16 main grads) is upcast for the update.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-
-from refractor.trainer.optim import ShardLocalAdamW
+from torch.optim.adamw import adamw as functional_adamw
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,17 +65,22 @@ def load(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return upcast if scale is None else upcast.mul_(scale)
 
 
-class PrecisionAdamW(ShardLocalAdamW):
-    """``ShardLocalAdamW`` (torch's AdamW on local tensors) with its moments stored in ``dtypes``
-    between steps. The state of a parameter holds ``step``, ``exp_avg``, ``exp_avg_sq`` in their
-    storage dtypes and, for a float16 moment, ``<moment>_scale``."""
+class PrecisionAdamW(torch.optim.AdamW):
+    """torch's AdamW with its moments stored in ``dtypes`` between steps. The state of a parameter holds
+    ``step``, ``exp_avg``, ``exp_avg_sq`` in their storage dtypes and, for a float16 moment,
+    ``<moment>_scale``.
+
+    A step runs torch's functional AdamW (fused when ``fused``) on all parameters at once when the
+    moments and gradients are float32, and one parameter at a time otherwise, so that the float32
+    copies of the moments and the gradient exist for one parameter at a time (AdamW being elementwise,
+    the result is the same)."""
 
     def __init__(self, params, lr: float, weight_decay: float, dtypes: MomentDtypes, fused: bool):
         super().__init__(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
         self.dtypes = dtypes
 
     def zero_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The state of a parameter not stepped yet (AdamW then behaves as on a fresh state)."""
+        """The state of a parameter not stepped yet (what torch's AdamW starts from)."""
         state = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
         for moment in MOMENTS:
             state[moment], scale = store(torch.zeros_like(p, dtype=torch.float32), self.dtypes.of(moment))
@@ -84,20 +89,52 @@ class PrecisionAdamW(ShardLocalAdamW):
         return state
 
     @torch.no_grad()
-    def step(self, closure=None):
-        if self.dtypes.all_float32:
-            return super().step(closure)
-        stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p in stepped:  # float32 moments for the update
-            state = self.state[p]
-            for moment in MOMENTS:
-                if moment in state:
-                    state[moment] = load(state[moment], state.pop(f"{moment}_scale", None))
-        result = super().step(closure)
-        for p in stepped:  # back to their storage dtypes
-            state = self.state[p]
-            for moment in MOMENTS:
-                state[moment], scale = store(state[moment], self.dtypes.of(moment))
+    def step(self, closure=None, grads: Mapping[torch.Tensor, torch.Tensor] | None = None):
+        """One update of every parameter with a gradient: ``grads`` (parameter -> gradient in any float
+        dtype, on the parameter's device) when given, else its ``.grad``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            pairs = [(p, p.grad if grads is None else grads.get(p)) for p in group["params"]]
+            pairs = [(p, g) for p, g in pairs if g is not None]
+            together = self.dtypes.all_float32 and all(g.dtype == p.dtype for p, g in pairs)
+            for chunk in [pairs] if together else [[pair] for pair in pairs]:
+                self._update(group, chunk)
+        return loss
+
+    def _update(self, group: dict, chunk: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not chunk:
+            return
+        states = []
+        for p, _ in chunk:
+            if not self.state[p]:
+                self.state[p].update(self.zero_state(p))
+            states.append(self.state[p])
+        moments = {m: [load(s[m], s.get(f"{m}_scale")) for s in states] for m in MOMENTS}
+        beta1, beta2 = group["betas"]
+        functional_adamw(
+            [p for p, _ in chunk],
+            [g.to(p.dtype) for p, g in chunk],
+            moments["exp_avg"],
+            moments["exp_avg_sq"],
+            [],
+            [s["step"] for s in states],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+        for state, *updated in zip(states, *moments.values(), strict=True):
+            for moment, value in zip(MOMENTS, updated, strict=True):
+                state[moment], scale = store(value, self.dtypes.of(moment))
                 if scale is not None:
                     state[f"{moment}_scale"] = scale
-        return result

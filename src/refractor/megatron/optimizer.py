@@ -15,7 +15,7 @@ over the replicas, so every replica ends with the same weights as the undistribu
 ``moments`` (``megatron_use_precision_aware_optimizer``): the AdamW moments' storage dtypes
 (``adamw.py``). ``offload`` (``megatron_optimizer_cpu_offload``): a share of the owned parameters is
 stepped on the host (``offload.py``). A gradient kept in bf16 (``MasterWeights.grads``) is upcast to
-float32 for the update.
+float32 for the update, one parameter at a time.
 """
 
 from __future__ import annotations
@@ -148,13 +148,14 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        grads = {name: self.weights.grads[name].grad for name in self.owned}
+        device_grads = {name: self.weights.grads[name].grad for name in self.owned}
         if self.host:
-            self.host.gradients_in(grads)
-        for name, p in self.stepped.items():
-            if name not in self.offloaded and grads[name].dtype != MASTER_DTYPE:
-                p.grad = grads[name].to(MASTER_DTYPE)
-        self.adamw.step()
+            self.host.gradients_in(device_grads)
+        # a host copy's gradient is its host buffer; a device master's may be the model's bf16 gradient
+        grads = {
+            p: p.grad if name in self.offloaded else device_grads[name] for name, p in self.stepped.items()
+        }
+        self.adamw.step(grads=grads)
         if self.host:
             self.host.weights_out()
         if self.replicas > 1:
