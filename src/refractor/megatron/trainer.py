@@ -143,6 +143,11 @@ class MegatronTrainer(StepLoop):
             prepare_layers(self.model.decoder.layers, checkpoint_activations=True, compile=False)
 
         optimizer = settings.optimizer
+        offload = None
+        if mg.megatron_optimizer_cpu_offload:
+            offload = Offload(
+                mg.megatron_optimizer_offload_fraction, mg.megatron_overlap_cpu_optimizer_d2h_h2d
+            )
         self.optimizer = MegatronOptimizer(
             self.weights,
             optimizer.learning_rate,
@@ -150,9 +155,7 @@ class MegatronTrainer(StepLoop):
             self.ranks,
             distributed=mg.megatron_use_distributed_optimizer,
             moments=self.moment_dtypes,
-            offload=Offload(mg.megatron_optimizer_offload_fraction, mg.megatron_overlap_cpu_optimizer_d2h_h2d)
-            if mg.megatron_optimizer_cpu_offload
-            else None,
+            offload=offload,
         )
         self.scheduler = build_lr_scheduler(self.optimizer.adamw, optimizer.schedule)
         self.loss_settings = settings.loss
