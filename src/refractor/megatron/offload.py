@@ -9,10 +9,10 @@ float32), AdamW steps the host copy there, and the updated weight is copied back
 master, from which the model's parameter, the weight export and the checkpoints read it.
 
 ``megatron_overlap_cpu_optimizer_d2h_h2d`` (CUDA only): the host copies and gradient buffers are in
-pinned memory and both copies run on a side stream, asynchronous to the compute stream (the host waits
-for the gradients before it steps, the compute stream for the weights before it reads them). Without
-it, or when the "device" is the CPU itself, the copies are plain synchronous copies between separate
-tensors.
+pinned memory and both copies run on a side stream, asynchronous to the compute stream: the device
+part of the update is launched while the gradients travel, the host waits for them before it steps
+its part, and the compute stream waits for the weights before it reads them. Without it, or when the
+"device" is the CPU itself, the copies are plain synchronous copies between separate tensors.
 """
 
 from __future__ import annotations
@@ -67,11 +67,13 @@ class HostCopies:
 
     @torch.no_grad()
     def gradients_in(self, grads: dict[str, torch.Tensor]) -> None:
-        """Copy the device gradients (name -> tensor, any float dtype) into the host buffers; returns once
-        they are there."""
+        """Start copying the device gradients (name -> tensor, any float dtype) into the host buffers
+        (``gradients_ready`` waits for them)."""
         with self._copies():
             for name, host in self.params.items():
                 host.grad.copy_(grads[name], non_blocking=self.stream is not None)
+
+    def gradients_ready(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
 

@@ -148,15 +148,15 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        device_grads = {name: self.weights.grads[name].grad for name in self.owned}
+        grads = {name: self.weights.grads[name].grad for name in self.owned}
         if self.host:
-            self.host.gradients_in(device_grads)
-        # a host copy's gradient is its host buffer; a device master's may be the model's bf16 gradient
-        grads = {
-            p: p.grad if name in self.offloaded else device_grads[name] for name, p in self.stepped.items()
-        }
-        self.adamw.step(grads=grads)
+            self.host.gradients_in(grads)
+        # the device part first (a device master's gradient may be the model's bf16 one), launched while
+        # the offloaded gradients travel; then the host copies with their host buffers
+        self.adamw.step(grads={p: grads[n] for n, p in self.stepped.items() if n not in self.offloaded})
         if self.host:
+            self.host.gradients_ready()
+            self.adamw.step(grads={p: p.grad for p in self.host.params.values()})
             self.host.weights_out()
         if self.replicas > 1:
             self._share_updates()
