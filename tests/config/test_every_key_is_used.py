@@ -52,12 +52,6 @@ READ_ELSEWHERE: dict[str, str] = {
         "megatron_expert_parallel_size",
         "megatron_use_transformer_engine",
         "megatron_fp8",
-        "megatron_optimizer_cpu_offload",
-        "megatron_use_precision_aware_optimizer",
-        "megatron_main_grads_dtype",
-        "megatron_main_params_dtype",
-        "megatron_exp_avg_dtype",
-        "megatron_exp_avg_sq_dtype",
     )
 }
 

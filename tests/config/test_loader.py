@@ -281,7 +281,7 @@ REJECT = [
     ({"environments": []}, "at least one environment"),
     (
         {"train_backend": "megatron", "megatron_exp_avg_dtype": "bfloat16"},
-        "`megatron_exp_avg_dtype: bfloat16` is not supported by refractor's Megatron trainer",
+        "`megatron_exp_avg_dtype: bfloat16` needs `megatron_use_precision_aware_optimizer: true`",
     ),
     ({"evals": [{"name": "math500"}], "inference_num_workers": 1}, "at least one of the 1 inference server"),
     ({"evals": [{"name": "math500"}], "eval_num_servers": 2}, "eval_num_servers"),

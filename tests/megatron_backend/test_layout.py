@@ -1,7 +1,7 @@
 """`train_backend: megatron` layouts are checked when the config loads: one line per broken rule naming
 the keys; a valid layout loads. What the Megatron trainer does not run (the Transformer Engine spec and
-mixture-of-experts models, optimizer options beyond float32 AdamW on the trainer's
-device, master weights other than float32) is refused, one line naming the key."""
+mixture-of-experts models, master weights other than float32) is refused, and so are the optimizer's
+dtype keys without the precision-aware optimizer, one line naming the key."""
 
 from __future__ import annotations
 
@@ -52,12 +52,29 @@ REJECT = [
     ),
     ({"megatron_fp8": True}, "`megatron_fp8: true` needs `megatron_use_transformer_engine: true`"),
     (
-        {"megatron_optimizer_cpu_offload": True},
-        "`megatron_optimizer_cpu_offload: true` is not supported by refractor's Megatron trainer (AdamW "
-        "state stays on the trainer's device); set it to false",
+        {"megatron_exp_avg_dtype": "bfloat16"},
+        "`megatron_exp_avg_dtype: bfloat16` needs `megatron_use_precision_aware_optimizer: true` (without "
+        "it master weights, gradients and AdamW moments are float32, as in Megatron-Core)",
     ),
-    ({"megatron_main_grads_dtype": "bfloat16"}, "`megatron_main_grads_dtype: bfloat16` is not supported"),
-    ({"megatron_use_precision_aware_optimizer": True}, "`megatron_use_precision_aware_optimizer: true`"),
+    (
+        {"megatron_use_precision_aware_optimizer": True, "megatron_exp_avg_sq_dtype": "float8"},
+        "`megatron_exp_avg_sq_dtype: float8`: expected one of float32, bfloat16, float16",
+    ),
+    (
+        {"megatron_use_precision_aware_optimizer": True, "megatron_main_params_dtype": "float16"},
+        "`megatron_main_params_dtype: float16` is not supported by refractor's Megatron trainer (master "
+        "weights are float32; Megatron-Core's float16 masters are TransformerEngine's per-tensor scaled "
+        "copies, not built); set it to float32",
+    ),
+    (
+        {
+            "megatron_use_precision_aware_optimizer": True,
+            "megatron_main_grads_dtype": "bfloat16",
+            "mixed_precision_dtype": "float16",
+        },
+        "`megatron_main_grads_dtype: bfloat16` keeps the gradients in the bf16 compute dtype: it needs "
+        "`mixed_precision_dtype: bfloat16` (not float16)",
+    ),
     (
         {"model_dtype": "bfloat16"},
         "`model_dtype: bfloat16` is not supported by refractor's Megatron trainer (master weights are "

@@ -452,15 +452,45 @@ class MegatronKeys(_Strict):
         None, description="Unused (kept for Telescope compatibility)."
     )
     megatron_disable_unified_memory_jit: bool = Field(True, description="Skip a slow Megatron JIT at import.")
-    megatron_optimizer_cpu_offload: bool = Field(False, description="Offload the optimizer to CPU.")
-    megatron_optimizer_offload_fraction: float = Field(1.0, ge=0, le=1, description="Offloaded fraction.")
-    megatron_overlap_cpu_optimizer_d2h_h2d: bool = Field(True, description="Overlap offload copies.")
-    megatron_use_precision_aware_optimizer: bool = Field(False, description="Precision-aware optimizer.")
-    megatron_main_grads_dtype: str = Field("float32", description="Main grads dtype.")
-    megatron_main_params_dtype: str = Field("float32", description="Main params dtype.")
-    megatron_exp_avg_dtype: str = Field("float32", description="Adam first moment dtype.")
-    megatron_exp_avg_sq_dtype: str = Field("float32", description="Adam second moment dtype.")
-    megatron_grad_reduce_in_fp32: bool = Field(True, description="Reduce grads in fp32.")
+    megatron_optimizer_cpu_offload: bool = Field(
+        False,
+        description="Step a share of the parameters (megatron_optimizer_offload_fraction) on the host: "
+        "their float32 master copy and AdamW state in host memory.",
+    )
+    megatron_optimizer_offload_fraction: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="With megatron_optimizer_cpu_offload: the share of each rank's parameter elements "
+        "stepped on the host (parameters in order, as Megatron-Core picks them).",
+    )
+    megatron_overlap_cpu_optimizer_d2h_h2d: bool = Field(
+        True,
+        description="With megatron_optimizer_cpu_offload on CUDA: copy gradients to the host and weights "
+        "back from pinned memory on a side stream (no effect on a CPU trainer).",
+    )
+    megatron_use_precision_aware_optimizer: bool = Field(
+        False, description="Let the four dtype keys below choose lower-precision gradients and AdamW moments."
+    )
+    megatron_main_grads_dtype: str = Field(
+        "float32",
+        description="Gradients accumulated and reduced in: float32, or bfloat16 (the bf16 compute dtype's "
+        "own gradients; needs mixed_precision_dtype: bfloat16).",
+    )
+    megatron_main_params_dtype: str = Field("float32", description="Master weights: float32 only.")
+    megatron_exp_avg_dtype: str = Field(
+        "float32",
+        description="AdamW first moment stored in: float32, bfloat16 or float16 (scaled per tensor).",
+    )
+    megatron_exp_avg_sq_dtype: str = Field(
+        "float32",
+        description="AdamW second moment stored in: float32, bfloat16 or float16 (scaled per tensor).",
+    )
+    megatron_grad_reduce_in_fp32: bool = Field(
+        True,
+        description="false: sum float32 gradients over the data-parallel replicas in the compute dtype "
+        "(no effect with float32 compute or bfloat16 main grads).",
+    )
     megatron_gradient_checkpointing: bool = Field(
         True, description="Recompute each decoder layer in the backward (keeps only the layers' inputs)."
     )
@@ -767,14 +797,9 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("Evals and tracing", EvalKeys),
 ]
 
-_UNUSED_OFFLOAD = "it tunes megatron_optimizer_cpu_offload, which refractor's Megatron trainer does not run"
 # Keys accepted so Telescope YAMLs load unchanged, but which refractor does not act on.
 IGNORED_KEYS: dict[str, str] = {
     "megatron_disable_unified_memory_jit": "refractor's Megatron trainer compiles no JIT kernels",
-    "megatron_optimizer_offload_fraction": _UNUSED_OFFLOAD,
-    "megatron_overlap_cpu_optimizer_d2h_h2d": _UNUSED_OFFLOAD,
-    "megatron_grad_reduce_in_fp32": "refractor's Megatron trainer accumulates and reduces gradients in "
-    "float32 whatever mixed_precision_dtype computes in",
     "megatron_overlap_grad_reduce": "refractor's Megatron trainer reduces gradients once per minibatch, "
     "after its rows",
     "wandb_upload_logs_detailed": "the log files hold every line; wandb_upload_logs uploads them",
@@ -883,15 +908,11 @@ def _clipping_active(c: RefractorConfig) -> bool:
 
 # the Megatron trainer's options it does not build, each refused naming the key when set otherwise
 _MEGATRON_UNBUILT = {
-    "megatron_optimizer_cpu_offload": (False, "AdamW state stays on the trainer's device"),
-    "megatron_use_precision_aware_optimizer": (
-        False,
-        "master weights, gradients and AdamW moments are float32",
+    "megatron_main_params_dtype": (
+        "float32",
+        "master weights are float32; Megatron-Core's float16 masters are TransformerEngine's per-tensor "
+        "scaled copies, not built",
     ),
-    "megatron_main_grads_dtype": ("float32", "gradients are float32"),
-    "megatron_main_params_dtype": ("float32", "master weights are float32"),
-    "megatron_exp_avg_dtype": ("float32", "AdamW moments are float32"),
-    "megatron_exp_avg_sq_dtype": ("float32", "AdamW moments are float32"),
     "model_dtype": ("float32", "master weights are float32; mixed_precision_dtype sets the compute dtype"),
 }
 
@@ -900,10 +921,39 @@ def _yaml(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+# the precision-aware optimizer's dtype keys and the values each accepts (main params: _MEGATRON_UNBUILT)
+_MEGATRON_DTYPE_KEYS = {
+    "megatron_main_grads_dtype": ("float32", "bfloat16"),
+    "megatron_main_params_dtype": ("float32", "float16"),
+    "megatron_exp_avg_dtype": ("float32", "bfloat16", "float16"),
+    "megatron_exp_avg_sq_dtype": ("float32", "bfloat16", "float16"),
+}
+
+
+def _megatron_optimizer_errors(c: RefractorConfig) -> list[str]:
+    """The dtype keys: values, and set only with the precision-aware optimizer (as Megatron-Core)."""
+    errors = []
+    for key, accepted in _MEGATRON_DTYPE_KEYS.items():
+        value = getattr(c, key)
+        if value not in accepted:
+            errors.append(f"`{key}: {value}`: expected one of {', '.join(accepted)}")
+        elif value != "float32" and not c.megatron_use_precision_aware_optimizer:
+            errors.append(
+                f"`{key}: {value}` needs `megatron_use_precision_aware_optimizer: true` (without it "
+                "master weights, gradients and AdamW moments are float32, as in Megatron-Core)"
+            )
+    if c.megatron_main_grads_dtype == "bfloat16" and c.mixed_precision_dtype != "bfloat16":
+        errors.append(
+            "`megatron_main_grads_dtype: bfloat16` keeps the gradients in the bf16 compute dtype: it needs "
+            f"`mixed_precision_dtype: bfloat16` (not {c.mixed_precision_dtype})"
+        )
+    return errors
+
+
 def _megatron_errors(c: RefractorConfig) -> list[str]:
     """The layout's broken rules, then what refractor's Megatron trainer does not run (docs/megatron.md):
     the Transformer Engine layer spec (so FP8), mixture-of-experts
-    models, and optimizer options beyond float32 AdamW on the trainer's device."""
+    models, and float16 master weights."""
     sizes = ParallelSizes(
         tensor=c.megatron_tensor_parallel_size,
         pipeline=c.megatron_pipeline_parallel_size,
@@ -931,6 +981,7 @@ def _megatron_errors(c: RefractorConfig) -> list[str]:
             "`train_backend: megatron` maps dense Llama / Qwen2 / Qwen3 models; this model has "
             f"{shape.num_experts} experts (mixture-of-experts is not mapped yet): use `train_backend: fsdp`"
         )
+    errors += _megatron_optimizer_errors(c)
     for key, (supported, reason) in _MEGATRON_UNBUILT.items():
         if getattr(c, key) != supported:
             errors.append(

@@ -10,7 +10,10 @@ layers bf16 parameters). The rest stays float32:
 * autograd's gradient of a model parameter is added into its master's float32 gradient as soon as it
   is complete (a post-accumulate hook), and the low-precision gradient is freed: the rows of a
   minibatch accumulate, the tensor-parallel, tied-embedding and data-parallel sums reduce, and the
-  norm and the clip run on float32 gradients;
+  norm and the clip run on float32 gradients (``megatron_main_grads_dtype: bfloat16`` keeps them in
+  the bf16 compute dtype instead: accumulated and reduced in bf16, upcast for the update;
+  ``megatron_grad_reduce_in_fp32: false`` reduces the float32 gradients over the data-parallel
+  replicas in the compute dtype);
 * after each AdamW update the masters are rounded into the model's parameters (``refresh``).
 
 This is also how Megatron-Core trains in bf16 (``Float16Module``, float32 ``main_grad`` buffers, float32
@@ -47,19 +50,26 @@ def _add_to_master(master: torch.nn.Parameter, param: torch.nn.Parameter) -> Non
 
 
 class MasterWeights:
-    """The model's parameters (``compute``, name -> parameter) and their float32 masters (``master``:
-    the same objects when the model is float32)."""
+    """The model's parameters (``compute``, name -> parameter), their float32 masters (``master``: the
+    same objects when the model is float32), and the parameters whose ``.grad`` is the gradient that
+    is accumulated, reduced and clipped (``grads``): the masters, or with ``grads_in_compute_dtype``
+    (``megatron_main_grads_dtype: bfloat16``) the model's own parameters, whose low-precision gradients
+    autograd accumulates in their dtype."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, grads_in_compute_dtype: bool = False):
         self.compute = dict(model.named_parameters())
         self.mixed = any(p.dtype != MASTER_DTYPE for p in self.compute.values())
         if not self.mixed:
-            self.master = self.compute
+            self.master = self.grads = self.compute
             return
         self.master = {
             name: torch.nn.Parameter(torch.empty_like(p, dtype=MASTER_DTYPE), requires_grad=p.requires_grad)
             for name, p in self.compute.items()
         }
+        if grads_in_compute_dtype:
+            self.grads = self.compute
+            return
+        self.grads = self.master
         for name, p in self.compute.items():
             p.register_post_accumulate_grad_hook(partial(_add_to_master, self.master[name]))
 

@@ -57,6 +57,7 @@ class StageModel:
     norm_params: tuple[torch.nn.Parameter, ...]  # the gradients this rank counts in the norm
     tensor_summed: tuple[torch.nn.Parameter, ...]  # replicated, each TP rank's gradient a share
     sequence_parallel: bool = False  # activations between the layers split along the sequence over TP
+    grad_reduce_dtype: torch.dtype | None = None  # the data-parallel sum's dtype when not the gradients'
 
     def stage_tokens(self, mb: MicroBatch) -> int:
         """Tokens of the row that this rank's stages send each other."""
@@ -213,13 +214,16 @@ def finalize_gradients(stage: StageModel, params: list[torch.nn.Parameter]) -> N
     if stage.tied_copy is not None:
         dist.all_reduce(stage.tied_copy.grad, group=ranks.embedding_group)
     if ranks.data_size * ranks.context.size > 1:
-        _sum_grads(params, ranks.gradient_group)
+        _sum_grads(params, ranks.gradient_group, stage.grad_reduce_dtype)
 
 
-def _sum_grads(params, group: dist.ProcessGroup) -> None:
-    """All-reduce (sum) the gradients of ``params`` over ``group`` in one flat buffer."""
+def _sum_grads(params, group: dist.ProcessGroup, dtype: torch.dtype | None = None) -> None:
+    """All-reduce (sum) the gradients of ``params`` over ``group`` in one flat buffer (in ``dtype``,
+    rounded back into the gradients, when given)."""
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
+    if dtype is not None:
+        flat = flat.to(dtype)
     dist.all_reduce(flat, group=group)
     torch._foreach_copy_(
         grads,
@@ -259,8 +263,9 @@ def clip_gradients(stage: StageModel, params: list[torch.nn.Parameter], max_norm
     counted = [p.grad for p in stage.norm_params]
     with torch.no_grad():
         squared = torch.zeros((), dtype=torch.float32, device=stage.ranks.device)
-        if counted:
-            squared = torch.nn.utils.get_total_norm(counted, norm_type=2.0).float() ** 2
+        if counted:  # each tensor's norm accumulated in float32, whatever the gradients' dtype
+            norms = torch._foreach_norm(counted, 2.0, dtype=torch.float32)
+            squared = torch.linalg.vector_norm(torch.stack(norms)) ** 2
         if dist.get_world_size(stage.ranks.model_group) > 1:
             dist.all_reduce(squared, group=stage.ranks.model_group)
         norm = squared.sqrt()

@@ -13,9 +13,11 @@ parallelism it runs its share of every row (``forward.py``). The step
 tensors (``optimizer.py``). Precision (``precision.py``): the model computes in
 ``mixed_precision_dtype`` (bfloat16 by default; null: float32) on CUDA, and in float32 on CPU unless
 ``mixed_precision=True`` is passed, as the FSDP trainer decides; master weights, gradients, their
-reductions and the AdamW state are float32 (``model_dtype`` must be float32). Attention over packed
-rows is refractor's own (``attention.py``), and on CUDA a minibatch's rows are concatenated into passes
-of ``trainer_max_tokens_per_forward`` tokens as the FSDP trainer concatenates them.
+reductions and the AdamW state are float32 (``model_dtype`` must be float32) unless the
+precision-aware optimizer's keys say otherwise; ``megatron_optimizer_cpu_offload`` steps a share of
+the parameters on the host (``optimizer.py``). Attention over packed rows is refractor's own
+(``attention.py``), and on CUDA a minibatch's rows are concatenated into passes of
+``trainer_max_tokens_per_forward`` tokens as the FSDP trainer concatenates them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 from refractor.megatron import parallel
 from refractor.megatron.layout import ParallelSizes
-from refractor.megatron.optimizer import MegatronOptimizer
+from refractor.megatron.optimizer import MegatronOptimizer, Offload, grad_reduce_dtype, optimizer_precision
 from refractor.megatron.precision import MASTER_DTYPE, MasterWeights
 from refractor.megatron.shards import EMBEDDING, OUTPUT, MegatronLayout
 from refractor.megatron.step import StageModel, norm_parameters, run_step, tensor_summed_parameters
@@ -128,8 +130,10 @@ class MegatronTrainer(StepLoop):
         ).to(self.device)
         rotary = self.model.rotary_pos_emb  # its frequencies are a plain attribute, which Module.to leaves
         rotary.inv_freq = rotary.inv_freq.to(self.device)
-        self.weights = MasterWeights(self.model)
+        self.moment_dtypes, grads_in_compute_dtype = optimizer_precision(mg, self.compute_dtype)
+        self.weights = MasterWeights(self.model, grads_in_compute_dtype)
         self.params = self.weights.master  # what AdamW steps, the export and checkpoints read
+        grads = self.weights.grads  # what holds the gradients the step reduces and clips
         stage = self.ranks.pipeline_rank
         names = self.plan.needed_hf_names(stage)
         if init_checkpoint is None:
@@ -141,12 +145,19 @@ class MegatronTrainer(StepLoop):
             prepare_layers(self.model.decoder.layers, checkpoint_activations=True, compile=False)
 
         optimizer = settings.optimizer
+        offload = None
+        if mg.megatron_optimizer_cpu_offload:
+            offload = Offload(
+                mg.megatron_optimizer_offload_fraction, mg.megatron_overlap_cpu_optimizer_d2h_h2d
+            )
         self.optimizer = MegatronOptimizer(
             self.weights,
             optimizer.learning_rate,
             optimizer.weight_decay,
             self.ranks,
             distributed=mg.megatron_use_distributed_optimizer,
+            moments=self.moment_dtypes,
+            offload=offload,
         )
         self.scheduler = build_lr_scheduler(self.optimizer.adamw, optimizer.schedule)
         self.loss_settings = settings.loss
@@ -167,7 +178,7 @@ class MegatronTrainer(StepLoop):
         )
         tied_copy = None
         if self.config.tie_word_embeddings and self.ranks.embedding_group is not None:
-            tied_copy = self.params[EMBEDDING if self.ranks.is_first_stage else OUTPUT]
+            tied_copy = grads[EMBEDDING if self.ranks.is_first_stage else OUTPUT]
         self.stage = StageModel(
             self.model,
             self.ranks,
@@ -175,16 +186,17 @@ class MegatronTrainer(StepLoop):
             self.config.hidden_size,
             self.compute_dtype,
             tied_copy,
-            norm_parameters(self.params, self.ranks, tied_copy),
-            tensor_summed_parameters(self.params, sizes.sequence_parallel),
+            norm_parameters(grads, self.ranks, tied_copy),
+            tensor_summed_parameters(grads, sizes.sequence_parallel),
             sizes.sequence_parallel,
+            grad_reduce_dtype=grad_reduce_dtype(mg, grads, self.compute_dtype),
         )
         self._step = 0
         self.skipped_updates = 0
         log.info(
             "megatron trainer rank %d/%d on %s: TP %d x PP %d x CP %d x DP %d (stage %d, TP rank %d), "
-            "sequence parallelism %s, compute in "
-            "%s (master weights, gradients and AdamW state float32), layer recompute %s, AdamW state %s",
+            "sequence parallelism %s, compute in %s (master weights float32, gradients %s, AdamW moments "
+            "%s / %s), layer recompute %s, AdamW state %s, %d of %d owned parameters stepped on the host",
             self.rank,
             self.world_size,
             self.device,
@@ -195,9 +207,14 @@ class MegatronTrainer(StepLoop):
             stage,
             self.ranks.tensor_rank,
             sizes.sequence_parallel,
-            str(self.compute_dtype).removeprefix("torch."),
+            _name(self.compute_dtype),
+            _name(next(iter(grads.values())).dtype),
+            _name(self.moment_dtypes.exp_avg),
+            _name(self.moment_dtypes.exp_avg_sq),
             mg.megatron_gradient_checkpointing,
             "split among the replicas" if self.optimizer.replicas > 1 else "whole on every replica",
+            len(self.optimizer.offloaded),
+            len(self.optimizer.owned),
         )
 
     def _load_hf(self, hf: Mapping[str, torch.Tensor]) -> None:
@@ -223,7 +240,7 @@ class MegatronTrainer(StepLoop):
         return run_step(
             self.stage,
             self.optimizer,
-            list(self.params.values()),
+            list(self.weights.grads.values()),
             batch,
             batch.micro_batches[self.dp_rank],
             self.loss_settings,
@@ -284,6 +301,12 @@ class MegatronTrainer(StepLoop):
             "pipeline_parallel": self.layout.pipeline_parallel,
         }
 
+    def _moments_meta(self) -> dict[str, str]:
+        return {
+            "exp_avg": _name(self.moment_dtypes.exp_avg),
+            "exp_avg_sq": _name(self.moment_dtypes.exp_avg_sq),
+        }
+
     def save_checkpoint(
         self,
         step: int | None = None,
@@ -307,6 +330,7 @@ class MegatronTrainer(StepLoop):
             "model_dtype": str(self.master_dtype),
             "trainer_step": self._step,
             "megatron": self._layout_meta(),
+            "adamw_moments": self._moments_meta(),
         }
         return ckpt.save_checkpoint(
             root,
@@ -339,6 +363,13 @@ class MegatronTrainer(StepLoop):
                 f"{path} was saved by the {meta.get('backend', 'fsdp')} trainer with layout {saved}; this "
                 f"run is megatron {self._layout_meta()}: its optimizer state is per shard, so resume with "
                 f"the same layout, or start a new run from its weights with `model: {path}`"
+            )
+        saved = meta.get("adamw_moments", {"exp_avg": "float32", "exp_avg_sq": "float32"})
+        if saved != self._moments_meta():
+            raise ckpt.CheckpointError(
+                f"{path} holds AdamW moments stored as {saved}; this run stores them as "
+                f"{self._moments_meta()}: set `megatron_exp_avg_dtype` / `megatron_exp_avg_sq_dtype` as "
+                f"saved, or start a new run from its weights with `model: {path}`"
             )
         state = {
             "model": self._empty_hf(self.plan.needed_hf_names(self.ranks.pipeline_rank)),
@@ -403,6 +434,10 @@ def _compute_dtype(settings: TrainerSettings, on_cuda: bool, mixed_precision: bo
             settings.mixed_precision_dtype,
         )
     return MASTER_DTYPE
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _model_source(model: str) -> tuple[Path, Path | None]:

@@ -79,6 +79,15 @@ class MegatronSettings:
     megatron_gradient_checkpointing: bool = True  # each decoder layer recomputed in the backward
     megatron_use_distributed_optimizer: bool = True  # AdamW state split among data-parallel replicas
     megatron_sequence_parallel: bool = False  # activations outside attention / MLP split over TP ranks
+    megatron_optimizer_cpu_offload: bool = False  # a share of the AdamW updates and state on the host
+    megatron_optimizer_offload_fraction: float = 1.0  # that share, of the parameters' elements
+    megatron_overlap_cpu_optimizer_d2h_h2d: bool = True  # offload copies on a side stream (CUDA)
+    megatron_use_precision_aware_optimizer: bool = False  # the dtype keys below apply
+    megatron_main_grads_dtype: str = "float32"  # gradients accumulated and reduced in (or bfloat16)
+    megatron_main_params_dtype: str = "float32"  # master weights (float32 only)
+    megatron_exp_avg_dtype: str = "float32"  # AdamW moments stored in
+    megatron_exp_avg_sq_dtype: str = "float32"
+    megatron_grad_reduce_in_fp32: bool = True  # false: float32 gradients summed over DP in the compute dtype
 
     @property
     def model_parallel_size(self) -> int:
