@@ -140,9 +140,11 @@ run_part() {
       # the first part trains the SFT base, then GRPO / lr-0 control / Dr. GRPO side by side on the card,
       # each ending with a checkpoint; every `rl_from_scratch_resume` call right after it (while the
       # machine is still held) continues the three runs for 8.5 more minutes; each segment's final eval
-      # is a point of the held-out curve
+      # is a point of the held-out curve. RFS_RUNS picks the runs (default three; two share the card faster)
       mkdir -p "$OUT/$1"
-      local common=(--out /tmp/rfs --gpus 0,0,0 --runs grpo,control,dr_grpo --rl-steps 600
+      local runs=${RFS_RUNS:-grpo,control,dr_grpo} gpus
+      gpus=$(echo "$runs" | sed 's/[^,]*/0/g')
+      local common=(--out /tmp/rfs --gpus "$gpus" --runs "$runs" --rl-steps 2000
         --overrides '{"ray_address": "", "kv_cache_memory_gb": 4, "trainer_compile": false}')
       echo "=== $1"
       if [ "$1" = rl_from_scratch_1gpu ]; then
