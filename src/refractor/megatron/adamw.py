@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch.optim.adamw import adamw as functional_adamw
+
+from refractor.trainer.optim import adamw_group_step
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,25 +114,13 @@ class PrecisionAdamW(torch.optim.AdamW):
                 self.state[p].update(self.zero_state(p))
             states.append(self.state[p])
         moments = {m: [load(s[m], s.get(f"{m}_scale")) for s in states] for m in MOMENTS}
-        beta1, beta2 = group["betas"]
-        functional_adamw(
+        adamw_group_step(
+            {**group, "amsgrad": False},
             [p for p, _ in chunk],
             [g.to(p.dtype) for p, g in chunk],
             moments["exp_avg"],
             moments["exp_avg_sq"],
-            [],
             [s["step"] for s in states],
-            foreach=group["foreach"],
-            capturable=group["capturable"],
-            differentiable=group["differentiable"],
-            fused=group["fused"],
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
         )
         for state, *updated in zip(states, *moments.values(), strict=True):
             for moment, value in zip(MOMENTS, updated, strict=True):

@@ -45,6 +45,30 @@ class LRSchedule:
         raise ValueError(f"unknown lr_scheduler {self.kind!r}; expected none, constant, linear or cosine")
 
 
+def adamw_group_step(group: dict, params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs=()) -> None:
+    """torch's functional AdamW over plain tensors with one param group's settings (``group``)."""
+    beta1, beta2 = group["betas"]
+    functional_adamw(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(max_exp_avg_sqs),
+        list(steps),
+        foreach=group["foreach"],
+        capturable=group["capturable"],
+        differentiable=group["differentiable"],
+        fused=group["fused"],
+        amsgrad=group["amsgrad"],
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+    )
+
+
 class ShardLocalAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` that updates DTensor parameters through their local shards.
 
@@ -76,26 +100,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
                 steps.append(state["step"])
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
-            functional_adamw(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                max_exp_avg_sqs,
-                steps,
-                foreach=group["foreach"],
-                capturable=group["capturable"],
-                differentiable=group["differentiable"],
-                fused=group["fused"],
-                amsgrad=group["amsgrad"],
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-            )
+            adamw_group_step(group, params, grads, exp_avgs, exp_avg_sqs, steps, max_exp_avg_sqs)
         return None
 
     def _state_ready(self) -> bool:
