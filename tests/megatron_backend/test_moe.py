@@ -112,3 +112,62 @@ def test_moe_layouts_the_trainer_does_not_build_are_refused_naming_the_key():
         model_config({**mixtral, "router_jitter_noise": 0.1})
     with pytest.raises(UnsupportedModelError, match="`sliding_window`"):
         model_config({**mixtral, "sliding_window": 4096})
+
+
+def _hf_checkpoint_grads(hf, config) -> dict[str, torch.Tensor]:
+    """The HF model's gradients under its checkpoint's names: transformers keeps each layer's experts
+    fused (``experts.gate_up_proj`` [E, 2F, H], ``experts.down_proj`` [E, H, F]) in a module named
+    ``mlp``, where ``save_pretrained`` writes them one by one under ``hf_block``."""
+    moe = config.moe
+    gate, up, down = moe.hf_projections
+    out = {}
+    for name, p in hf.named_parameters():
+        grad = p.grad
+        layer, _, rest = name.partition(".mlp.")
+        if rest == "gate.weight":
+            out[f"{layer}.{moe.hf_block}.gate.weight"] = grad
+        elif rest == "experts.gate_up_proj":
+            for e in range(moe.num_experts):
+                first, second = grad[e].chunk(2)
+                out[f"{layer}.{moe.hf_block}.experts.{e}.{gate}.weight"] = first
+                out[f"{layer}.{moe.hf_block}.experts.{e}.{up}.weight"] = second
+        elif rest == "experts.down_proj":
+            for e in range(moe.num_experts):
+                out[f"{layer}.{moe.hf_block}.experts.{e}.{down}.weight"] = grad[e]
+        else:
+            out[name] = grad
+    return out
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_gpt_model_gradients_equal_hf_through_router_and_experts(arch, one_rank_world):
+    """The gradient of the tokens' summed log-probs for every weight (the router's through the top-k
+    probabilities, each expert's through the tokens routed to it), mapped back to HF names (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from refractor.megatron.mapping import megatron_to_hf
+    from refractor.megatron.model import build_gpt_model
+
+    path, config, hf_state = _load(arch)
+    ((shard,),) = hf_to_shards(hf_state, config, MegatronLayout())
+    model = build_gpt_model(config, MegatronLayout()).train()
+    model.load_state_dict(shard, strict=True)
+    input_ids = torch.randint(0, config.vocab_size, (SEQ,), generator=torch.Generator().manual_seed(1))
+    targets = input_ids[1:, None]
+    logits = stage_forward(model, config, input_ids)[:-1, : config.vocab_size]
+    logits.log_softmax(-1).gather(1, targets).sum().backward()
+    # the padded vocabulary's rows are cut off the embedding's and the head's gradients
+    vocab = ("embedding.word_embeddings.weight", "output_layer.weight")
+    grads = {
+        name: p.grad[: config.vocab_size] if name in vocab else p.grad for name, p in model.named_parameters()
+    }
+    got = megatron_to_hf(grads, config)
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    hf(input_ids[None]).logits[0, :-1].log_softmax(-1).gather(1, targets).sum().backward()
+    expected = _hf_checkpoint_grads(hf, config)
+    assert got.keys() == expected.keys()
+    router = f"model.layers.0.{config.moe.hf_block}.gate.weight"
+    assert expected[router].abs().max() > 1e-3  # the router learns through the top-k probabilities
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -83,8 +83,18 @@ def model_config(raw: dict[str, Any]) -> ModelConfig:
         hf_block=block,
         hf_projections=projections,
     )
-    attention = ModelConfig.from_hf({**raw, "architectures": [dense], "intermediate_size": size})
+    attention = ModelConfig.from_hf(dense_view(raw))
     return dataclasses.replace(attention, architecture=arch, moe=moe)
+
+
+def dense_view(raw: dict[str, Any]) -> dict[str, Any]:
+    """An MoE model's ``config.json`` as the dense architecture it shares its attention, embeddings and
+    norms with (each MLP the size of one expert); a dense model's as is."""
+    arch = _moe_architecture(raw)
+    if arch is None:
+        return raw
+    size = raw["intermediate_size"] if arch == "MixtralForCausalLM" else raw["moe_intermediate_size"]
+    return {**raw, "architectures": [MOE_ARCHITECTURES[arch][0]], "intermediate_size": size}
 
 
 def moe_arguments(moe: MoeConfig, expert_parallel: int) -> dict[str, Any]:

@@ -55,6 +55,7 @@ _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 FC1 = "mlp.linear_fc1.weight"
 FC2 = "mlp.linear_fc2.weight"
 ROUTER = "mlp.router.weight"
+_HF_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 
 
@@ -173,6 +174,26 @@ def megatron_param_to_hf(
     if config.moe is not None:
         return _expert_to_hf(rest, tensor, config, hf)
     return None
+
+
+def hf_expert_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """The HF names and shapes of every layer's router and experts (an MoE model's MLPs)."""
+    moe = config.moe
+    hidden = config.hidden_size
+    out = {}
+    for layer in range(config.num_hidden_layers):
+        hf = f"model.layers.{layer}."
+        out[hf + f"{moe.hf_block}.gate.weight"] = torch.Size([moe.num_experts, hidden])
+        for e in range(moe.num_experts):
+            for projection in (0, 1):
+                out[hf + _hf_expert(config, e, projection)] = torch.Size([moe.intermediate_size, hidden])
+            out[hf + _hf_expert(config, e, 2)] = torch.Size([hidden, moe.intermediate_size])
+    return out
+
+
+def renumber_hf_expert(name: str, offset: int) -> str:
+    """An HF expert tensor's name with its expert number moved by ``offset``; other names as they are."""
+    return _HF_EXPERT.sub(lambda m: f".experts.{int(m[1]) + offset}.", name)
 
 
 def _experts_to_megatron(

@@ -13,9 +13,11 @@ with the model split by tensor and pipeline parallelism.
    CUDA devices; this schedule runs wherever torch does, one row in flight at a time.
 4. Gradients are finalized: a tied head's copy on the last stage and the first stage's embedding sum
    their gradients; data-parallel replicas sum theirs (the loss is normalized by the global token
-   count, so gradients add up). The norm counts every element once (tensor-parallel duplicates,
-   the replicated norms, and the tied copy are left out of the sum), is clipped as the FSDP step clips,
-   and AdamW steps unless the norm is not finite (counted).
+   count, so gradients add up), an expert's over the ranks that hold it (its expert-data-parallel
+   group: each EP rank's expert already has the gradient of every token its EP group routed to it).
+   The norm counts every element once (tensor-parallel duplicates, the replicated norms, and the tied
+   copy are left out of the sum; each EP rank's experts are counted), is clipped as the FSDP step
+   clips, and AdamW steps unless the norm is not finite (counted).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class StageModel:
     norm_params: tuple[torch.nn.Parameter, ...]  # the gradients this rank counts in the norm
     tensor_summed: tuple[torch.nn.Parameter, ...]  # replicated, each TP rank's gradient a share
     sequence_parallel: bool = False  # activations between the layers split along the sequence over TP
+    experts: tuple[torch.nn.Parameter, ...] = ()  # this EP rank's experts (MoE), apart from the rest
 
     def stage_tokens(self, mb: MicroBatch) -> int:
         """Tokens of the row that this rank's stages send each other."""
@@ -194,8 +197,12 @@ def finalize_gradients(stage: StageModel, params: list[torch.nn.Parameter]) -> N
         _sum_grads(stage.tensor_summed, ranks.tensor_group)
     if stage.tied_copy is not None:
         dist.all_reduce(stage.tied_copy.grad, group=ranks.embedding_group)
-    if ranks.data_size > 1:
-        _sum_grads(params, ranks.data_group)
+    experts = {id(p) for p in stage.experts}
+    shared = [p for p in params if id(p) not in experts]
+    if ranks.data_size > 1 and shared:
+        _sum_grads(shared, ranks.data_group)
+    if stage.experts and dist.get_world_size(ranks.expert_data_group) > 1:
+        _sum_grads(stage.experts, ranks.expert_data_group)
 
 
 def _sum_grads(params, group: dist.ProcessGroup) -> None:
@@ -234,15 +241,26 @@ def norm_parameters(
     )
 
 
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0).float() ** 2
+
+
 def clip_gradients(stage: StageModel, params: list[torch.nn.Parameter], max_norm: float) -> float:
     """The model's total (pre-clip) gradient L2 norm, every element counted once; clips in place
     when ``max_norm > 0`` (scale ``max_norm / (norm + 1e-6)`` when below 1, as the FSDP step)."""
     grads = [p.grad for p in params]
-    counted = [p.grad for p in stage.norm_params]
+    experts = {id(p) for p in stage.experts}
+    counted = [p.grad for p in stage.norm_params if id(p) not in experts]
+    counted_experts = [p.grad for p in stage.norm_params if id(p) in experts]
     with torch.no_grad():
-        squared = torch.zeros((), dtype=torch.float32, device=stage.ranks.device)
-        if counted:
-            squared = torch.nn.utils.get_total_norm(counted, norm_type=2.0).float() ** 2
+        squared = _squared_norm(counted, stage.ranks.device)
+        if stage.experts:  # each EP rank holds other experts
+            squared_experts = _squared_norm(counted_experts, stage.ranks.device)
+            if stage.ranks.expert_size > 1:
+                dist.all_reduce(squared_experts, group=stage.ranks.expert_group)
+            squared = squared + squared_experts
         if dist.get_world_size(stage.ranks.model_group) > 1:
             dist.all_reduce(squared, group=stage.ranks.model_group)
         norm = squared.sqrt()
