@@ -32,6 +32,22 @@ MOE_ARCHITECTURES = {
 _BY_MODEL_TYPE = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
+def moe_refusal(raw: dict[str, Any]) -> str | None:
+    """Why the Megatron trainer does not train the mixture-of-experts model of ``raw`` (a
+    ``config.json``), one line; None when it does."""
+    if _moe_architecture(raw) is None:
+        name = ", ".join(raw.get("architectures") or []) or f"model_type {raw.get('model_type')!r}"
+        return (
+            f"`train_backend: megatron` maps the experts of {', '.join(MOE_ARCHITECTURES)}; this model is "
+            f"{name}: use `train_backend: fsdp`"
+        )
+    try:
+        model_config(raw)
+    except UnsupportedModelError as error:
+        return f"`train_backend: megatron`: {error}"
+    return None
+
+
 def _moe_architecture(raw: dict[str, Any]) -> str | None:
     archs = raw.get("architectures") or []
     found = [a for a in archs if a in MOE_ARCHITECTURES]

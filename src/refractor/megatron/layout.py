@@ -19,6 +19,13 @@ CP_KEY = "`megatron_context_parallel_size`"
 EP_KEY = "`megatron_expert_parallel_size`"
 TE_KEY = "`megatron_use_transformer_engine: true`"
 TE_INSTALL = "pip install 'transformer-engine[pytorch]'"
+# Megatron-Core's MoE layer refuses to train under TP without its own sequence parallelism, whose
+# buffers are CUDA-only (``sequence_parallel.py``)
+MOE_TENSOR_PARALLEL = (
+    f"a mixture-of-experts model with {TP_KEY} > 1 is not built (Megatron-Core's MoE "
+    "layer trains under TP with its own sequence parallelism only): set it to 1 and split the experts with "
+    f"{EP_KEY}"
+)
 
 
 @dataclass(frozen=True)
@@ -54,9 +61,12 @@ class ModelShape:
     num_key_value_heads: int
     num_hidden_layers: int
     num_experts: int = 0  # 0: a dense model
+    moe_refusal: str | None = None  # why the trainer does not train this MoE model (``experts.py``)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelShape:
+        from refractor.megatron.experts import moe_refusal
+
         heads = raw["num_attention_heads"]
         # Qwen2/3-MoE name the expert count num_experts, Mixtral num_local_experts
         experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
@@ -65,6 +75,7 @@ class ModelShape:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             num_hidden_layers=raw["num_hidden_layers"],
             num_experts=experts,
+            moe_refusal=moe_refusal(raw) if experts else None,
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from refractor.megatron.layout import MOE_TENSOR_PARALLEL
 from refractor.megatron.shards import MegatronLayout
 from refractor.models import ModelConfig, UnsupportedModelError
 
@@ -23,15 +24,6 @@ _MEGATRON_LLAMA3_FIXED = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-
-
-# Megatron-Core's MoE layer refuses to train under TP without its own sequence parallelism, whose
-# buffers are CUDA-only (``sequence_parallel.py``)
-MOE_TENSOR_PARALLEL = (
-    "a mixture-of-experts model with `megatron_tensor_parallel_size` > 1 is not built (Megatron-Core's MoE "
-    "layer trains under TP with its own sequence parallelism only): set it to 1 and split the experts with "
-    "`megatron_expert_parallel_size`"
-)
 
 
 def _rope_arguments(config: ModelConfig) -> dict:
