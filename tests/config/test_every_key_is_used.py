@@ -50,7 +50,6 @@ READ_ELSEWHERE: dict[str, str] = {
     key: _MEGATRON_VALIDATED
     for key in (
         "megatron_context_parallel_size",
-        "megatron_expert_parallel_size",
         "megatron_use_transformer_engine",
         "megatron_fp8",
         "megatron_optimizer_cpu_offload",
