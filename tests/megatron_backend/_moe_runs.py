@@ -1,6 +1,6 @@
-"""The expert-parallel runs of the Megatron trainer tests: a 2-process gloo world that trains a
-mixture-of-experts model with its experts on every rank (EP=1) and split between the two (EP=2), both
-with data parallelism 2, then resumes the EP=2 run from its checkpoint."""
+"""The expert-parallel runs of the Megatron trainer tests: a 4-process gloo world that trains each
+mixture-of-experts layout in ``MOE_LAYOUTS`` three steps (a checkpoint after the second), then resumes
+it from that checkpoint."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ from ._cpu_forward import quiet_megatron
 from ._models import build
 from ._trainer_runs import batches, exported, run_three_steps, settings
 
-MOE_LAYOUTS = [("qwen3-moe-dp2", "qwen3-moe", 1), ("qwen3-moe-dp2-ep2", "qwen3-moe", 2)]
+# (name, model, PP, EP) on 4 ranks, data parallelism the rest: the tied Qwen3-MoE over two stages (its
+# embedding on both) with each EP rank holding 2 of the 4 experts; Mixtral over 4 data-parallel ranks,
+# each expert on 2 of them (its gradients summed over the pair), with the experts on every rank (EP 1)
+# and split (EP 2)
+MOE_LAYOUTS = [
+    ("qwen3-moe-pp2-dp2-ep2", "qwen3-moe", 2, 2),
+    ("mixtral-dp4", "mixtral", 1, 1),
+    ("mixtral-dp4-ep2", "mixtral", 1, 2),
+]
 
 
-def two_rank_moe_worker(rank: int, port: int, root: str) -> None:
+def four_rank_moe_worker(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from refractor.megatron import parallel
@@ -25,18 +33,18 @@ def two_rank_moe_worker(rank: int, port: int, root: str) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(1)
     quiet_megatron()
-    init_distributed(rank, 2, master_port=port)
-    for name, arch, ep in MOE_LAYOUTS:
-        layout_settings = settings(
-            build(arch), "megatron", f"{root}/{name}", megatron_expert_parallel_size=ep
-        )
+    init_distributed(rank, 4, master_port=port)
+    for name, arch, pp, ep in MOE_LAYOUTS:
+        keys = dict(megatron_pipeline_parallel_size=pp, megatron_expert_parallel_size=ep)
+        layout_settings = settings(build(arch), "megatron", f"{root}/{name}", **keys)
         trainer = MegatronTrainer(layout_settings)
-        result = run_three_steps(trainer, 2)
+        dp = 4 // pp
+        result = run_three_steps(trainer, dp)
         result["experts"] = len(trainer.model.decoder.layers[0].mlp.experts.local_experts)
         parallel.stop()
         resumed = MegatronTrainer(layout_settings)
         assert resumed.load_checkpoint("latest") == 2
-        result["resumed_metrics"] = resumed.train_step(batches(2)[2]).metrics
+        result["resumed_metrics"] = resumed.train_step(batches(dp)[2]).metrics
         result["resumed_export"] = exported(resumed)
         parallel.stop()
         if rank == 0:

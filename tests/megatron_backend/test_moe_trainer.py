@@ -1,9 +1,10 @@
-"""``MegatronTrainer`` on a mixture-of-experts model (Qwen3-MoE, CPU, gloo, float32): on 2 processes with
-data parallelism 2, the experts on every rank (EP=1) and split between the two (EP=2, each rank
-holding 2 of the 4 experts of every layer, tokens all-gathered to the experts and their outputs
-reduce-scattered back) give the steps of one rank: the same loss, gradient norm and metrics, and after
-three steps (two minibatches in the second) the same exported HF weights; the EP=2 checkpoint resumes
-exactly. (``test_moe`` holds one rank's forward and gradients to HF's.)"""
+"""``MegatronTrainer`` on mixture-of-experts models (CPU, gloo, float32): on 4 processes, the tied
+Qwen3-MoE as PP=2 x DP=2 with its experts split over EP=2, and Mixtral as DP=4 with its experts on
+every rank (EP=1) and split over EP=2 (each expert on 2 ranks), give the steps of one rank: the same
+loss, gradient norm and metrics, and after three steps (two minibatches in the second) the same
+exported HF weights (gathered over the EP ranks, and from the second stage); each layout's checkpoint
+resumes exactly. Tokens reach the experts of other ranks through the all-gather dispatcher
+(``moe_layer.py``). (``test_moe`` holds one rank's forward and gradients to HF's.)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
 from ._models import build
-from ._moe_runs import MOE_LAYOUTS, two_rank_moe_worker
+from ._moe_runs import MOE_LAYOUTS, four_rank_moe_worker
 from ._trainer_runs import run_three_steps, settings
 
 with warnings.catch_warnings():
@@ -28,7 +29,7 @@ COMPARED = ("loss", "grad_norm", "entropy", "kl_divergence_inference", "learning
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One rank's three steps (in this process), then the 2-process layouts."""
+    """One rank's three steps per model (in this process), then the 4-process layouts."""
     import torch.distributed as dist
 
     from refractor.megatron import parallel
@@ -38,12 +39,14 @@ def runs(tmp_path_factory):
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    one = run_three_steps(MegatronTrainer(settings(build("qwen3-moe"), "megatron", tmp / "one")), 1)
-    parallel.stop()
+    one = {}
+    for arch in ("qwen3-moe", "mixtral"):
+        one[arch] = run_three_steps(MegatronTrainer(settings(build(arch), "megatron", tmp / arch)), 1)
+        parallel.stop()
     if owned:
         dist.destroy_process_group()
-    spawn_ranks(two_rank_moe_worker, (free_port(), str(tmp)), nprocs=2)
-    return one, {name: torch.load(tmp / f"{name}.pt") for name, _, _ in MOE_LAYOUTS}
+    spawn_ranks(four_rank_moe_worker, (free_port(), str(tmp)), nprocs=4)
+    return one, {name: torch.load(tmp / f"{name}.pt") for name, *_ in MOE_LAYOUTS}
 
 
 def _assert_same_steps(got: list[dict], expected: list[dict]) -> None:
@@ -52,21 +55,20 @@ def _assert_same_steps(got: list[dict], expected: list[dict]) -> None:
             assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (step, key)
 
 
-@pytest.mark.parametrize("name", [name for name, _, _ in MOE_LAYOUTS])
-def test_expert_parallel_steps_equal_one_rank(runs, name):
+@pytest.mark.parametrize("name, arch, ep", [(name, arch, ep) for name, arch, _, ep in MOE_LAYOUTS])
+def test_expert_parallel_steps_equal_one_rank(runs, name, arch, ep):
     one, layouts = runs
     run = layouts[name]
-    ep = dict((n, e) for n, _, e in MOE_LAYOUTS)[name]
     assert run["experts"] == 4 // ep
-    _assert_same_steps(run["metrics"], one["metrics"])
-    assert run["export"].keys() == one["export"].keys()
-    for key, tensor in one["export"].items():
+    _assert_same_steps(run["metrics"], one[arch]["metrics"])
+    assert run["export"].keys() == one[arch]["export"].keys()
+    for key, tensor in one[arch]["export"].items():
         torch.testing.assert_close(run["export"][key], tensor, rtol=1e-5, atol=1e-5, msg=key)
 
 
-def test_an_expert_parallel_checkpoint_resumes_exactly(runs):
-    _, layouts = runs
-    run = layouts["qwen3-moe-dp2-ep2"]
+@pytest.mark.parametrize("name", [name for name, *_ in MOE_LAYOUTS])
+def test_an_expert_parallel_checkpoint_resumes_exactly(runs, name):
+    run = runs[1][name]
     _assert_same_steps([run["resumed_metrics"]], run["metrics"][2:])
     for key, tensor in run["export"].items():
         torch.testing.assert_close(run["resumed_export"][key], tensor, rtol=1e-6, atol=1e-6, msg=key)
