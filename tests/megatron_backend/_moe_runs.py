@@ -1,6 +1,6 @@
 """The expert-parallel runs of the Megatron trainer tests: a 4-process gloo world that trains each
 mixture-of-experts layout in ``MOE_LAYOUTS`` three steps (a checkpoint after the second), then resumes
-it from that checkpoint."""
+it from that checkpoint; then ``BF16_MOE_LAYOUT`` in bf16."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ MOE_LAYOUTS = [
     ("mixtral-dp4", "mixtral", 1, 1),
     ("mixtral-dp4-ep2", "mixtral", 1, 2),
 ]
+BF16_MOE_LAYOUT = ("mixtral-dp4-ep2-bf16", "mixtral", 1, 2)
 
 
 def four_rank_moe_worker(rank: int, port: int, root: str) -> None:
@@ -49,4 +50,17 @@ def four_rank_moe_worker(rank: int, port: int, root: str) -> None:
         parallel.stop()
         if rank == 0:
             torch.save(result, f"{root}/{name}.pt")
+    name, arch, pp, ep = BF16_MOE_LAYOUT
+    keys = dict(megatron_pipeline_parallel_size=pp, megatron_expert_parallel_size=ep)
+    low = MegatronTrainer(
+        settings(build(arch), "megatron", f"{root}/{name}", mixed_precision_dtype="bfloat16", **keys),
+        mixed_precision=True,
+    )
+    result = {
+        "metrics": [low.train_step(batch).metrics for batch in batches(4 // pp)],
+        "dtypes": {p.dtype for p in low.model.parameters()} | {p.dtype for p in low.params.values()},
+    }
+    parallel.stop()
+    if rank == 0:
+        torch.save(result, f"{root}/{name}.pt")
     dist.destroy_process_group()
