@@ -12,16 +12,27 @@ from ._cpu_forward import quiet_megatron
 from ._models import build
 from ._trainer_runs import batches, exported, run_three_steps, settings
 
-# (name, model, PP, EP) on 4 ranks, data parallelism the rest: the tied Qwen3-MoE over two stages (its
-# embedding on both) with each EP rank holding 2 of the 4 experts; Mixtral over 4 data-parallel ranks,
-# each expert on 2 of them (its gradients summed over the pair), with the experts on every rank (EP 1)
-# and split (EP 2)
+# (name, model, TP, PP, EP) on 4 ranks, data parallelism the rest: the tied Qwen3-MoE over two stages
+# (its embedding on both) with each EP rank holding 2 of the 4 experts, and as TP 2 (with sequence
+# parallelism: each TP rank routes its block of the sequence, the experts are split over TP as well);
+# Mixtral over 4 data-parallel ranks, each expert on 2 of them (its gradients summed over the pair),
+# with the experts on every rank (EP 1) and split (EP 2)
 MOE_LAYOUTS = [
-    ("qwen3-moe-pp2-dp2-ep2", "qwen3-moe", 2, 2),
-    ("mixtral-dp4", "mixtral", 1, 1),
-    ("mixtral-dp4-ep2", "mixtral", 1, 2),
+    ("qwen3-moe-pp2-dp2-ep2", "qwen3-moe", 1, 2, 2),
+    ("qwen3-moe-tp2-dp2-ep2-sp", "qwen3-moe", 2, 1, 2),
+    ("mixtral-dp4", "mixtral", 1, 1, 1),
+    ("mixtral-dp4-ep2", "mixtral", 1, 1, 2),
 ]
-BF16_MOE_LAYOUT = ("mixtral-dp4-ep2-bf16", "mixtral", 1, 2)
+BF16_MOE_LAYOUT = ("mixtral-dp4-ep2-bf16", "mixtral", 1, 1, 2)
+
+
+def layout_keys(tp: int, pp: int, ep: int) -> dict:
+    return dict(
+        megatron_tensor_parallel_size=tp,
+        megatron_pipeline_parallel_size=pp,
+        megatron_expert_parallel_size=ep,
+        megatron_sequence_parallel=tp > 1,
+    )
 
 
 def four_rank_moe_worker(rank: int, port: int, root: str) -> None:
@@ -35,11 +46,10 @@ def four_rank_moe_worker(rank: int, port: int, root: str) -> None:
     torch.set_num_threads(1)
     quiet_megatron()
     init_distributed(rank, 4, master_port=port)
-    for name, arch, pp, ep in MOE_LAYOUTS:
-        keys = dict(megatron_pipeline_parallel_size=pp, megatron_expert_parallel_size=ep)
-        layout_settings = settings(build(arch), "megatron", f"{root}/{name}", **keys)
+    for name, arch, tp, pp, ep in MOE_LAYOUTS:
+        layout_settings = settings(build(arch), "megatron", f"{root}/{name}", **layout_keys(tp, pp, ep))
         trainer = MegatronTrainer(layout_settings)
-        dp = 4 // pp
+        dp = 4 // (tp * pp)
         result = run_three_steps(trainer, dp)
         result["experts"] = len(trainer.model.decoder.layers[0].mlp.experts.local_experts)
         parallel.stop()
@@ -50,14 +60,14 @@ def four_rank_moe_worker(rank: int, port: int, root: str) -> None:
         parallel.stop()
         if rank == 0:
             torch.save(result, f"{root}/{name}.pt")
-    name, arch, pp, ep = BF16_MOE_LAYOUT
-    keys = dict(megatron_pipeline_parallel_size=pp, megatron_expert_parallel_size=ep)
+    name, arch, tp, pp, ep = BF16_MOE_LAYOUT
+    keys = layout_keys(tp, pp, ep)
     low = MegatronTrainer(
         settings(build(arch), "megatron", f"{root}/{name}", mixed_precision_dtype="bfloat16", **keys),
         mixed_precision=True,
     )
     result = {
-        "metrics": [low.train_step(batch).metrics for batch in batches(4 // pp)],
+        "metrics": [low.train_step(batch).metrics for batch in batches(4 // (tp * pp))],
         "dtypes": {p.dtype for p in low.model.parameters()} | {p.dtype for p in low.params.values()},
     }
     parallel.stop()

@@ -105,6 +105,8 @@ def test_a_qwen3_moe_or_mixtral_model_loads_with_expert_parallelism():
         keys = {**ENV, "model": str(build(arch)), "train_backend": "megatron", "trainer_num_workers": 4}
         cfg = load_config(None, {**keys, EP: 2, PP: 2})
         assert (cfg.megatron_expert_parallel_size, cfg.megatron_pipeline_parallel_size) == (2, 2)
+        cfg = load_config(None, {**keys, EP: 2, TP: 2, "megatron_sequence_parallel": True})
+        assert (cfg.megatron_expert_parallel_size, cfg.megatron_tensor_parallel_size) == (2, 2)
 
 
 def moe_errors(model, **keys) -> list[str]:
@@ -115,7 +117,11 @@ def moe_errors(model, **keys) -> list[str]:
 
 def test_what_the_trainer_does_not_build_for_an_moe_model_is_refused_in_one_line(tmp_path):
     (error,) = moe_errors(build("qwen3-moe"), **{TP: 2, "trainer_num_workers": 2})
-    assert "a mixture-of-experts model with `megatron_tensor_parallel_size` > 1 is not built" in error
+    assert error.endswith(
+        "a mixture-of-experts model with `megatron_tensor_parallel_size` > 1 needs "
+        "`megatron_sequence_parallel: true` (Megatron-Core's MoE layer takes each tensor-parallel rank's "
+        "block of the sequence)"
+    )
     (error,) = moe_errors(build("mixtral"), inference_engine="native")
     assert "`inference_engine: native`: refractor's engine has no mixture-of-experts layers" in error
     raw = json.loads((build("qwen3-moe") / "config.json").read_text())

@@ -1,12 +1,15 @@
-"""``MegatronTrainer`` on mixture-of-experts models (CPU, gloo, float32): on 4 processes, the tied
-Qwen3-MoE as PP=2 x DP=2 with its experts split over EP=2, and Mixtral as DP=4 with its experts on
-every rank (EP=1) and split over EP=2 (each expert on 2 ranks), give the steps of one rank: the same
-loss, gradient norm and metrics, and after three steps (two minibatches in the second) the same
-exported HF weights (gathered over the EP ranks, and from the second stage); each layout's checkpoint
-resumes exactly. Mixtral's EP=2 layout in bf16 (bf16 tokens gathered to the experts, their outputs
-summed in float32) stays within 2e-2 of the float32 steps. Tokens reach the experts of other ranks
-through the all-gather dispatcher (``moe_layer.py``). (``test_moe`` holds one rank's forward and
-gradients to HF's.)"""
+"""``MegatronTrainer`` on mixture-of-experts models (CPU, gloo, float32), on 4 processes:
+
+* the tied Qwen3-MoE as PP=2 x DP=2, and as TP=2 x DP=2 with sequence parallelism (each TP rank routes
+  its block of the sequence, every expert split over TP), its experts split over EP=2;
+* Mixtral as DP=4 with its experts on every rank (EP=1) and split over EP=2 (each expert on 2 ranks);
+
+give the steps of one rank: the same loss, gradient norm and metrics, and after three steps (two
+minibatches in the second) the same exported HF weights (gathered over the EP ranks, and from the
+second stage); each layout's checkpoint resumes exactly. Mixtral's EP=2 layout in bf16 (bf16 tokens
+gathered to the experts, their outputs summed in float32) stays within 2e-2 of the float32 steps.
+Tokens reach the experts of other ranks through the all-gather dispatcher (``moe_layer.py``).
+(``test_moe`` holds one rank's forward and gradients to HF's.)"""
 
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ def _assert_same_steps(got: list[dict], expected: list[dict]) -> None:
             assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (step, key)
 
 
-@pytest.mark.parametrize("name, arch, ep", [(name, arch, ep) for name, arch, _, ep in MOE_LAYOUTS])
+@pytest.mark.parametrize("name, arch, ep", [(name, arch, ep) for name, arch, _, _, ep in MOE_LAYOUTS])
 def test_expert_parallel_steps_equal_one_rank(runs, name, arch, ep):
     one, layouts = runs
     run = layouts[name]

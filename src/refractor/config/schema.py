@@ -904,7 +904,8 @@ def _yaml(value: Any) -> str:
 def _megatron_errors(c: RefractorConfig) -> list[str]:
     """The layout's broken rules, then what refractor's Megatron trainer does not run (docs/megatron.md):
     the Transformer Engine layer spec (so FP8 and context parallelism), mixture-of-experts models
-    other than Qwen3-MoE / Mixtral (or with TP, or served by the native engine), and optimizer options
+    other than Qwen3-MoE / Mixtral (or with TP but no sequence parallelism, or served by the native
+    engine), and optimizer options
     beyond float32 AdamW on the trainer's device."""
     sizes = ParallelSizes(
         tensor=c.megatron_tensor_parallel_size,
@@ -931,7 +932,7 @@ def _megatron_errors(c: RefractorConfig) -> list[str]:
     if shape is not None and shape.moe_refusal:
         errors.append(shape.moe_refusal)
     elif shape is not None and shape.num_experts:
-        if c.megatron_tensor_parallel_size > 1:
+        if c.megatron_tensor_parallel_size > 1 and not c.megatron_sequence_parallel:
             errors.append(MOE_TENSOR_PARALLEL)
         if c.inference_engine == "native":
             errors.append(

@@ -19,12 +19,11 @@ CP_KEY = "`megatron_context_parallel_size`"
 EP_KEY = "`megatron_expert_parallel_size`"
 TE_KEY = "`megatron_use_transformer_engine: true`"
 TE_INSTALL = "pip install 'transformer-engine[pytorch]'"
-# Megatron-Core's MoE layer refuses to train under TP without its own sequence parallelism, whose
-# buffers are CUDA-only (``sequence_parallel.py``)
+# Megatron-Core's MoE layer takes each TP rank's block of the sequence (its dispatcher gathers the
+# tokens of the TP x EP ranks to the experts' TP shards): under TP it trains with sequence parallelism only
 MOE_TENSOR_PARALLEL = (
-    f"a mixture-of-experts model with {TP_KEY} > 1 is not built (Megatron-Core's MoE "
-    "layer trains under TP with its own sequence parallelism only): set it to 1 and split the experts with "
-    f"{EP_KEY}"
+    f"a mixture-of-experts model with {TP_KEY} > 1 needs `megatron_sequence_parallel: true` (Megatron-Core's "
+    "MoE layer takes each tensor-parallel rank's block of the sequence)"
 )
 
 

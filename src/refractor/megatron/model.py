@@ -112,9 +112,12 @@ def layer_spec(config: ModelConfig, sequence_parallel: bool = False):
     if sequence_parallel:
         from refractor.megatron.sequence_linears import SequenceColumnLinear, SequenceRowLinear
 
-        mlp = spec.submodules.mlp.submodules
-        attention.linear_qkv = mlp.linear_fc1 = SequenceColumnLinear
-        attention.linear_proj = mlp.linear_fc2 = SequenceRowLinear
+        attention.linear_qkv = SequenceColumnLinear
+        attention.linear_proj = SequenceRowLinear
+        if experts is None:  # the MoE layer's dispatcher gathers and scatters the sequence itself
+            mlp = spec.submodules.mlp.submodules
+            mlp.linear_fc1 = SequenceColumnLinear
+            mlp.linear_fc2 = SequenceRowLinear
     return spec
 
 
@@ -142,7 +145,7 @@ def build_gpt_model(
     layout.check(config)
     if sequence_parallel and layout.tensor_parallel == 1:
         raise ValueError("sequence parallelism splits the sequence among TP ranks: it needs TP > 1")
-    if config.moe is not None and layout.tensor_parallel > 1:
+    if config.moe is not None and layout.tensor_parallel > 1 and not sequence_parallel:
         raise UnsupportedModelError(MOE_TENSOR_PARALLEL)
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.embd = None
@@ -160,5 +163,5 @@ def build_gpt_model(
     if config.moe is not None:
         from refractor.megatron.moe_layer import use_every_device_dispatchers
 
-        use_every_device_dispatchers(model, groups)
+        use_every_device_dispatchers(model, groups, sequence_parallel)
     return model.to(dtype=params_dtype)

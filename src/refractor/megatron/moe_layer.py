@@ -9,16 +9,24 @@ Megatron-Core 0.16's MoE pieces assume CUDA where refractor's trainer runs on CP
   collectives allocate their outputs on the current CUDA device; and both gather equal token counts,
   where refractor's expert-parallel ranks (data-parallel replicas) hold rows of different lengths.
   ``EveryDeviceDispatcher`` (each MoE layer's, ``use_every_device_dispatchers``) is the ``allgather``
-  dispatcher whose two collectives are refractor's (``sequence_parallel.py``): every EP rank pads
-  its tokens to the longest rank's count, the ranks all-gather tokens, probabilities and routing
-  map, each rank's experts compute the tokens routed to them, and a reduce-scatter sums the
-  experts' outputs back to the ranks that hold the tokens (its backward all-gathers the gradient,
-  the gather's backward reduce-scatters it). Padding tokens are routed to no expert.
+  dispatcher whose two collectives are refractor's (``sequence_parallel.py``) over the TP x EP
+  ranks (Megatron-Core's ``tp_ep`` group): every rank pads its tokens to the longest rank's count,
+  the ranks all-gather tokens, probabilities and routing map, each rank's experts (its TP shard of
+  them) compute the tokens routed to them, and a reduce-scatter sums the experts' outputs (and the
+  TP shards' partial sums) back to the ranks that hold the tokens (its backward all-gathers the
+  gradient, the gather's backward reduce-scatters it). Padding tokens are routed to no expert.
+* Under TP the MoE layer takes each TP rank's block of the sequence, which refractor's sequence
+  parallelism gives it (``megatron_sequence_parallel``); Megatron-Core's MoE layer refuses to train
+  under TP unless its ``TransformerConfig`` says ``sequence_parallel``, which the rest of the model
+  must not see (its own sequence-parallel path is CUDA-only): each MoE layer gets a copy of the
+  config that says it.
 
 The experts are Megatron-Core's ``SequentialMLP`` (one gated MLP per local expert).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
@@ -43,37 +51,42 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class EveryDeviceDispatcher(MoEAllGatherTokenDispatcher):
-    """The all-gather dispatcher over the expert-parallel group with token counts that differ among the
-    ranks (module docstring); expert tensor parallelism is not built (TP = 1)."""
+    """The all-gather dispatcher over the TP x EP ranks with token counts that differ among the ranks
+    (module docstring)."""
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if self.ep_size == 1:
+        if self.tp_size == 1 and self.ep_size == 1:
             return hidden_states, probs
+        group = self.tp_ep_group
         self.local_tokens = hidden_states.shape[0]
         most = torch.tensor(self.local_tokens, device=hidden_states.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.ep_group)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
         rows = int(most)
         with torch.no_grad():
             routing = _pad_rows(self.routing_map.to(torch.uint8), rows)
-            self.routing_map = gather_sequence(routing, self.ep_group).bool()
-        probs = gather_sequence(_pad_rows(probs, rows), self.ep_group)
-        hidden_states = gather_sequence(_pad_rows(hidden_states, rows), self.ep_group)
+            self.routing_map = gather_sequence(routing, group).bool()
+        probs = gather_sequence(_pad_rows(probs, rows), group)
+        hidden_states = gather_sequence(_pad_rows(hidden_states, rows), group)
         return hidden_states, probs
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.ep_size == 1:
+        if self.tp_size == 1 and self.ep_size == 1:
             return hidden_states
         # summed in the probabilities' dtype (float32), as Megatron-Core's dispatcher sums
-        summed = reduce_scatter_sequence(hidden_states.to(self.local_probs.dtype), self.ep_group)
+        summed = reduce_scatter_sequence(hidden_states.to(self.local_probs.dtype), self.tp_ep_group)
         return summed[: self.local_tokens].to(hidden_states.dtype)
 
 
-def use_every_device_dispatchers(model: torch.nn.Module, groups) -> None:
+def use_every_device_dispatchers(model: torch.nn.Module, groups, sequence_parallel: bool) -> None:
     """Give each of ``model``'s MoE layers an ``EveryDeviceDispatcher`` over the process groups
     ``groups`` (a ``ProcessGroupCollection``: the layers' own), in place of the dispatcher its
-    ``TransformerConfig`` names."""
+    ``TransformerConfig`` names; with ``sequence_parallel`` (refractor's, under TP) a config that says
+    so (module docstring)."""
     for layer in model.modules():
         if isinstance(layer, MoELayer):
+            if sequence_parallel:
+                layer.config = copy.copy(layer.config)
+                layer.config.sequence_parallel = True
             layer.token_dispatcher = EveryDeviceDispatcher(
                 layer.num_local_experts, layer.local_expert_indices, config=layer.config, pg_collection=groups
             )
