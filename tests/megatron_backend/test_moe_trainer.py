@@ -23,7 +23,7 @@ from refractor.models.loading import iter_safetensors
 from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
 from ._models import build
 from ._moe_runs import BF16_MOE_LAYOUT, MOE_LAYOUTS, four_rank_moe_worker
-from ._trainer_runs import run_three_steps, settings
+from ._trainer_runs import batches, exported, run_three_steps, settings
 
 with warnings.catch_warnings():
     quiet_megatron()
@@ -93,3 +93,31 @@ def test_expert_parallel_bf16_steps_stay_near_the_float32_steps(runs):
         for key in ("loss", "grad_norm", "entropy"):
             assert got[key] == pytest.approx(want[key], rel=2e-2), (step, key)
     assert low["metrics"][0]["grad_norm"] != one[arch]["metrics"][0]["grad_norm"]  # it ran in bf16
+
+
+@pytest.mark.gpu
+def test_on_cuda_moe_bf16_steps_stay_near_float32_and_export_every_expert(tmp_path):
+    """One CUDA rank, Mixtral: the trainer's CUDA defaults (bf16 compute, rows concatenated into passes)
+    against the same steps in float32 on the GPU; the export holds every expert under its checkpoint
+    name."""
+    import torch.distributed as dist
+
+    from refractor.megatron import parallel
+    from refractor.megatron.trainer import MegatronTrainer
+
+    path = build("mixtral")
+    runs = {}
+    for name, dtype in (("bf16", "bfloat16"), ("fp32", None)):
+        trainer = MegatronTrainer(settings(path, "megatron", tmp_path / name, mixed_precision_dtype=dtype))
+        assert trainer.device.type == "cuda"
+        assert trainer.compute_dtype == (torch.bfloat16 if dtype else torch.float32)
+        runs[name] = {
+            "metrics": [trainer.train_step(batch).metrics for batch in batches(1)],
+            "export": exported(trainer),
+        }
+        parallel.stop()
+    dist.destroy_process_group()
+    for low, high in zip(runs["bf16"]["metrics"], runs["fp32"]["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "entropy"):
+            assert low[key] == pytest.approx(high[key], rel=2e-2), key
+    assert runs["bf16"]["export"].keys() == {name for name, _ in iter_safetensors(path)}

@@ -7,7 +7,8 @@ tensors in buckets on rank 0), ``save_checkpoint`` / ``load_checkpoint`` / ``may
 <checkpoint>`` work as for FSDP checkpoints), ``shutdown``.
 
 A rank holds its tensor-parallel shard of its pipeline stage of Megatron-Core's ``GPTModel`` (local
-layer spec), loaded from the HF weights through the mapping (``weights.WeightPlan``). The step
+layer spec), loaded from the HF weights through the mapping (``weights.WeightPlan``); of a
+mixture-of-experts model (``experts.py``) it holds its expert-parallel rank's experts. The step
 (``step.py``) runs the shared loss on a vocabulary-parallel head; AdamW is torch's on the local
 tensors (``optimizer.py``). Precision (``precision.py``): the model computes in
 ``mixed_precision_dtype`` (bfloat16 by default; null: float32) on CUDA, and in float32 on CPU unless
