@@ -13,6 +13,13 @@ Both trainers load one random-weight HF checkpoint (written once, before either 
 * ``megatron_bf16``: the Megatron trainer's defaults (bf16 compute over fp32 master weights, gradients
   and AdamW state; varlen FlashAttention; every layer recomputed), ``--tp`` / ``--pp`` / ``--cp`` as above.
 
+Mixture-of-experts shapes (``--size moe-tiny`` / ``moe-0.7b``, Qwen3-MoE) have no FSDP rows (refractor's
+own model has no experts): ``megatron_fp32`` / ``megatron_bf16`` run with the experts on every rank
+(EP=1), and with ``--ep N`` the rows ``megatron_ep_fp32`` / ``megatron_ep_bf16`` split them over N
+ranks (``megatron_expert_parallel_size``) on the same weights and batch, compared with the EP=1 rows
+(parity against issue 22's float32 tolerances, bf16 bounds as above, and the throughput ratio). Their MFU
+counts the active parameters (each token runs ``num_experts_per_tok`` of the experts).
+
 Per step: loss and grad norm of each row; the relative gaps of ``megatron_fp32`` against ``fsdp_fp32``
 with PASS / FAIL against issue 22's tolerances (loss 1e-4, grad norm 1e-3, relative), and of
 ``megatron_bf16`` against ``fsdp_bf16`` against loose bf16 bounds (2e-2 on both: two bf16
@@ -39,6 +46,10 @@ sequence parallelism (``megatron_sequence_parallel``) in the Megatron rows (``--
     BENCH_DEVICE=cpu PYTHONPATH=src:bench python bench/bench_megatron.py --size tiny
     BENCH_DEVICE=cpu PYTHONPATH=src:bench torchrun --nproc-per-node 2 bench/bench_megatron.py --size tiny \\
         --tp 2   # or --cp 2
+    # experts split over 2 ranks vs on both (EP=1), data parallelism 2 in both:
+    PYTHONPATH=src:bench torchrun --nproc-per-node 2 bench/bench_megatron.py --size moe-0.7b --ep 2
+    BENCH_DEVICE=cpu PYTHONPATH=src:bench torchrun --nproc-per-node 2 bench/bench_megatron.py \\
+        --size moe-tiny --ep 2 --warmup 1 --steps 1
 """
 
 from __future__ import annotations
@@ -63,19 +74,27 @@ ROWS = {
     "megatron_fp32": "Megatron-Core fp32",
     "fsdp_bf16": "FSDP2 default (bf16 compute, compiled, ckpt auto)",
     "megatron_bf16": "Megatron-Core default (bf16 compute, full recompute)",
+    "megatron_ep_fp32": "Megatron-Core fp32, experts split over --ep ranks",
+    "megatron_ep_bf16": "Megatron-Core default, experts split over --ep ranks",
 }
+FSDP_ROWS = ("fsdp_fp32", "fsdp_bf16")
+EP_ROWS = ("megatron_ep_fp32", "megatron_ep_bf16")
 # (row, its reference, loss rtol, grad norm rtol, what the bounds are): issue 22's float32 tolerances; bf16
 # rounding for two bf16 implementations
 PARITY = [
     ("megatron_fp32", "fsdp_fp32", 1e-4, 1e-3, "issue 22"),
     ("megatron_bf16", "fsdp_bf16", 2e-2, 2e-2, "bf16 rounding"),
+    ("megatron_ep_fp32", "megatron_fp32", 1e-4, 1e-3, "issue 22"),
+    ("megatron_ep_bf16", "megatron_bf16", 2e-2, 2e-2, "bf16 rounding"),
 ]
 
 
 def model_specs() -> dict:
     """``--size`` -> the shape of the random checkpoint: Qwen2.5-0.5B's, a Qwen2-shaped ~100M that runs
     in seconds on a GPU, and a tiny one for CPU dry runs (4 heads, 2 key/value heads and 4 layers, so TP=2
-    and PP=2 split it; vocabulary 600, padded by the Megatron trainer)."""
+    and PP=2 split it; vocabulary 600, padded by the Megatron trainer). Qwen3-MoE: ``moe-0.7b``, a
+    Qwen3-30B-A3B-like layer at a third of its width (32 experts of 512, 4 per token; ~0.7B parameters,
+    ~0.2B active) that trains on one GPU, and ``moe-tiny`` for CPU dry runs (4 experts, 2 per token)."""
     from refractor.testing import QWEN25_05B_SHAPE, TinyModelSpec
 
     small = replace(
@@ -97,7 +116,32 @@ def model_specs() -> dict:
         head_dim=32,
         vocab_size=600,
     )
-    return {"tiny": tiny, "100m": small, "0.5b": QWEN25_05B_SHAPE}
+    moe_tiny = replace(
+        tiny,
+        arch="qwen3_moe",
+        extra={
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+        },
+    )
+    moe = replace(
+        small,
+        arch="qwen3_moe",
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=False,
+        extra={
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 512,
+            "norm_topk_prob": True,
+        },
+    )
+    return {"tiny": tiny, "100m": small, "0.5b": QWEN25_05B_SHAPE, "moe-tiny": moe_tiny, "moe-0.7b": moe}
 
 
 def build_checkpoint(size: str, rank: int) -> Path:
@@ -111,16 +155,22 @@ def build_checkpoint(size: str, rank: int) -> Path:
     return build_tiny_model(spec)
 
 
-def count_parameters(model_dir: Path) -> int:
-    """N of the MFU: every tensor of the checkpoint (a tied head is not saved, so counted once)."""
+def count_parameters(model_dir: Path, active: bool = False) -> int:
+    """N of the MFU: every tensor of the checkpoint (a tied head is not saved, so counted once);
+    ``active``: an MoE model's experts counted at ``num_experts_per_tok / num_experts`` (what a token
+    runs)."""
     from safetensors import safe_open
 
-    total = 0
+    config = json.loads((model_dir / "config.json").read_text())
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    share = config["num_experts_per_tok"] / experts if active and experts else 1.0
+    total = 0.0
     for path in model_dir.glob("*.safetensors"):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                total += math.prod(f.get_slice(name).get_shape())
-    return total
+                size = math.prod(f.get_slice(name).get_shape())
+                total += size * share if ".experts." in name else size
+    return round(total)
 
 
 def peak_flops(world: int) -> float | None:
@@ -138,7 +188,14 @@ def synchronize() -> None:
 
 
 def row_settings(
-    row: str, model_dir: Path, tp: int, pp: int, learning_rate: float, sp: bool = False, cp: int = 1
+    row: str,
+    model_dir: Path,
+    tp: int,
+    pp: int,
+    learning_rate: float,
+    sp: bool = False,
+    cp: int = 1,
+    ep: int = 1,
 ):
     from refractor.trainer.settings import TrainerSettings
 
@@ -157,8 +214,9 @@ def row_settings(
             megatron_pipeline_parallel_size=pp,
             megatron_context_parallel_size=cp,
             megatron_sequence_parallel=sp,
+            megatron_expert_parallel_size=ep if row in EP_ROWS else 1,
         )
-        if row == "megatron_fp32":
+        if row.endswith("fp32"):
             keys.update(mixed_precision_dtype=None)
     return TrainerSettings.from_keys(**keys)
 
@@ -260,7 +318,7 @@ def print_reference(results: dict, size: str, path: str) -> None:
         if row in earlier["rows"]:
             ratio = entry["tok_s"] / earlier["rows"][row]["tok_s"]
             print(f"ratio {row} here / {row} of {label}: {ratio:.2f}x throughput")
-    for row in ("megatron_fp32", "megatron_bf16"):
+    for row in ("megatron_fp32", "megatron_bf16", *EP_ROWS):
         if row in results["rows"] and row in earlier["rows"]:
             first = results["rows"][row]["loss"][0]
             ref_first = earlier["rows"][row]["loss"][0]
@@ -279,13 +337,21 @@ def main() -> None:
     ap.add_argument(
         "--sp", action="store_true", help="megatron_sequence_parallel: true for the Megatron rows (--tp > 1)"
     )
+    ap.add_argument(
+        "--ep", type=int, default=1, help="megatron_expert_parallel_size of the megatron_ep rows (moe sizes)"
+    )
     ap.add_argument("--tokens", type=int, default=None, help="global tokens per step (default: 4 rows)")
-    ap.add_argument("--seq-len", type=int, default=None, help="packed row length (default 4096; tiny 256)")
+    ap.add_argument(
+        "--seq-len", type=int, default=None, help="packed row length (default 4096; the tiny sizes 256)"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="steps before the timed ones (compared too)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--learning-rate", type=float, default=1e-5)
     ap.add_argument(
-        "--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {', '.join(ROWS)}"
+        "--rows",
+        default=None,
+        help=f"comma-separated rows to run, of {', '.join(ROWS)} (default: the four of a dense --size; "
+        "the Megatron rows of an moe size, the megatron_ep ones with --ep > 1)",
     )
     ap.add_argument(
         "--reference",
@@ -314,31 +380,59 @@ def main() -> None:
         raise SystemExit(
             f"--tp {args.tp} x --pp {args.pp} x --cp {args.cp} does not divide the {world} ranks"
         )
+    moe = args.size.startswith("moe")
+    if args.ep > 1 and not moe:
+        raise SystemExit(f"--ep {args.ep} needs a mixture-of-experts --size (moe-tiny, moe-0.7b)")
+    if args.ep > 1 and args.cp > 1:
+        raise SystemExit("--ep with --cp: expert parallelism with context parallelism is not built")
+    if (world // (args.tp * args.pp)) % args.ep:
+        raise SystemExit(
+            f"--ep {args.ep} does not divide the {world // (args.tp * args.pp)} data-parallel ranks"
+        )
+    if moe:
+        default_rows = ["megatron_fp32", "megatron_bf16"] + (list(EP_ROWS) if args.ep > 1 else [])
+    else:
+        default_rows = [row for row in ROWS if row not in EP_ROWS]
+    picked = args.rows.split(",") if args.rows else default_rows
+    rows = [row for row in ROWS if row in picked]
+    unknown = set(picked) - set(ROWS)
+    if unknown or not rows:
+        raise SystemExit(f"--rows {args.rows}: pick from {', '.join(ROWS)}")
+    if moe and set(rows) & set(FSDP_ROWS):
+        raise SystemExit("the FSDP rows need a dense --size: refractor's own model has no experts")
+    if set(rows) & set(EP_ROWS) and args.ep == 1:
+        raise SystemExit("the megatron_ep rows need --ep > 1")
 
-    seq_len = args.seq_len or (256 if args.size == "tiny" else 4096)
+    seq_len = args.seq_len or (256 if args.size in ("tiny", "moe-tiny") else 4096)
     tokens = args.tokens or 4 * seq_len
     model_dir = build_checkpoint(args.size, info.rank)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     n_params = count_parameters(model_dir)
+    n_active = count_parameters(model_dir, active=True)
     samples = make_samples(max(1, tokens // seq_len), seq_len, vocab)
     real = sum(len(s.input_ids) for s in samples)
     peak = peak_flops(world)
     device_name = torch.cuda.get_device_name() if DEVICE != "cpu" else "CPU (gloo dry run)"
     dp_megatron = world // (args.tp * args.pp * args.cp)
     print(
-        f"device {world} x {device_name}, torch {torch.__version__}; Qwen2-shaped {args.size}: "
-        f"N={n_params / 1e6:.1f}M, {len(samples)} samples, {real} tokens per step in rows of {seq_len}"
+        f"device {world} x {device_name}, torch {torch.__version__}; "
+        f"{'Qwen3-MoE' if moe else 'Qwen2'}-shaped {args.size}: N={n_params / 1e6:.1f}M"
+        f"{f' ({n_active / 1e6:.1f}M active)' if moe else ''}, {len(samples)} samples, {real} tokens per "
+        f"step in rows of {seq_len}"
     )
-    print(
-        f"layouts: FSDP2 over {world} rank(s) (DP {world}); Megatron TP {args.tp} x PP {args.pp} x CP "
-        f"{args.cp} x DP {dp_megatron}{' with sequence parallelism' if args.sp else ''}. Parity pairs: "
-        "megatron_fp32 vs fsdp_fp32 (float32 on both), megatron_bf16 vs "
-        "fsdp_bf16 (each backend's default: bf16 compute, float32 master weights and reductions)"
-    )
-    rows = [row for row in ROWS if row in args.rows.split(",")]
-    unknown = set(args.rows.split(",")) - set(ROWS)
-    if unknown or not rows:
-        raise SystemExit(f"--rows {args.rows}: pick from {', '.join(ROWS)}")
+    megatron = f"Megatron TP {args.tp} x PP {args.pp} x CP {args.cp} x DP {dp_megatron}"
+    megatron += " with sequence parallelism" if args.sp else ""
+    if moe:
+        print(
+            f"layouts: {megatron}, the experts on every rank (EP 1) and split over EP {args.ep} ranks. "
+            "Parity pairs: megatron_ep_fp32 vs megatron_fp32, megatron_ep_bf16 vs megatron_bf16"
+        )
+    else:
+        print(
+            f"layouts: FSDP2 over {world} rank(s) (DP {world}); {megatron}. Parity pairs: megatron_fp32 vs "
+            "fsdp_fp32 (float32 on both), megatron_bf16 vs "
+            "fsdp_bf16 (each backend's default: bf16 compute, float32 master weights and reductions)"
+        )
     results: dict = {
         "size": args.size,
         "world": world,
@@ -346,14 +440,18 @@ def main() -> None:
         "pp": args.pp,
         "cp": args.cp,
         "sp": args.sp,
+        "ep": args.ep,
         "device": device_name,
         "n_params": n_params,
+        "n_active_params": n_active,
         "tokens": real,
         "seq_len": seq_len,
         "rows": {},
     }
     for row in rows:
-        settings = row_settings(row, model_dir, args.tp, args.pp, args.learning_rate, args.sp, args.cp)
+        settings = row_settings(
+            row, model_dir, args.tp, args.pp, args.learning_rate, args.sp, cp=args.cp, ep=args.ep
+        )
         batch = pack_train_batch(
             samples,
             step=0,
@@ -364,7 +462,7 @@ def main() -> None:
         )
         entry = run_row(settings, batch, args.warmup, args.steps, info.device)
         entry["tok_s"] = real / entry["time_s"]
-        entry["mfu"] = 6 * n_params * real / entry["time_s"] / peak if peak else None
+        entry["mfu"] = 6 * n_active * real / entry["time_s"] / peak if peak else None
         results["rows"][row] = entry
         mfu = f"MFU {100 * entry['mfu']:.1f}%" if entry["mfu"] is not None else "MFU n/a (CPU)"
         memory = (
@@ -375,7 +473,7 @@ def main() -> None:
             f"{entry['tok_s'] / 1e3:.2f}k tok/s, {mfu}, {memory} (build {entry['build_s']:.1f} s, "
             f"warm-up steps {[round(x, 2) for x in entry['first_steps_s']]} s)"
         )
-    if DEVICE == "cpu" and {"fsdp_bf16", "megatron_bf16"} & set(rows):
+    if DEVICE == "cpu" and {"fsdp_bf16", "megatron_bf16", "megatron_ep_bf16"} & set(rows):
         print(
             "(on CPU both trainers compute in float32: the bf16 rows run as the fp32 ones there, uncompiled)"
         )
@@ -393,6 +491,8 @@ def main() -> None:
         ("megatron_fp32", "fsdp_fp32"),
         ("megatron_fp32", "fsdp_bf16"),
         ("megatron_bf16", "megatron_fp32"),
+        ("megatron_ep_fp32", "megatron_fp32"),
+        ("megatron_ep_bf16", "megatron_bf16"),
     ):
         if ours in done and reference in done:
             ratio = done[ours]["tok_s"] / done[reference]["tok_s"]

@@ -14,6 +14,7 @@
 #   bash bench/device_pending.sh megatron                     # 1 GPU (megatron-core wheel in .whl/)
 #   bash bench/device_pending.sh megatron_tp2 megatron_pp2    # 2 GPUs (the same)
 #   bash bench/device_pending.sh megatron_cp2                 # 2 GPUs (the same; context parallelism)
+#   bash bench/device_pending.sh megatron_ep2                 # 2 GPUs (the same; Qwen3-MoE experts over EP=2)
 #   bash bench/device_pending.sh lora_sync                    # 1 GPU (LoRA adapter vs merged vs full push)
 #   bash bench/device_pending.sh rl_from_scratch              # 4 GPUs (Ray wheel without its jars, pyzmq)
 #   bash bench/device_pending.sh rl_from_scratch_1gpu         # 1 GPU, then rl_from_scratch_resume x 2-3
@@ -121,6 +122,9 @@ run_part() {
       [ -f "$OUT/megatron_cp2/bench_megatron.json" ] && cp2=(--reference "$OUT/megatron_cp2/bench_megatron.json")
       part megatron_cp1 300 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b \
         --seq-len 32768 --tokens 65536 --rows megatron_bf16 "${cp2[@]}" ;;
+    megatron_ep2)  # 2 GPUs: a Qwen3-MoE shape (32 experts, 4 per token) with its experts split over the two
+      # GPUs (EP=2) vs on both (EP=1), DP=2 in both, same weights and batch: parity and throughput
+      part megatron_ep2 480 torchrun --nproc-per-node 2 bench/bench_megatron.py --size moe-0.7b --ep 2 ;;
     lora_sync)  # 1 GPU: trainer and native server on one card (CUDA IPC); full, merged and adapter pushes of
       # LoRA rank 64, Qwen2.5-0.5B and 7B shapes; expected peak ~50 GB (7B: fp32 full trainer + bf16 server)
       part lora_sync 540 python bench/bench_weight_sync.py colocated --lora-rank 64 --sizes 0.5b,7b --repeats 5 ;;

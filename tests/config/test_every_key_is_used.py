@@ -49,7 +49,6 @@ _MEGATRON_VALIDATED = (
 READ_ELSEWHERE: dict[str, str] = {
     key: _MEGATRON_VALIDATED
     for key in (
-        "megatron_expert_parallel_size",
         "megatron_use_transformer_engine",
         "megatron_fp8",
     )

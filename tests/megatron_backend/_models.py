@@ -1,7 +1,9 @@
 """Tiny random checkpoints whose shapes split over TP=2 x PP=2: 4 query and 2 key/value heads, 4
 layers. Qwen2 is tied (and untied as "qwen2-untied"), with a vocabulary (600) that needs padding;
 Llama is untied, with Llama 3.1's RoPE scaling (the one megatron-core implements); Qwen3 has q/k
-norms (tied, and untied as "qwen3-untied"), and a vocabulary of 512."""
+norms (tied, and untied as "qwen3-untied"), and a vocabulary of 512. The mixture-of-experts models
+have 4 experts of 64 per layer, 2 per token: "qwen3-moe" (Qwen3-MoE, top-2 probabilities not
+renormalized, tied) and "mixtral" (renormalized, untied)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,16 @@ LLAMA31_ROPE = {
 }
 
 
+MOE_ARCHS = ("qwen3-moe", "mixtral")
+
+
 def build(arch: str):
     from refractor import testing
+
+    if arch == "qwen3-moe":
+        return testing.tiny_qwen3_moe(**SHAPE, extra={"norm_topk_prob": False})
+    if arch == "mixtral":
+        return testing.tiny_mixtral(**{**SHAPE, "intermediate_size": 64})
 
     if arch == "qwen2":
         return testing.tiny_qwen2(**SHAPE, vocab_size=600)

@@ -1,7 +1,8 @@
 """`train_backend: megatron` layouts are checked when the config loads: one line per broken rule naming
 the keys; a valid layout loads. What the Megatron trainer does not run (the Transformer Engine spec and
-mixture-of-experts models, master weights other than float32) is refused, and so are the optimizer's
-dtype keys without the precision-aware optimizer, one line naming the key."""
+mixture-of-experts models other than Qwen3-MoE / Mixtral or with TP but no sequence parallelism,
+master weights other than float32) is refused, and so are the optimizer's dtype keys without the
+precision-aware optimizer, one line naming the key."""
 
 from __future__ import annotations
 
@@ -123,15 +124,49 @@ def test_a_model_that_is_not_on_this_machine_is_checked_for_the_layout_alone():
         load_config(None, {**keys, TP: 2, "trainer_num_workers": 3})
 
 
-def test_a_mixture_of_experts_model_is_refused(tmp_path):
-    moe = {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2}
-    (tmp_path / "config.json").write_text(json.dumps({**moe, "num_hidden_layers": 2, "num_experts": 8}))
+def test_a_qwen3_moe_or_mixtral_model_loads_with_expert_parallelism():
+    for arch in ("qwen3-moe", "mixtral"):
+        keys = {**ENV, "model": str(build(arch)), "train_backend": "megatron", "trainer_num_workers": 4}
+        cfg = load_config(None, {**keys, EP: 2, PP: 2})
+        assert (cfg.megatron_expert_parallel_size, cfg.megatron_pipeline_parallel_size) == (2, 2)
+        cfg = load_config(None, {**keys, EP: 2, TP: 2, "megatron_sequence_parallel": True})
+        assert (cfg.megatron_expert_parallel_size, cfg.megatron_tensor_parallel_size) == (2, 2)
+
+
+def moe_errors(model, **keys) -> list[str]:
     with pytest.raises(ConfigError) as err:
-        load_config(None, {**ENV, "model": str(tmp_path), "train_backend": "megatron"})
-    (error,) = str(err.value).splitlines()
-    assert (
-        "this model has 8 experts (mixture-of-experts is not mapped yet): use `train_backend: fsdp`" in error
+        load_config(None, {**ENV, "model": str(model), "train_backend": "megatron", **keys})
+    return str(err.value).splitlines()
+
+
+def test_what_the_trainer_does_not_build_for_an_moe_model_is_refused_in_one_line(tmp_path):
+    (error,) = moe_errors(build("qwen3-moe"), **{TP: 2, "trainer_num_workers": 2})
+    assert error.endswith(
+        "a mixture-of-experts model with `megatron_tensor_parallel_size` > 1 needs "
+        "`megatron_sequence_parallel: true` (Megatron-Core's MoE layer takes each tensor-parallel rank's "
+        "block of the sequence)"
     )
+    (error,) = moe_errors(build("mixtral"), inference_engine="native")
+    assert "`inference_engine: native`: refractor's engine has no mixture-of-experts layers" in error
+    raw = json.loads((build("qwen3-moe") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "decoder_sparse_step": 2}))
+    (error,) = moe_errors(tmp_path)
+    assert "`decoder_sparse_step`: 2" in error and "every layer has experts" in error
+    qwen2_moe = {"architectures": ["Qwen2MoeForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**qwen2_moe, "num_hidden_layers": 2, "num_experts": 8}))
+    (error,) = moe_errors(tmp_path)
+    assert (
+        "`train_backend: megatron` maps the experts of Qwen3MoeForCausalLM, MixtralForCausalLM; this model "
+        "is Qwen2MoeForCausalLM: use `train_backend: fsdp`" in error
+    )
+
+
+def test_expert_parallel_rules_for_a_real_moe_model_name_the_keys():
+    """The tiny Qwen3-MoE has 4 experts: EP must divide them and the context x data parallel ranks."""
+    (error,) = moe_errors(build("qwen3-moe"), **{EP: 3, "trainer_num_workers": 3})
+    assert error.endswith("`megatron_expert_parallel_size` (3) must divide the model's expert count (4)")
+    (error,) = moe_errors(build("qwen3-moe"), **{EP: 4, PP: 2, "trainer_num_workers": 4})
+    assert "`megatron_expert_parallel_size` (4) must divide the context x data parallel ranks (2)" in error
 
 
 def test_sequence_parallel_is_off_unless_set():

@@ -430,6 +430,35 @@ def test_a_stop_signal_stops_everything_and_leaves_no_orphans(tmp_path, sig, aft
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_a_megatron_moe_run_trains_and_the_vllm_servers_sample_from_its_weights(tmp_path):
+    """A Qwen3-MoE model (4 experts, 2 per token) with ``train_backend: megatron``: refractor's engine has
+    no experts, so vLLM serves it; each step's rollouts come from the weights the trainer exported
+    (every expert under its checkpoint name), so the trainer's log-probs equal vLLM's."""
+    from refractor.testing import tiny_qwen3_moe
+
+    run_dir = run_training(
+        quick_cfg(
+            tmp_path,
+            model=str(tiny_qwen3_moe()),
+            number_of_steps=2,
+            max_async_rollout=0,
+            learning_rate=0.1,
+            entropy_coef=0.1,  # a gradient at every step, whatever the rewards
+            train_backend="megatron",
+            inference_engine="vllm",
+            deterministic_rollouts=True,
+        ),
+        quiet=True,
+    )
+    with RunReader(run_dir) as reader:
+        metrics = reader.step_metrics(["kl_divergence_inference", "grad_norm"])
+        assert reader.meta()["engine"] == "vllm"
+    assert len(metrics) == 2 and all(m["grad_norm"] > 0 for m in metrics)
+    assert all(m["kl_divergence_inference"] < 1e-3 for m in metrics), metrics
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_three_steps_with_the_vllm_cpu_engine(tmp_path):
     run_dir = run_training(
         quick_cfg(tmp_path, inference_engine="vllm", max_async_rollout=1, discard_group_zero_advantage=True),

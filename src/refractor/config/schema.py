@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from refractor.megatron.layout import (
+    MOE_TENSOR_PARALLEL,
     ParallelSizes,
     layout_errors,
     read_model_shape,
@@ -952,8 +953,9 @@ def _megatron_optimizer_errors(c: RefractorConfig) -> list[str]:
 
 def _megatron_errors(c: RefractorConfig) -> list[str]:
     """The layout's broken rules, then what refractor's Megatron trainer does not run (docs/megatron.md):
-    the Transformer Engine layer spec (so FP8), mixture-of-experts
-    models, and float16 master weights."""
+    the Transformer Engine layer spec (so FP8), mixture-of-experts models other than Qwen3-MoE /
+    Mixtral (or with TP but no sequence parallelism, or served by the native engine), and float16
+    master weights."""
     sizes = ParallelSizes(
         tensor=c.megatron_tensor_parallel_size,
         pipeline=c.megatron_pipeline_parallel_size,
@@ -976,11 +978,16 @@ def _megatron_errors(c: RefractorConfig) -> list[str]:
             "local layer spec only (the Transformer Engine spec, and with it FP8, is not built yet); set it "
             "to false"
         )
-    if shape is not None and shape.num_experts:
-        errors.append(
-            "`train_backend: megatron` maps dense Llama / Qwen2 / Qwen3 models; this model has "
-            f"{shape.num_experts} experts (mixture-of-experts is not mapped yet): use `train_backend: fsdp`"
-        )
+    if shape is not None and shape.moe_refusal:
+        errors.append(shape.moe_refusal)
+    elif shape is not None and shape.num_experts:
+        if c.megatron_tensor_parallel_size > 1 and not c.megatron_sequence_parallel:
+            errors.append(MOE_TENSOR_PARALLEL)
+        if c.inference_engine == "native":
+            errors.append(
+                "`inference_engine: native`: refractor's engine has no mixture-of-experts layers; serve "
+                "this model with `inference_engine: vllm` (or auto)"
+            )
     errors += _megatron_optimizer_errors(c)
     for key, (supported, reason) in _MEGATRON_UNBUILT.items():
         if getattr(c, key) != supported:

@@ -20,6 +20,12 @@ CP_KEY = "`megatron_context_parallel_size`"
 EP_KEY = "`megatron_expert_parallel_size`"
 TE_KEY = "`megatron_use_transformer_engine: true`"
 TE_INSTALL = "pip install 'transformer-engine[pytorch]'"
+# Megatron-Core's MoE layer takes each TP rank's block of the sequence (its dispatcher gathers the
+# tokens of the TP x EP ranks to the experts' TP shards): under TP it trains with sequence parallelism only
+MOE_TENSOR_PARALLEL = (
+    f"a mixture-of-experts model with {TP_KEY} > 1 needs `megatron_sequence_parallel: true` (Megatron-Core's "
+    "MoE layer takes each tensor-parallel rank's block of the sequence)"
+)
 
 
 @dataclass(frozen=True)
@@ -55,9 +61,12 @@ class ModelShape:
     num_key_value_heads: int
     num_hidden_layers: int
     num_experts: int = 0  # 0: a dense model
+    moe_refusal: str | None = None  # why the trainer does not train this MoE model (``experts.py``)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelShape:
+        from refractor.megatron.experts import moe_refusal
+
         heads = raw["num_attention_heads"]
         # Qwen2/3-MoE name the expert count num_experts, Mixtral num_local_experts
         experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
@@ -66,6 +75,7 @@ class ModelShape:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             num_hidden_layers=raw["num_hidden_layers"],
             num_experts=experts,
+            moe_refusal=moe_refusal(raw) if experts else None,
         )
 
 
@@ -106,6 +116,11 @@ def layout_errors(
         errors.append(
             f"{EP_KEY} ({sizes.expert}) must divide the context x data parallel ranks "
             f"({ranks // (sizes.tensor * sizes.pipeline)}): the experts are shared among them"
+        )
+    if sizes.expert > 1 and sizes.context > 1:
+        errors.append(
+            f"{EP_KEY} ({sizes.expert}) with {CP_KEY} ({sizes.context}): expert parallelism over "
+            "context-parallel ranks is not built; set one of them to 1"
         )
     if sizes.sequence_parallel and sizes.tensor == 1:
         errors.append(

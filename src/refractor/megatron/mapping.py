@@ -1,4 +1,5 @@
-"""HF <-> Megatron-Core GPT names and tensors for the dense Llama family (Llama, Qwen2/2.5, Qwen3).
+"""HF <-> Megatron-Core GPT names and tensors for the dense Llama family (Llama, Qwen2/2.5, Qwen3) and the
+mixture-of-experts Qwen3-MoE and Mixtral (``experts.py``).
 
 Both directions work on whole, unsharded tensors (``shards`` splits them among ranks):
 
@@ -10,6 +11,12 @@ Both directions work on whole, unsharded tensors (``shards`` splits them among r
 * Norms: Megatron-Core's local layer spec keeps them as modules of their own
   (``input_layernorm``, ``pre_mlp_layernorm``); the Transformer Engine spec fuses them into the next
   linear layer (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
+* Experts (each layer of an MoE model): the router ``mlp.router.weight`` is HF's ``<block>.gate.weight``;
+  expert ``e`` is ``mlp.experts.local_experts.<e>``, its ``linear_fc1`` ``[gate; up]`` and its
+  ``linear_fc2`` the down projection, as a dense MLP's (HF's ``<block>.experts.<e>.<gate/up/down>``,
+  the names ``save_pretrained`` writes: ``mlp`` and ``gate_proj / up_proj / down_proj`` for Qwen3-MoE,
+  ``block_sparse_moe`` and ``w1 / w3 / w2`` for Mixtral). The whole model numbers the experts
+  globally; an expert-parallel rank's model numbers its own from 0 (``shards``).
 * A tied model has no ``output_layer``: the head is the embedding (HF's ``lm_head.weight``, when a
   state dict carries it, is dropped; it is the same tensor).
 
@@ -46,6 +53,28 @@ _TOP_RENAMES = {
 QKV = "self_attention.linear_qkv"
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 FC1 = "mlp.linear_fc1.weight"
+FC2 = "mlp.linear_fc2.weight"
+ROUTER = "mlp.router.weight"
+_HF_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+
+
+def expert_name(expert: int, linear: str) -> str:
+    """Megatron name (inside ``decoder.layers.N``) of expert ``expert``'s ``linear_fc1`` / ``linear_fc2``."""
+    return f"mlp.experts.local_experts.{expert}.{linear}.weight"
+
+
+def _hf_expert(config: ModelConfig, expert: int, projection: int) -> str:
+    """HF name (inside ``model.layers.N``) of an expert's gate (0), up (1) or down (2) projection."""
+    moe = config.moe
+    return f"{moe.hf_block}.experts.{expert}.{moe.hf_projections[projection]}.weight"
+
+
+def _mlp_names(config: ModelConfig) -> list[str]:
+    if config.moe is None:
+        return [FC1, FC2]
+    experts = range(config.moe.num_experts)
+    return [ROUTER] + [expert_name(e, linear) for e in experts for linear in ("linear_fc1", "linear_fc2")]
 
 
 def _layer_renames(transformer_engine: bool) -> dict[str, str]:
@@ -55,7 +84,8 @@ def _layer_renames(transformer_engine: bool) -> dict[str, str]:
 
 def megatron_names(config: ModelConfig, *, transformer_engine: bool = False) -> list[str]:
     """Every tensor name of the whole model's Megatron-Core GPT state dict (``_extra_state`` aside)."""
-    per_layer = [QKV + ".weight", *_layer_renames(transformer_engine).values(), FC1]
+    renames = [n for n in _layer_renames(transformer_engine).values() if n != FC2]
+    per_layer = [QKV + ".weight", *renames, *_mlp_names(config)]
     if config.attention_bias:
         per_layer.append(QKV + ".bias")
     if not config.qk_norm:
@@ -107,12 +137,14 @@ def hf_to_megatron(
         if hf + "mlp.gate_proj.weight" in todo:
             gate, up = (_pop(todo, hf + f"mlp.{p}_proj.weight", "HF") for p in ("gate", "up"))
             out[mg + FC1] = torch.cat([gate, up])
+        if config.moe is not None:
+            out.update(_experts_to_megatron(todo, config, hf, mg))
     _check_complete(out, config, transformer_engine, "the HF state dict lacks the tensors of")
     if todo:
         names = ", ".join(f"`{n}`" for n in sorted(todo)[:4])
         raise UnsupportedModelError(
             f"{len(todo)} HF tensor(s) have no Megatron-Core GPT name ({names}): refractor maps the dense "
-            "Llama / Qwen2 / Qwen3 layers (biases on q/k/v only)"
+            "Llama / Qwen2 / Qwen3 layers (biases on q/k/v only) and the Qwen3-MoE / Mixtral experts"
         )
     return out
 
@@ -139,7 +171,61 @@ def megatron_param_to_hf(
     if rest == FC1:
         gate, up = tensor.chunk(2)
         return [(hf + "mlp.gate_proj.weight", gate), (hf + "mlp.up_proj.weight", up)]
+    if config.moe is not None:
+        return _expert_to_hf(rest, tensor, config, hf)
     return None
+
+
+def hf_expert_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """The HF names and shapes of every layer's router and experts (an MoE model's MLPs)."""
+    moe = config.moe
+    hidden = config.hidden_size
+    out = {}
+    for layer in range(config.num_hidden_layers):
+        hf = f"model.layers.{layer}."
+        out[hf + f"{moe.hf_block}.gate.weight"] = torch.Size([moe.num_experts, hidden])
+        for e in range(moe.num_experts):
+            for projection in (0, 1):
+                out[hf + _hf_expert(config, e, projection)] = torch.Size([moe.intermediate_size, hidden])
+            out[hf + _hf_expert(config, e, 2)] = torch.Size([hidden, moe.intermediate_size])
+    return out
+
+
+def renumber_hf_expert(name: str, offset: int) -> str:
+    """An HF expert tensor's name with its expert number moved by ``offset``; other names as they are."""
+    return _HF_EXPERT.sub(lambda m: f".experts.{int(m[1]) + offset}.", name)
+
+
+def _experts_to_megatron(
+    todo: dict[str, torch.Tensor], config: ModelConfig, hf: str, mg: str
+) -> dict[str, torch.Tensor]:
+    """One layer's router and experts (HF prefix ``hf``, Megatron prefix ``mg``), popped from ``todo``."""
+    out = {}
+    router = hf + f"{config.moe.hf_block}.gate.weight"
+    if router in todo:
+        out[mg + ROUTER] = todo.pop(router)
+    for e in range(config.moe.num_experts):
+        if hf + _hf_expert(config, e, 0) in todo:
+            gate, up = (_pop(todo, hf + _hf_expert(config, e, p), "HF") for p in (0, 1))
+            out[mg + expert_name(e, "linear_fc1")] = torch.cat([gate, up])
+        if hf + _hf_expert(config, e, 2) in todo:
+            out[mg + expert_name(e, "linear_fc2")] = todo.pop(hf + _hf_expert(config, e, 2))
+    return out
+
+
+def _expert_to_hf(
+    rest: str, tensor: torch.Tensor, config: ModelConfig, hf: str
+) -> list[tuple[str, torch.Tensor]] | None:
+    if rest == ROUTER:
+        return [(hf + f"{config.moe.hf_block}.gate.weight", tensor)]
+    match = EXPERT.fullmatch(rest)
+    if match is None:
+        return None
+    expert = int(match[1])
+    if match[2] == "linear_fc2":
+        return [(hf + _hf_expert(config, expert, 2), tensor)]
+    gate, up = tensor.chunk(2)
+    return [(hf + _hf_expert(config, expert, 0), gate), (hf + _hf_expert(config, expert, 1), up)]
 
 
 def megatron_to_hf(

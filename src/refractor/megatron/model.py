@@ -1,5 +1,7 @@
-"""Megatron-Core's GPTModel for an HF Llama / Qwen2 / Qwen3 config (needs the ``megatron`` extra): the
-local layer spec with refractor's packed attention as its core attention (``attention.py``).
+"""Megatron-Core's GPTModel for an HF Llama / Qwen2 / Qwen3 config, or a Qwen3-MoE / Mixtral one
+(``experts.py``; needs the ``megatron`` extra): the local layer spec with refractor's packed attention as
+its core attention (``attention.py``), and for a mixture-of-experts model Megatron-Core's MoE layer
+(``SequentialMLP`` experts, ``TopKRouter``) with the pieces that run on any device (``moe_layer.py``).
 
 The model takes the weights of ``shards.hf_to_shards`` for its rank. Megatron-Core's parallel state
 (``parallel_state.initialize_model_parallel``) must be set up first: the model reads its rank's
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from refractor.megatron.layout import MOE_TENSOR_PARALLEL
 from refractor.megatron.shards import MegatronLayout
 from refractor.models import ModelConfig, UnsupportedModelError
 
@@ -50,8 +53,11 @@ def transformer_config(config: ModelConfig, layout: MegatronLayout, params_dtype
     """
     from megatron.core.transformer import TransformerConfig
 
+    from refractor.megatron.experts import moe_arguments
+
     if config.mlp_bias:
         raise UnsupportedModelError("an MLP with biases has no Megatron-Core GPT mapping here (mlp_bias)")
+    moe = {} if config.moe is None else moe_arguments(config.moe, layout.expert_parallel)
     return TransformerConfig(
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
@@ -81,6 +87,7 @@ def transformer_config(config: ModelConfig, layout: MegatronLayout, params_dtype
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **moe,
     )
 
 
@@ -92,15 +99,25 @@ def layer_spec(config: ModelConfig, sequence_parallel: bool = False):
 
     from refractor.megatron.attention import PackedCoreAttention
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
+    experts = None if config.moe is None else config.moe.num_experts
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_norm, normalization="RMSNorm"
+    )
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = PackedCoreAttention
+    if experts is not None:
+        from refractor.megatron.moe_layer import Router
+
+        spec.submodules.mlp.submodules.router = Router
     if sequence_parallel:
         from refractor.megatron.sequence_linears import SequenceColumnLinear, SequenceRowLinear
 
-        mlp = spec.submodules.mlp.submodules
-        attention.linear_qkv = mlp.linear_fc1 = SequenceColumnLinear
-        attention.linear_proj = mlp.linear_fc2 = SequenceRowLinear
+        attention.linear_qkv = SequenceColumnLinear
+        attention.linear_proj = SequenceRowLinear
+        if experts is None:  # the MoE layer's dispatcher gathers and scatters the sequence itself
+            mlp = spec.submodules.mlp.submodules
+            mlp.linear_fc1 = SequenceColumnLinear
+            mlp.linear_fc2 = SequenceRowLinear
     return spec
 
 
@@ -128,6 +145,8 @@ def build_gpt_model(
     layout.check(config)
     if sequence_parallel and layout.tensor_parallel == 1:
         raise ValueError("sequence parallelism splits the sequence among TP ranks: it needs TP > 1")
+    if config.moe is not None and layout.tensor_parallel > 1 and not sequence_parallel:
+        raise UnsupportedModelError(MOE_TENSOR_PARALLEL)
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.embd = None
     model = GPTModel(
@@ -141,4 +160,8 @@ def build_gpt_model(
         pg_collection=groups,
         **_rope_arguments(config),
     )
+    if config.moe is not None:
+        from refractor.megatron.moe_layer import use_every_device_dispatchers
+
+        use_every_device_dispatchers(model, groups, sequence_parallel)
     return model.to(dtype=params_dtype)

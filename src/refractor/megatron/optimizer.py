@@ -10,7 +10,8 @@ then rounds them into the model's parameters when those are in a lower compute d
 ``distributed`` (``megatron_use_distributed_optimizer``): every parameter of the rank has one owner
 among the data-parallel replicas (balanced by size); a replica keeps AdamW state for the parameters
 it owns only, steps them, and broadcasts them to the other replicas. Gradients are already summed
-over the replicas, so every replica ends with the same weights as the undistributed update.
+over the replicas, so every replica ends with the same weights as the undistributed update. With
+expert parallelism the replicas hold different experts: each rank steps its own (``own_names``).
 
 ``moments`` (``megatron_use_precision_aware_optimizer``): the AdamW moments' storage dtypes
 (``adamw.py``). ``offload`` (``megatron_optimizer_cpu_offload``): a share of the owned parameters is
@@ -111,20 +112,24 @@ class MegatronOptimizer:
         distributed: bool,
         moments: MomentDtypes = MomentDtypes(),
         offload: Offload | None = None,
+        own_names: frozenset[str] = frozenset(),
     ):
+        """``own_names``: parameters that differ among the replicas (each EP rank's experts), which every
+        rank steps itself whether ``distributed`` or not."""
         self.weights = weights
         params = self.params = weights.master
         self.ranks = ranks
         replicas = ranks.data_size if distributed else 1
-        if replicas > len(params):
+        shared = [name for name in params if name not in own_names]
+        if replicas > max(len(shared), 1):
             raise ValueError(
                 f"`megatron_use_distributed_optimizer: true` with {replicas} data-parallel replicas needs "
-                f"as many parameters per rank; this rank holds {len(params)}: set it to false"
+                f"as many parameters per rank; this rank holds {len(shared)}: set it to false"
             )
-        owners = assign_owners([p.numel() for p in params.values()], replicas)
-        self.owners = dict(zip(params, owners, strict=True))
+        owners = assign_owners([params[name].numel() for name in shared], replicas)
+        self.owners = dict(zip(shared, owners, strict=True))
         mine = ranks.data_rank if replicas > 1 else 0
-        self.owned = {name: p for name, p in params.items() if self.owners[name] == mine}
+        self.owned = {name: p for name, p in params.items() if name in own_names or self.owners[name] == mine}
         self.replicas = replicas
         chosen = offloaded([p.numel() for p in self.owned.values()], offload.fraction if offload else 0.0)
         to_host = {name: p for (name, p), out in zip(self.owned.items(), chosen, strict=True) if out}

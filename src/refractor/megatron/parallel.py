@@ -4,7 +4,9 @@
 joined: NCCL on CUDA, gloo on CPU) in its default order: tensor-parallel ranks adjacent, then
 context-parallel, then data-parallel, then pipeline stages. The context-parallel ranks of a replica
 share its rows (``refractor.trainer.context_parallel``): they hold the same parameters and sum their
-gradients with the data-parallel replicas'. The RNG tracker that megatron-core's dropout and
+gradients with the data-parallel replicas'. A mixture-of-experts model's experts are shared among the
+``expert`` ranks of each TP rank's data-parallel ranks (EP ranks adjacent), each expert replicated on
+the ranks of its expert-data-parallel group. The RNG tracker that megatron-core's dropout and
 initialization fork is its inference tracker, which forks nothing: every dropout of the models built
 here is 0 and their weights are loaded, so there is no random state to track (the default tracker is
 CUDA-only and refuses a fork before a model-parallel seed is set).
@@ -39,7 +41,8 @@ def quiet_fallback_warnings() -> None:
 
 @dataclass(frozen=True)
 class MegatronRanks:
-    """This rank's coordinates in the TP x CP x DP x PP grid, its groups and its device."""
+    """This rank's coordinates in the TP x CP x DP x PP grid (and EP within DP), its groups and its
+    device."""
 
     tensor_rank: int
     tensor_size: int
@@ -57,6 +60,11 @@ class MegatronRanks:
     # the first and the last stage's ranks of this coordinate (a tied embedding lives on both);
     # None on a middle stage and with one stage
     embedding_group: dist.ProcessGroup | None
+    expert_rank: int
+    expert_size: int
+    expert_group: dist.ProcessGroup  # the EP ranks that share one copy of the experts
+    expert_data_rank: int
+    expert_data_group: dist.ProcessGroup  # the ranks that hold this rank's experts (their replicas)
     device: torch.device
 
     @property
@@ -96,6 +104,7 @@ def start(sizes: ParallelSizes, device: torch.device) -> MegatronRanks:
         tensor_model_parallel_size=sizes.tensor,
         pipeline_model_parallel_size=sizes.pipeline,
         context_parallel_size=sizes.context,
+        expert_model_parallel_size=sizes.expert,
         create_gloo_process_groups=False,
     )
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -118,6 +127,11 @@ def start(sizes: ParallelSizes, device: torch.device) -> MegatronRanks:
         model_group=ps.get_model_parallel_group(),
         stage_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
         embedding_group=ps.get_embedding_group(check_initialized=False) if stages > 1 else None,
+        expert_rank=ps.get_expert_model_parallel_rank(),
+        expert_size=sizes.expert,
+        expert_group=ps.get_expert_model_parallel_group(),
+        expert_data_rank=ps.get_expert_data_parallel_rank(),
+        expert_data_group=ps.get_expert_data_parallel_group(),
         device=device,
     )
 

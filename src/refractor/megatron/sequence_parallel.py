@@ -37,13 +37,15 @@ import torch
 import torch.distributed as dist
 
 # the parameters replicated over TP that see one sequence shard per rank, their gradients summed: the
-# norms, and the row-parallel linears' biases (added after the reduce-scatter) when a model has them
+# norms, the row-parallel linears' biases (added after the reduce-scatter) when a model has them, and
+# an MoE layer's router (each rank routes its own tokens)
 SEQUENCE_SUMMED = (
     "input_layernorm.weight",
     "pre_mlp_layernorm.weight",
     "final_layernorm.weight",
     "linear_proj.bias",
     "linear_fc2.bias",
+    "mlp.router.weight",
 )
 
 

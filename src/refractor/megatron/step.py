@@ -16,10 +16,12 @@ with the model split by tensor and pipeline parallelism and each row by context 
    flight at a time.
 4. Gradients are finalized: a tied head's copy on the last stage and the first stage's embedding sum
    their gradients; data-parallel replicas and CP ranks sum theirs (the loss is normalized by the global
-   token count, so gradients add up; a CP rank's gradient is that of its own tokens' log-probs). The
-   norm counts every element once (tensor-parallel duplicates, the replicated norms, and the tied copy
-   are left out of the sum), is clipped as the FSDP step clips, and AdamW steps unless the norm is not
-   finite (counted).
+   token count, so gradients add up; a CP rank's gradient is that of its own tokens' log-probs), an
+   expert's over the ranks that hold it (its expert-data-parallel group: each EP rank's expert already
+   has the gradient of every token its EP group routed to it). The norm counts every element once
+   (tensor-parallel duplicates, the replicated norms, and the tied copy are left out of the sum; each
+   EP rank's experts are counted), is clipped as the FSDP step clips, and AdamW steps unless the norm
+   is not finite (counted).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class StageModel:
     tensor_summed: tuple[torch.nn.Parameter, ...]  # replicated, each TP rank's gradient a share
     sequence_parallel: bool = False  # activations between the layers split along the sequence over TP
     grad_reduce_dtype: torch.dtype | None = None  # the data-parallel sum's dtype when not the gradients'
+    experts: tuple[torch.nn.Parameter, ...] = ()  # this EP rank's experts (MoE), apart from the rest
 
     def stage_tokens(self, mb: MicroBatch) -> int:
         """Tokens of the row that this rank's stages send each other."""
@@ -213,8 +216,12 @@ def finalize_gradients(stage: StageModel, params: list[torch.nn.Parameter]) -> N
         _sum_grads(stage.tensor_summed, ranks.tensor_group)
     if stage.tied_copy is not None:
         dist.all_reduce(stage.tied_copy.grad, group=ranks.embedding_group)
-    if ranks.data_size * ranks.context.size > 1:
-        _sum_grads(params, ranks.gradient_group, stage.grad_reduce_dtype)
+    experts = {id(p) for p in stage.experts}
+    shared = [p for p in params if id(p) not in experts]
+    if ranks.data_size * ranks.context.size > 1 and shared:
+        _sum_grads(shared, ranks.gradient_group, stage.grad_reduce_dtype)
+    if stage.experts and dist.get_world_size(ranks.expert_data_group) > 1:
+        _sum_grads(stage.experts, ranks.expert_data_group, stage.grad_reduce_dtype)
 
 
 def _sum_grads(params, group: dist.ProcessGroup, dtype: torch.dtype | None = None) -> None:
@@ -256,16 +263,28 @@ def norm_parameters(
     )
 
 
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares of ``grads``, each tensor's norm accumulated in float32 whatever its dtype."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)) ** 2
+
+
 def clip_gradients(stage: StageModel, params: list[torch.nn.Parameter], max_norm: float) -> float:
     """The model's total (pre-clip) gradient L2 norm, every element counted once; clips in place
     when ``max_norm > 0`` (scale ``max_norm / (norm + 1e-6)`` when below 1, as the FSDP step)."""
     grads = [p.grad for p in params]
-    counted = [p.grad for p in stage.norm_params]
+    experts = {id(p) for p in stage.experts}
+    counted = [p.grad for p in stage.norm_params if id(p) not in experts]
+    counted_experts = [p.grad for p in stage.norm_params if id(p) in experts]
     with torch.no_grad():
-        squared = torch.zeros((), dtype=torch.float32, device=stage.ranks.device)
-        if counted:  # each tensor's norm accumulated in float32, whatever the gradients' dtype
-            norms = torch._foreach_norm(counted, 2.0, dtype=torch.float32)
-            squared = torch.linalg.vector_norm(torch.stack(norms)) ** 2
+        squared = _squared_norm(counted, stage.ranks.device)
+        if stage.experts:  # each EP rank holds other experts
+            squared_experts = _squared_norm(counted_experts, stage.ranks.device)
+            if stage.ranks.expert_size > 1:
+                dist.all_reduce(squared_experts, group=stage.ranks.expert_group)
+            squared = squared + squared_experts
         if dist.get_world_size(stage.ranks.model_group) > 1:
             dist.all_reduce(squared, group=stage.ranks.model_group)
         norm = squared.sqrt()

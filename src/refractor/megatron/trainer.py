@@ -8,7 +8,8 @@ tensors in buckets on rank 0), ``save_checkpoint`` / ``load_checkpoint`` / ``may
 
 A rank holds its tensor-parallel shard of its pipeline stage of Megatron-Core's ``GPTModel`` (local
 layer spec), loaded from the HF weights through the mapping (``weights.WeightPlan``); with context
-parallelism it runs its share of every row (``forward.py``). The step
+parallelism it runs its share of every row (``forward.py``); of a mixture-of-experts model
+(``experts.py``) it holds its expert-parallel rank's experts. The step
 (``step.py``) runs the shared loss on a vocabulary-parallel head; AdamW is torch's on the local
 tensors (``optimizer.py``). Precision (``precision.py``): the model computes in
 ``mixed_precision_dtype`` (bfloat16 by default; null: float32) on CUDA, and in float32 on CPU unless
@@ -35,21 +36,20 @@ import torch
 import torch.distributed as dist
 
 from refractor.megatron import parallel
+from refractor.megatron.experts import model_config
 from refractor.megatron.layout import ParallelSizes
 from refractor.megatron.optimizer import MegatronOptimizer, Offload, grad_reduce_dtype, optimizer_precision
 from refractor.megatron.precision import MASTER_DTYPE, MasterWeights
-from refractor.megatron.shards import EMBEDDING, OUTPUT, MegatronLayout
+from refractor.megatron.shards import EMBEDDING, OUTPUT, MegatronLayout, is_expert
 from refractor.megatron.step import StageModel, norm_parameters, run_step, tensor_summed_parameters
 from refractor.megatron.weights import (
     WeightBucket,
     WeightPlan,
     export_buckets,
     gather_bucket,
-    hf_shapes,
     read_safetensors,
     unpack,
 )
-from refractor.models import ModelConfig
 from refractor.records import TrainBatch
 from refractor.trainer import checkpoint as ckpt
 from refractor.trainer.distributed import init_distributed
@@ -100,6 +100,7 @@ class MegatronTrainer(StepLoop):
             tensor=mg.megatron_tensor_parallel_size,
             pipeline=mg.megatron_pipeline_parallel_size,
             context=mg.megatron_context_parallel_size,
+            expert=mg.megatron_expert_parallel_size,
             sequence_parallel=mg.megatron_sequence_parallel,
         )
         if sizes.sequence_parallel and sizes.tensor == 1:
@@ -112,6 +113,12 @@ class MegatronTrainer(StepLoop):
                 f"{self.world_size} trainer ranks do not split into TP {sizes.tensor} x PP {sizes.pipeline} "
                 f"x CP {sizes.context} model replicas"
             )
+        if sizes.data_parallel(self.world_size) % sizes.expert:
+            raise ValueError(
+                f"`megatron_expert_parallel_size` ({sizes.expert}) must divide the "
+                f"{sizes.data_parallel(self.world_size)} data-parallel ranks: the experts are shared "
+                "among them"
+            )
         self.ranks = parallel.start(sizes, self.device)
         self.dp_size = self.ranks.data_size
         self.dp_rank = self.ranks.data_rank
@@ -119,8 +126,10 @@ class MegatronTrainer(StepLoop):
         source, init_checkpoint = _model_source(settings.model)
         self.model_dir = source
         self.hf_config = json.loads((source / "config.json").read_text())
-        self.config = ModelConfig.from_hf(self.hf_config)
-        self.layout = MegatronLayout(tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline)
+        self.config = model_config(self.hf_config)
+        self.layout = MegatronLayout(
+            tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline, expert_parallel=sizes.expert
+        )
         self.plan = WeightPlan.build(self.hf_config, self.layout)
         from refractor.megatron.model import build_gpt_model
 
@@ -135,7 +144,7 @@ class MegatronTrainer(StepLoop):
         self.params = self.weights.master  # what AdamW steps, the export and checkpoints read
         grads = self.weights.grads  # what holds the gradients the step reduces and clips
         stage = self.ranks.pipeline_rank
-        names = self.plan.needed_hf_names(stage)
+        names = self.plan.needed_hf_names(stage, self.ranks.expert_rank)
         if init_checkpoint is None:
             hf = read_safetensors(source, names)
         else:  # a refractor checkpoint's weights (HF names) as the initial weights
@@ -150,6 +159,7 @@ class MegatronTrainer(StepLoop):
             offload = Offload(
                 mg.megatron_optimizer_offload_fraction, mg.megatron_overlap_cpu_optimizer_d2h_h2d
             )
+        self.expert_names = frozenset(name for name in self.params if is_expert(name))
         self.optimizer = MegatronOptimizer(
             self.weights,
             optimizer.learning_rate,
@@ -158,6 +168,7 @@ class MegatronTrainer(StepLoop):
             distributed=mg.megatron_use_distributed_optimizer,
             moments=self.moment_dtypes,
             offload=offload,
+            own_names=self.expert_names if sizes.expert > 1 else frozenset(),
         )
         self.scheduler = build_lr_scheduler(self.optimizer.adamw, optimizer.schedule)
         self.loss_settings = settings.loss
@@ -189,14 +200,16 @@ class MegatronTrainer(StepLoop):
             norm_parameters(grads, self.ranks, tied_copy),
             tensor_summed_parameters(grads, sizes.sequence_parallel),
             sizes.sequence_parallel,
-            grad_reduce_dtype=grad_reduce_dtype(mg, grads, self.compute_dtype),
+            grad_reduce_dtype(mg, grads, self.compute_dtype),
+            tuple(grads[name] for name in sorted(self.expert_names)),
         )
         self._step = 0
         self.skipped_updates = 0
         log.info(
-            "megatron trainer rank %d/%d on %s: TP %d x PP %d x CP %d x DP %d (stage %d, TP rank %d), "
-            "sequence parallelism %s, compute in %s (master weights float32, gradients %s, AdamW moments "
-            "%s / %s), layer recompute %s, AdamW state %s, %d of %d owned parameters stepped on the host",
+            "megatron trainer rank %d/%d on %s: TP %d x PP %d x CP %d x DP %d, EP %d (stage %d, TP rank "
+            "%d), sequence parallelism %s, compute in %s (master weights float32, gradients %s, AdamW "
+            "moments %s / %s), layer recompute %s, AdamW state %s, %d of %d owned parameters stepped on "
+            "the host",
             self.rank,
             self.world_size,
             self.device,
@@ -204,6 +217,7 @@ class MegatronTrainer(StepLoop):
             sizes.pipeline,
             sizes.context,
             self.dp_size,
+            sizes.expert,
             stage,
             self.ranks.tensor_rank,
             sizes.sequence_parallel,
@@ -218,7 +232,8 @@ class MegatronTrainer(StepLoop):
         )
 
     def _load_hf(self, hf: Mapping[str, torch.Tensor]) -> None:
-        state = self.plan.stage_state(hf, self.ranks.pipeline_rank, self.ranks.tensor_rank)
+        ranks = self.ranks
+        state = self.plan.stage_state(hf, ranks.pipeline_rank, ranks.tensor_rank, ranks.expert_rank)
         self.model.load_state_dict(state, strict=True)
         self.weights.load(state)
 
@@ -271,21 +286,21 @@ class MegatronTrainer(StepLoop):
     def _stage_hf_weights(self) -> dict[str, torch.Tensor]:
         """This stage's weights as whole HF tensors on its first replica's first TP rank ({} elsewhere)."""
         out: dict[str, torch.Tensor] = {}
-        if not self.ranks.is_first_replica:
-            return out
         for stage, tensors in self.plan.buckets(
             self.settings.weight_broadcast_bucket_mb * 2**20, self.master_dtype
         ):
-            if stage != self.ranks.pipeline_rank:
+            if stage != self.ranks.pipeline_rank or not self.plan.gathered_by(self.ranks, tensors):
                 continue
             flat = gather_bucket(tensors, self.params, self.plan, self.ranks, None)
-            if flat is not None:
-                out.update(unpack(flat, hf_shapes(tensors)))
+            if flat is not None and self.ranks.is_first_replica:
+                out.update(unpack(flat, self.plan.hf_shapes(tensors)))
         return out
 
     def _optimizer_key(self, name: str) -> str:
-        """Optimizer state is saved per shard: its stage, its TP rank, its name in the stage's model."""
-        return f"pp{self.ranks.pipeline_rank}.tp{self.ranks.tensor_rank}.{name}"
+        """Optimizer state is saved per shard: its stage, its TP rank, (an expert's) its EP rank, its name
+        in the stage's model."""
+        expert = f"ep{self.ranks.expert_rank}." if name in self.expert_names else ""
+        return f"pp{self.ranks.pipeline_rank}.tp{self.ranks.tensor_rank}.{expert}{name}"
 
     def _checkpoint_state(self, training_state: bool) -> dict[str, Any]:
         state: dict[str, Any] = {"model": self._stage_hf_weights(), "trainer": {"step": self._step}}
@@ -296,10 +311,13 @@ class MegatronTrainer(StepLoop):
         return state
 
     def _layout_meta(self) -> dict[str, int]:
-        return {
+        meta = {
             "tensor_parallel": self.layout.tensor_parallel,
             "pipeline_parallel": self.layout.pipeline_parallel,
         }
+        if self.layout.expert_parallel > 1:
+            meta["expert_parallel"] = self.layout.expert_parallel
+        return meta
 
     def _moments_meta(self) -> dict[str, str]:
         return {
@@ -372,7 +390,9 @@ class MegatronTrainer(StepLoop):
                 f"saved, or start a new run from its weights with `model: {path}`"
             )
         state = {
-            "model": self._empty_hf(self.plan.needed_hf_names(self.ranks.pipeline_rank)),
+            "model": self._empty_hf(
+                self.plan.needed_hf_names(self.ranks.pipeline_rank, self.ranks.expert_rank)
+            ),
             "optimizer": {self._optimizer_key(n): s for n, s in self.optimizer.state().items()},
             "scheduler": self.scheduler.state_dict(),
             "trainer": {"step": 0, "skipped_updates": 0},

@@ -11,6 +11,10 @@ each tensor-parallel rank's shard and the HF tensors it becomes. Planning runs t
   tensor-parallel ranks all-gather their shards in one flat buffer, and the stage's first TP rank
   merges them (``merge_tensor``) into whole HF tensors. A tied head's copy on the last stage is left
   out (the first stage's embedding is the tensor).
+* Experts (expert parallelism): the plan lists the experts of EP rank 0 (numbered from 0, as every EP
+  rank's model numbers its own); EP rank ``r``'s are the same tensors of experts ``r E/p`` on. A
+  bucket holds either experts or other tensors: an expert bucket is gathered by the EP ranks of the
+  first expert replica, whose first TP ranks all-gather their merged tensors (EP rank order).
 """
 
 from __future__ import annotations
@@ -23,15 +27,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from refractor.megatron.mapping import hf_to_megatron, megatron_param_to_hf
+from refractor.megatron.experts import dense_view, model_config
+from refractor.megatron.mapping import (
+    hf_expert_shapes,
+    hf_to_megatron,
+    megatron_param_to_hf,
+    renumber_hf_expert,
+)
 from refractor.megatron.parallel import MegatronRanks
 from refractor.megatron.shards import (
     EMBEDDING,
     FINAL_NORM,
     OUTPUT,
     MegatronLayout,
+    expert_state,
+    experts_per_rank,
     global_name,
     hf_to_shards,
+    is_expert,
     merge_tensor,
     to_shards,
 )
@@ -47,6 +60,7 @@ class PlannedTensor:
     shard_shape: torch.Size  # every tensor-parallel rank's shard
     hf: tuple[tuple[str, torch.Size], ...]  # the HF tensors it becomes
     duplicate: bool = False  # a tied head's copy of the embedding on the last stage
+    expert: bool = False  # an expert's (EP rank 0's expert; each EP rank holds its own)
 
     @property
     def shard_numel(self) -> int:
@@ -54,7 +68,8 @@ class PlannedTensor:
 
 
 def _order(name: str) -> tuple:
-    """A stage's parameters in the model's order: embedding, layers, final norm, head."""
+    """A stage's parameters in the model's order: embedding, layers, final norm, head; the experts of
+    the layers after them (expert buckets are gathered apart)."""
     if name == EMBEDDING:
         return (0,)
     if name == FINAL_NORM:
@@ -62,15 +77,23 @@ def _order(name: str) -> tuple:
     if name == OUTPUT:
         return (3,)
     layer, rest = name.removeprefix("decoder.layers.").split(".", 1)
-    return (1, int(layer), rest)
+    return (4 if is_expert(name) else 1, int(layer), rest)
 
 
 def hf_skeleton(hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Every HF tensor of the model as a meta tensor (names and shapes, no memory)."""
+    """Every HF tensor of the model as a meta tensor (names and shapes, no memory): refractor's model
+    of the architecture (an MoE model's dense counterpart, its MLPs replaced by the router and
+    experts)."""
     from refractor.models import build_model
 
+    raw = dict(hf_config)
     with torch.device("meta"):
-        return dict(build_model(dict(hf_config)).state_dict())
+        skeleton = dict(build_model(dense_view(raw)).state_dict())
+    config = model_config(raw)
+    if config.moe is None:
+        return skeleton
+    skeleton = {name: t for name, t in skeleton.items() if ".mlp." not in name}
+    return {**skeleton, **{n: torch.empty(s, device="meta") for n, s in hf_expert_shapes(config).items()}}
 
 
 @dataclass(frozen=True)
@@ -82,11 +105,11 @@ class WeightPlan:
 
     @classmethod
     def build(cls, hf_config: Mapping[str, Any], layout: MegatronLayout) -> WeightPlan:
-        config = ModelConfig.from_hf(dict(hf_config))
+        config = model_config(dict(hf_config))
         skeleton = hf_skeleton(hf_config)
         whole = hf_to_megatron(skeleton, config, transformer_engine=layout.transformer_engine)
         stages = []
-        for stage, ranks in enumerate(to_shards(whole, config, layout)):
+        for stage, ranks in enumerate(to_shards(expert_state(whole, config, layout, 0), config, layout)):
             first_layer = layout.stage_layers(config, stage).start
             planned = []
             for local in sorted(ranks[0], key=_order):
@@ -95,32 +118,50 @@ class WeightPlan:
                 hf = megatron_param_to_hf(
                     source, whole[source], config, transformer_engine=layout.transformer_engine
                 )
-                planned.append(
-                    PlannedTensor(
-                        local, source, ranks[0][local].shape, tuple((n, t.shape) for n, t in hf), duplicate
-                    )
-                )
+                shapes = tuple((n, t.shape) for n, t in hf)
+                shard = ranks[0][local].shape
+                planned.append(PlannedTensor(local, source, shard, shapes, duplicate, is_expert(local)))
             stages.append(tuple(planned))
         return cls(config, layout, skeleton, tuple(stages))
 
-    def needed_hf_names(self, stage: int) -> list[str]:
-        """The HF tensors the stage's shards are made of."""
-        return [name for planned in self.stages[stage] for name, _ in planned.hf]
+    def hf_of(self, tensor: PlannedTensor, expert_rank: int) -> list[tuple[str, torch.Size]]:
+        """The HF tensors that ``tensor`` becomes on EP rank ``expert_rank``."""
+        if not tensor.expert:
+            return list(tensor.hf)
+        offset = expert_rank * experts_per_rank(self.config, self.layout)
+        return [(renumber_hf_expert(name, offset), shape) for name, shape in tensor.hf]
+
+    def hf_shapes(self, tensors: list[PlannedTensor]) -> list[tuple[str, torch.Size]]:
+        """The HF tensors of a bucket in ``gather_bucket``'s order: an expert bucket's for each EP rank."""
+        ranks = range(self.layout.expert_parallel if tensors[0].expert else 1)
+        return [shape for rank in ranks for t in tensors for shape in self.hf_of(t, rank)]
+
+    def gathered_by(self, ranks: MegatronRanks, tensors: list[PlannedTensor]) -> bool:
+        """Whether this rank takes part in gathering a bucket of its stage: the first replica's first CP
+        rank's ranks, for experts the first expert replica's (every EP rank of the first replica's
+        group)."""
+        return ranks.expert_data_rank == 0 if tensors[0].expert else ranks.is_first_replica
+
+    def needed_hf_names(self, stage: int, expert_rank: int = 0) -> list[str]:
+        """The HF tensors the stage's shards on EP rank ``expert_rank`` are made of."""
+        return [name for planned in self.stages[stage] for name, _ in self.hf_of(planned, expert_rank)]
 
     def stage_state(
-        self, hf_tensors: Mapping[str, torch.Tensor], stage: int, tensor_rank: int
+        self, hf_tensors: Mapping[str, torch.Tensor], stage: int, tensor_rank: int, expert_rank: int = 0
     ) -> dict[str, torch.Tensor]:
-        """The state dict of the stage's GPTModel on ``tensor_rank`` from (at least) the stage's HF
-        tensors."""
-        missing = sorted(set(self.needed_hf_names(stage)) - hf_tensors.keys())
+        """The state dict of the stage's GPTModel on ``tensor_rank`` of EP rank ``expert_rank`` from (at
+        least) its HF tensors."""
+        needed = self.needed_hf_names(stage, expert_rank)
+        missing = sorted(set(needed) - hf_tensors.keys())
         if missing:
             raise KeyError(f"the HF weights lack {', '.join(f'`{n}`' for n in missing[:4])}")
-        whole = {**self.skeleton, **{n: hf_tensors[n] for n in self.needed_hf_names(stage)}}
-        return hf_to_shards(whole, self.config, self.layout)[stage][tensor_rank]
+        whole = {**self.skeleton, **{n: hf_tensors[n] for n in needed}}
+        return hf_to_shards(whole, self.config, self.layout, expert_rank)[stage][tensor_rank]
 
     def buckets(self, bucket_bytes: int, dtype: torch.dtype) -> list[tuple[int, list[PlannedTensor]]]:
         """(stage, tensors) buckets of at most ``bucket_bytes`` HF bytes in ``dtype`` (a larger tensor
-        is a bucket of its own); a bucket holds one stage's tensors, in the model's order."""
+        is a bucket of its own; an expert's counts once per EP rank); a bucket holds one stage's
+        tensors, in the model's order, experts or other tensors."""
         out: list[tuple[int, list[PlannedTensor]]] = []
         for stage, planned in enumerate(self.stages):
             current: list[PlannedTensor] = []
@@ -128,8 +169,9 @@ class WeightPlan:
             for tensor in planned:
                 if tensor.duplicate:
                     continue
-                nbytes = sum(shape.numel() for _, shape in tensor.hf) * dtype.itemsize
-                if current and size + nbytes > bucket_bytes:
+                copies = self.layout.expert_parallel if tensor.expert else 1
+                nbytes = sum(shape.numel() for _, shape in tensor.hf) * dtype.itemsize * copies
+                if current and (size + nbytes > bucket_bytes or current[-1].expert != tensor.expert):
                     out.append((stage, current))
                     current, size = [], 0
                 current.append(tensor)
@@ -160,8 +202,9 @@ def gather_bucket(
     dtype: torch.dtype | None,
 ) -> torch.Tensor | None:
     """The bucket's whole HF tensors (in ``dtype``, default the parameters'), back to back in one flat
-    buffer, on the stage's first TP rank (``unpack`` cuts them out); the other TP ranks take part in
-    the all-gather and get None."""
+    buffer, on the stage's first TP rank (``unpack`` cuts them out with ``plan.hf_shapes``); the other
+    TP ranks take part in the all-gather and get None. An expert bucket: on every EP rank of the group
+    (``plan.gathered_by``), each EP rank's experts in turn."""
     target = dtype or params[tensors[0].local].dtype
     flat = torch.cat([params[t.local].detach().reshape(-1).to(target) for t in tensors])
     if ranks.tensor_size > 1:
@@ -181,11 +224,12 @@ def gather_bucket(
             t.source, merged, plan.config, transformer_engine=plan.layout.transformer_engine
         )
         whole += [tensor.reshape(-1) for _, tensor in hf]
-    return torch.cat(whole)
-
-
-def hf_shapes(tensors: list[PlannedTensor]) -> list[tuple[str, torch.Size]]:
-    return [(name, shape) for t in tensors for name, shape in t.hf]
+    merged = torch.cat(whole)
+    if tensors[0].expert and ranks.expert_size > 1:
+        experts = merged.new_empty(ranks.expert_size, merged.numel())
+        dist.all_gather(list(experts.unbind(0)), merged, group=ranks.expert_group)
+        merged = experts.reshape(-1)
+    return merged
 
 
 def unpack(flat: torch.Tensor, shapes: list[tuple[str, torch.Size]]) -> WeightBucket:
@@ -211,14 +255,15 @@ def export_buckets(
     lead_of_stage = ranks.is_first_replica and ranks.tensor_rank == 0
     for stage, tensors in plan.buckets(bucket_bytes, dtype):
         flat = None
-        if ranks.is_first_replica and stage == ranks.pipeline_rank:
+        shapes = plan.hf_shapes(tensors)
+        if stage == ranks.pipeline_rank and plan.gathered_by(ranks, tensors):
             flat = gather_bucket(tensors, params, plan, ranks, dtype)
-            if stage != 0 and lead_of_stage:
+            if not lead_of_stage:
+                flat = None
+            elif stage != 0:
                 dist.send(flat, dst=0)
                 flat = None
         elif dist.get_rank() == 0:
-            flat = torch.empty(
-                sum(s.numel() for _, s in hf_shapes(tensors)), dtype=dtype, device=ranks.device
-            )
+            flat = torch.empty(sum(s.numel() for _, s in shapes), dtype=dtype, device=ranks.device)
             dist.recv(flat, src=ranks.stage_ranks[stage])
-        yield [] if flat is None else unpack(flat, hf_shapes(tensors))
+        yield [] if flat is None else unpack(flat, shapes)

@@ -27,6 +27,19 @@ class UnsupportedModelError(RefractorUserError, ValueError):
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The experts of a mixture-of-experts decoder (every layer's MLP is its router and experts).
+    refractor's native model has no experts; the Megatron trainer reads them (``megatron/experts.py``)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of each expert's gated MLP
+    normalize_top_k: bool  # the top-k probabilities renormalized to sum to 1
+    hf_block: str  # the HF layer's module holding the router (``gate``) and the experts
+    hf_projections: tuple[str, str, str]  # each HF expert's (gate, up, down) linear names
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -45,6 +58,7 @@ class ModelConfig:
     rope: dict[str, Any] = field(default_factory=dict)  # rope_type, rope_theta + the type's keys
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    moe: MoeConfig | None = None  # set by the Megatron trainer's reader only (``megatron/experts.py``)
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -8,8 +8,10 @@ from refractor.testing.tiny_models import (
     build_tokenizer,
     qwen25_shaped,
     tiny_llama,
+    tiny_mixtral,
     tiny_qwen2,
     tiny_qwen3,
+    tiny_qwen3_moe,
 )
 
 # the control token of servers that tests and benchmarks start (a real run makes a fresh one)
@@ -26,4 +28,6 @@ __all__ = [
     "tiny_llama",
     "tiny_qwen2",
     "tiny_qwen3",
+    "tiny_qwen3_moe",
+    "tiny_mixtral",
 ]

@@ -268,3 +268,19 @@ def qwen25_shaped(size: str = "0.5b", *, with_weights: bool = True) -> Path:
         "7b": QWEN25_7B_SHAPE,
     }[size.lower()]
     return build_tiny_model(spec, with_weights=with_weights)
+
+
+def tiny_qwen3_moe(**overrides: Any) -> Path:
+    """A Qwen3-MoE checkpoint: every layer's MLP is a router and ``num_experts`` experts (``extra`` sets
+    num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob)."""
+    extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
+    overrides["extra"] = {**extra, **overrides.get("extra", {})}
+    return build_tiny_model(TinyModelSpec(arch="qwen3_moe", **overrides))
+
+
+def tiny_mixtral(**overrides: Any) -> Path:
+    """A Mixtral checkpoint (``intermediate_size`` is each expert's; ``extra`` sets num_local_experts,
+    num_experts_per_tok)."""
+    overrides["extra"] = {"num_local_experts": 4, "num_experts_per_tok": 2, **overrides.get("extra", {})}
+    overrides.setdefault("tie_word_embeddings", False)
+    return build_tiny_model(TinyModelSpec(arch="mixtral", **overrides))

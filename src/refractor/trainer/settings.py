@@ -76,6 +76,7 @@ class MegatronSettings:
     megatron_tensor_parallel_size: int = 1
     megatron_pipeline_parallel_size: int = 1
     megatron_context_parallel_size: int = 1  # ranks that share each packed row (megatron/forward.py)
+    megatron_expert_parallel_size: int = 1  # EP ranks share a mixture-of-experts model's experts
     megatron_gradient_checkpointing: bool = True  # each decoder layer recomputed in the backward
     megatron_use_distributed_optimizer: bool = True  # AdamW state split among data-parallel replicas
     megatron_sequence_parallel: bool = False  # activations outside attention / MLP split over TP ranks
