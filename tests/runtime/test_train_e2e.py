@@ -265,7 +265,7 @@ def test_a_megatron_run_trains_and_the_servers_sample_from_its_weights(tmp_path)
     assert all(m["kl_divergence_inference"] < 1e-3 for m in metrics), metrics
     assert [r["impl"] for r in ranks] == ["megatron"] and ranks[0]["num_parameters"] > 0
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
-    assert "megatron trainer rank 0/1 on cpu: TP 1 x PP 1 x DP 1" in trainer_log
+    assert "megatron trainer rank 0/1 on cpu: TP 1 x PP 1 x CP 1 x DP 1, EP 1" in trainer_log
     assert "Apex" not in trainer_log  # megatron-core's expected fallbacks are not logged
     meta = json.loads((run_dir / "checkpoints" / "step_2" / "meta.json").read_text())
     assert meta["backend"] == "megatron"

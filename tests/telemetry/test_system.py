@@ -4,6 +4,7 @@ GPU metrics through a stand-in NVML with pynvml's functions and error classes (n
 from __future__ import annotations
 
 import logging
+import time
 from collections import namedtuple
 from types import SimpleNamespace
 
@@ -84,6 +85,9 @@ def test_guest_time_is_not_counted_twice():
 def test_real_machine_is_sane():
     sampler = SystemSampler()
     sum(i * i for i in range(200_000))  # some CPU time between the two readings
+    # every core's counters advance by clock ticks (10 ms): wait for several, busy or idle, so that
+    # each core has a reading
+    time.sleep(0.2)
     m = sampler.sample()
     assert 0 < m["system_memory_percent"] < 100
     cores = [k for k in m if k.startswith("cpu_core_")]
