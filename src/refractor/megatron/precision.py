@@ -89,3 +89,8 @@ class MasterWeights:
         if self.mixed:
             names = list(self.master)
             torch._foreach_copy_([self.compute[n] for n in names], [self.master[n] for n in names])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16`` (as the config keys name dtypes)."""
+    return str(dtype).removeprefix("torch.")
