@@ -10,8 +10,6 @@ refused naming both.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +18,15 @@ import torch
 from refractor.megatron.precision import dtype_name
 from refractor.megatron.weights import gather_bucket, unpack
 from refractor.trainer import checkpoint as ckpt
-from refractor.trainer.timing import StepTimer
 
 BACKEND = "megatron"
 
 
-class MegatronCheckpoints:
+class MegatronCheckpoints(ckpt.CheckpointedTrainer):
     """``save_checkpoint`` / ``load_checkpoint`` / ``maybe_resume`` of ``MegatronTrainer``, which
     provides what they read: ``settings``, ``plan``, ``ranks``, ``params``, ``optimizer``,
     ``scheduler``, ``layout``, ``moment_dtypes``, ``expert_names``, ``master_dtype``, ``device``,
     ``model_dir``, ``checkpoint_dir``, ``_step``, ``skipped_updates`` and ``_load_hf``."""
-
-    def _require_checkpoint_dir(self) -> Path:
-        if self.checkpoint_dir is None:
-            raise ValueError("no checkpoint directory: set `checkpoint_dir` or `run_name` in the config")
-        return self.checkpoint_dir
 
     def _stage_hf_weights(self) -> dict[str, torch.Tensor]:
         """This stage's weights as whole HF tensors on its first replica's first TP rank ({} elsewhere)."""
@@ -78,23 +70,8 @@ class MegatronCheckpoints:
             "exp_avg_sq": dtype_name(self.moment_dtypes.exp_avg_sq),
         }
 
-    def save_checkpoint(
-        self,
-        step: int | None = None,
-        extra_files: Mapping[str, str | bytes] | None = None,
-        timer: StepTimer | None = None,
-    ) -> Path:
-        """Save ``step_<step>`` (default: ``self.step``) atomically; call on every rank. The weights
-        are whole HF tensors (as the FSDP trainer saves them); the AdamW state is per shard, so a
-        resume needs the same TP x PP layout (data parallelism may differ)."""
-        root = self._require_checkpoint_dir()
-        step = self._step if step is None else step
-        checkpoint = self.settings.checkpoint
-        training_state = checkpoint.checkpoint_save_training_state
-        span = timer.span("checkpoint/get_state_dict") if timer is not None else contextlib.nullcontext()
-        with span:
-            state = self._checkpoint_state(training_state)
-        meta = {
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        return {
             "backend": BACKEND,
             "base_model": self.settings.model,
             "model_impl": "native",
@@ -103,31 +80,10 @@ class MegatronCheckpoints:
             "megatron": self._layout_meta(),
             "adamw_moments": self._moments_meta(),
         }
-        return ckpt.save_checkpoint(
-            root,
-            step,
-            state,
-            meta=meta,
-            base_model_dir=self.model_dir,
-            extra_files=extra_files,
-            save_rng=training_state,
-            after_rename=lambda: ckpt.apply_retention(
-                root, step, checkpoint.checkpoint_keep_last, checkpoint.checkpoint_keep_every
-            ),
-            timer=timer,
-        )
 
     def load_checkpoint(self, which: int | str | bool = "latest") -> int:
         """Restore weights, AdamW state, scheduler, RNG and step from ``step_<N>`` (or the latest)."""
-        root = self._require_checkpoint_dir()
-        step = ckpt.resolve_checkpoint_step(root, which)
-        path = ckpt.checkpoint_path(root, step)
-        meta = ckpt.read_meta(path)
-        if not meta.get("training_state"):
-            raise ckpt.CheckpointError(
-                f"{path} holds weights only (checkpoint_save_training_state was false) and "
-                f"cannot be resumed; start a new run from it with `model: {path}`"
-            )
+        step, path, meta = self._resumable(which)
         if meta.get("backend") != BACKEND or meta.get("megatron") != self._layout_meta():
             saved = meta.get("megatron") or meta.get("backend", "fsdp")
             raise ckpt.CheckpointError(
@@ -161,13 +117,6 @@ class MegatronCheckpoints:
         self._step = int(state["trainer"]["step"])
         self.skipped_updates = int(state["trainer"]["skipped_updates"])
         return step
-
-    def maybe_resume(self) -> int | None:
-        """Apply ``resume_from_checkpoint`` (true = latest, N = step N); returns the loaded step or None."""
-        which = self.settings.checkpoint.resume_from_checkpoint
-        if which is False:
-            return None
-        return self.load_checkpoint(which)
 
     def _empty_hf(self, names: list[str]) -> dict[str, torch.Tensor]:
         skeleton = self.plan.skeleton

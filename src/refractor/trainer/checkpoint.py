@@ -376,3 +376,72 @@ def _replace_dir(src: Path, dst: Path) -> None:
         os.rename(dst, old)
     os.rename(src, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- what both trainers share
+class CheckpointedTrainer:
+    """The checkpoint methods the FSDP and Megatron trainers share. A trainer provides ``settings``
+    (its ``checkpoint`` policy and ``model``), ``checkpoint_dir``, ``model_dir``, ``_step``,
+    ``_checkpoint_state(training_state)`` (what to save), ``_checkpoint_meta()`` (its meta.json
+    fields) and ``load_checkpoint(which)``."""
+
+    def _require_checkpoint_dir(self) -> Path:
+        if self.checkpoint_dir is None:
+            raise ValueError("no checkpoint directory: set `checkpoint_dir` or `run_name` in the config")
+        return self.checkpoint_dir
+
+    def save_checkpoint(
+        self,
+        step: int | None = None,
+        extra_files: Mapping[str, str | bytes] | None = None,
+        timer: StepTimer | None = None,
+    ) -> Path:
+        """Save ``step_<step>`` (default: ``self.step``) atomically; call on every rank.
+
+        With ``checkpoint_save_training_state`` the optimizer, LR scheduler and RNG states are
+        included (exact resume); otherwise only weights. ``extra_files`` (name -> content, e.g. the
+        orchestrator's ``orchestrator.json``) land in the directory before it becomes visible.
+        Retention (``checkpoint_keep_last`` / ``checkpoint_keep_every``) runs after the rename.
+        ``timer`` records the ``checkpoint/*`` spans (docs/metrics.md#checkpoint-spans).
+        """
+        root = self._require_checkpoint_dir()
+        step = self._step if step is None else step
+        policy = self.settings.checkpoint
+        training_state = policy.checkpoint_save_training_state
+        span = contextlib.nullcontext() if timer is None else timer.span("checkpoint/get_state_dict")
+        with span:
+            state = self._checkpoint_state(training_state)
+        return save_checkpoint(
+            root,
+            step,
+            state,
+            meta=self._checkpoint_meta(),
+            base_model_dir=self.model_dir,
+            extra_files=extra_files,
+            save_rng=training_state,
+            after_rename=lambda: apply_retention(
+                root, step, policy.checkpoint_keep_last, policy.checkpoint_keep_every
+            ),
+            timer=timer,
+        )
+
+    def _resumable(self, which: int | str | bool) -> tuple[int, Path, dict[str, Any]]:
+        """(step, path, meta) of the checkpoint ``which`` names; one saved without its training state
+        is refused."""
+        root = self._require_checkpoint_dir()
+        step = resolve_checkpoint_step(root, which)
+        path = checkpoint_path(root, step)
+        meta = read_meta(path)
+        if not meta.get("training_state"):
+            raise CheckpointError(
+                f"{path} holds weights only (checkpoint_save_training_state was false) and "
+                f"cannot be resumed; start a new run from it with `model: {path}`"
+            )
+        return step, path, meta
+
+    def maybe_resume(self) -> int | None:
+        """Apply ``resume_from_checkpoint`` (true = latest, N = step N); returns the loaded step or None."""
+        which = self.settings.checkpoint.resume_from_checkpoint
+        if which is False:
+            return None
+        return self.load_checkpoint(which)

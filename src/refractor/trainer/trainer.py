@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class Trainer(StepLoop):
+class Trainer(ckpt.CheckpointedTrainer, StepLoop):
     """See ``refractor.trainer`` for the contract. Construct on every rank with the same settings."""
 
     def __init__(
@@ -290,32 +289,7 @@ class Trainer(StepLoop):
             hf_name(k): v for k, v in get_model_state_dict(self.model, options=self._state_options()).items()
         }
 
-    def _require_checkpoint_dir(self) -> Path:
-        if self.checkpoint_dir is None:
-            raise ValueError("no checkpoint directory: set `checkpoint_dir` or `run_name` in the config")
-        return self.checkpoint_dir
-
-    def save_checkpoint(
-        self,
-        step: int | None = None,
-        extra_files: Mapping[str, str | bytes] | None = None,
-        timer: StepTimer | None = None,
-    ) -> Path:
-        """Save ``step_<step>`` (default: ``self.step``) atomically; call on every rank.
-
-        With ``checkpoint_save_training_state`` the optimizer, LR scheduler and RNG states are
-        included (exact resume); otherwise only weights. ``extra_files`` (name -> content, e.g. the
-        orchestrator's ``orchestrator.json``) land in the directory before it becomes visible.
-        Retention (``checkpoint_keep_last`` / ``checkpoint_keep_every``) runs after the rename.
-        ``timer`` records the ``checkpoint/*`` spans (docs/metrics.md#checkpoint-spans).
-        """
-        root = self._require_checkpoint_dir()
-        step = self._step if step is None else step
-        checkpoint = self.settings.checkpoint
-        training_state = checkpoint.checkpoint_save_training_state
-        get_state = contextlib.nullcontext() if timer is None else timer.span("checkpoint/get_state_dict")
-        with get_state:
-            state = self._checkpoint_state(training_state)
+    def _checkpoint_meta(self) -> dict[str, Any]:
         meta = {
             "base_model": self.settings.model,
             "model_impl": self.impl,
@@ -325,19 +299,7 @@ class Trainer(StepLoop):
         if self.lora.enabled:
             meta["lora"] = asdict(self.lora)
             meta["base_model_path"] = str(self.model_dir.resolve())
-        return ckpt.save_checkpoint(
-            root,
-            step,
-            state,
-            meta=meta,
-            base_model_dir=self.model_dir,
-            extra_files=extra_files,
-            save_rng=training_state,
-            after_rename=lambda: ckpt.apply_retention(
-                root, step, checkpoint.checkpoint_keep_last, checkpoint.checkpoint_keep_every
-            ),
-            timer=timer,
-        )
+        return meta
 
     def _checkpoint_state(self, training_state: bool) -> dict[str, Any]:
         if not training_state:
@@ -352,15 +314,7 @@ class Trainer(StepLoop):
 
     def load_checkpoint(self, which: int | str | bool = "latest") -> int:
         """Restore model, optimizer, scheduler, RNG and step from ``step_<N>`` (or the latest); returns N."""
-        root = self._require_checkpoint_dir()
-        step = ckpt.resolve_checkpoint_step(root, which)
-        path = ckpt.checkpoint_path(root, step)
-        meta = ckpt.read_meta(path)
-        if not meta.get("training_state"):
-            raise ckpt.CheckpointError(
-                f"{path} holds weights only (checkpoint_save_training_state was false) and "
-                f"cannot be resumed; start a new run from it with `model: {path}`"
-            )
+        step, path, meta = self._resumable(which)
         self._check_lora_checkpoint(path, meta)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
         state = {
@@ -381,13 +335,6 @@ class Trainer(StepLoop):
         self._step = int(state["trainer"]["step"])
         self.skipped_updates = int(state["trainer"]["skipped_updates"])
         return step
-
-    def maybe_resume(self) -> int | None:
-        """Apply ``resume_from_checkpoint`` (true = latest, N = step N); returns the loaded step or None."""
-        which = self.settings.checkpoint.resume_from_checkpoint
-        if which is False:
-            return None
-        return self.load_checkpoint(which)
 
     def _check_lora_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
         """Adapters resume only on the base and adapter shape they were trained with (``meta``: the
