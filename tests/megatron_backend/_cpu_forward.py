@@ -11,6 +11,7 @@ tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
@@ -129,3 +130,16 @@ def tp2_pp2_worker(rank: int, port: int, arch: str, input_ids: torch.Tensor, out
                 torch.save(torch.cat(blocks, dim=-1)[:, : config.vocab_size], out)
     stop_megatron()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def gloo_world():
+    """A one-rank gloo process group for the test, unless one is up already (then it is left alone)."""
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if owned:
+            dist.destroy_process_group()

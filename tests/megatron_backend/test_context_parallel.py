@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ._context_parallel_runs import LAYOUTS, RESUMED, STEPS, four_rank_worker, run_steps
-from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
+from ._cpu_forward import MEGATRON_WARNINGS, free_port, gloo_world, quiet_megatron, spawn_ranks
 from ._models import build
 from ._trainer_runs import settings
 
@@ -34,23 +34,16 @@ ARCHS = sorted({arch for _, arch, *_ in LAYOUTS})
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     """Per model: ``STEPS`` steps of the Megatron trainer on one rank."""
-    import torch.distributed as dist
 
     from refractor.megatron import parallel
     from refractor.megatron.trainer import MegatronTrainer
 
     tmp = tmp_path_factory.mktemp("one-rank")
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     runs = {}
-    try:
+    with gloo_world():
         for arch in ARCHS:
             runs[arch] = run_steps(MegatronTrainer(settings(build(arch), "megatron", tmp / arch)), 1)
             parallel.stop()
-    finally:
-        if owned:
-            dist.destroy_process_group()
     return runs
 
 

@@ -21,8 +21,6 @@ from ._cpu_forward import (
     quiet_megatron,
     spawn_ranks,
     stage_forward,
-    start_megatron,
-    stop_megatron,
     tp2_pp2_worker,
 )
 from ._models import build
@@ -33,20 +31,6 @@ with warnings.catch_warnings():
         "megatron.core", reason="megatron-core is the `megatron` extra (scripts/install.sh --dev)"
     )
 pytestmark = [pytest.mark.filterwarnings(f"ignore:.*{text}.*:UserWarning") for text in MEGATRON_WARNINGS]
-
-
-@pytest.fixture(scope="module")
-def one_rank_world():
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    start_megatron(1, 1)
-    yield
-    stop_megatron()
-    if owned:
-        dist.destroy_process_group()
 
 
 def _hf_logits(path, input_ids: torch.Tensor):

@@ -43,18 +43,6 @@ STEP_RTOL = 2e-2
 RESUMED = ("qwen2", "bfloat16")
 
 
-@pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
 def _train(arch: str, dtype: str | None, root, checkpoint: bool) -> dict:
     """Three steps of a one-rank Megatron trainer computing in ``dtype`` (None: float32); with
     ``checkpoint``, a checkpoint after the second."""

@@ -15,7 +15,7 @@ from refractor.megatron.shards import MegatronLayout, expert_shards_to_hf, hf_to
 from refractor.models import UnsupportedModelError, read_hf_config
 from refractor.models.loading import iter_safetensors
 
-from ._cpu_forward import MEGATRON_WARNINGS, SEQ, quiet_megatron, stage_forward, start_megatron, stop_megatron
+from ._cpu_forward import MEGATRON_WARNINGS, SEQ, quiet_megatron, stage_forward
 from ._models import MOE_ARCHS, build
 
 with warnings.catch_warnings():
@@ -64,20 +64,6 @@ def test_each_ep_rank_holds_its_experts_numbered_from_zero_split_over_tp():
                         down = hf[hf_expert + "w2.weight"][:, rows]
                         assert torch.equal(shard[mg_expert + "linear_fc2.weight"], down)
                     assert mg_layer + "experts.local_experts.2.linear_fc1.weight" not in shard
-
-
-@pytest.fixture(scope="module")
-def one_rank_world():
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    start_megatron(1, 1)
-    yield
-    stop_megatron()
-    if owned:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

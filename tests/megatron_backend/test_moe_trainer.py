@@ -20,7 +20,7 @@ import torch
 
 from refractor.models.loading import iter_safetensors
 
-from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
+from ._cpu_forward import MEGATRON_WARNINGS, free_port, gloo_world, quiet_megatron, spawn_ranks
 from ._models import build
 from ._moe_runs import BF16_MOE_LAYOUT, MOE_LAYOUTS, four_rank_moe_worker
 from ._trainer_runs import batches, exported, run_three_steps, settings
@@ -37,21 +37,16 @@ COMPARED = ("loss", "grad_norm", "entropy", "kl_divergence_inference", "learning
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One rank's three steps per model (in this process), then the 4-process layouts."""
-    import torch.distributed as dist
 
     from refractor.megatron import parallel
     from refractor.megatron.trainer import MegatronTrainer
 
     tmp = tmp_path_factory.mktemp("moe")
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     one = {}
-    for arch in ("qwen3-moe", "mixtral"):
-        one[arch] = run_three_steps(MegatronTrainer(settings(build(arch), "megatron", tmp / arch)), 1)
-        parallel.stop()
-    if owned:
-        dist.destroy_process_group()
+    with gloo_world():
+        for arch in ("qwen3-moe", "mixtral"):
+            one[arch] = run_three_steps(MegatronTrainer(settings(build(arch), "megatron", tmp / arch)), 1)
+            parallel.stop()
     spawn_ranks(four_rank_moe_worker, (free_port(), str(tmp)), nprocs=4)
     names = [name for name, *_ in MOE_LAYOUTS] + [BF16_MOE_LAYOUT[0]]
     return one, {name: torch.load(tmp / f"{name}.pt") for name in names}

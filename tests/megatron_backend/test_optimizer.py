@@ -175,18 +175,6 @@ def test_megatron_offloads_parameters_in_order_until_the_fraction_is_reached():
 # ------------------------------------------------------------------ the trainer
 
 
-@pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
-
-
 def _trainer(root, mixed: bool = False, **keys):
     from refractor.megatron.trainer import MegatronTrainer
 

@@ -29,7 +29,7 @@ import torch
 from refractor.megatron.shards import MegatronLayout, shards_to_hf
 from refractor.models import ModelConfig, read_hf_config
 
-from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
+from ._cpu_forward import MEGATRON_WARNINGS, free_port, gloo_world, quiet_megatron, spawn_ranks
 from ._models import build
 from ._trainer_runs import (
     ARCHS,
@@ -61,27 +61,22 @@ def _per_rank(key: str) -> bool:
 def one_rank(tmp_path_factory):
     """Per model: three steps of the FSDP trainer and of the Megatron trainer on one rank (one gloo
     world for the module)."""
-    import torch.distributed as dist
 
     from refractor.megatron import parallel
     from refractor.megatron.trainer import MegatronTrainer
     from refractor.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("one-rank")
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    runs = {}
-    for arch in ARCHS:
-        fsdp_run = run_three_steps(Trainer(settings(build(arch), "fsdp", tmp / arch / "fsdp")), 1)
-        megatron = MegatronTrainer(settings(build(arch), "megatron", tmp / arch / "megatron"))
-        megatron_run = run_three_steps(megatron, 1)
-        parallel.stop()  # the next trainer starts Megatron-Core's parallel state anew
-        megatron_run.update(trainer=megatron, checkpoints=tmp / arch / "megatron")
-        runs[arch] = {"fsdp": fsdp_run, "megatron": megatron_run}
-    yield runs
-    if owned:
-        dist.destroy_process_group()
+    with gloo_world():
+        runs = {}
+        for arch in ARCHS:
+            fsdp_run = run_three_steps(Trainer(settings(build(arch), "fsdp", tmp / arch / "fsdp")), 1)
+            megatron = MegatronTrainer(settings(build(arch), "megatron", tmp / arch / "megatron"))
+            megatron_run = run_three_steps(megatron, 1)
+            parallel.stop()  # the next trainer starts Megatron-Core's parallel state anew
+            megatron_run.update(trainer=megatron, checkpoints=tmp / arch / "megatron")
+            runs[arch] = {"fsdp": fsdp_run, "megatron": megatron_run}
+        yield runs
 
 
 @pytest.fixture(scope="module")
