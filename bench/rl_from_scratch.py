@@ -197,7 +197,12 @@ def pick_base(scored: dict[str, dict]) -> str:
 
 def chosen_base(out: Path) -> Path:
     """The SFT stage's pick, read back from its summary (for the ``rl`` stage without ``--base``)."""
-    summaries = json.loads((out / "sft_candidates.json").read_text())
+    summary = out / "sft_candidates.json"
+    if not summary.is_file():  # e.g. a resume on a machine other than the one the SFT stage ran on
+        raise SystemExit(
+            f"no SFT summary at {summary}: run the sft (or all) stage in {out} first, or pass --base"
+        )
+    summaries = json.loads(summary.read_text())
     scored = {n: s for n, s in summaries.items() if "accuracy_at_step" in s}
     if not scored:
         raise SystemExit(f"no scored SFT candidate in {out / 'sft_candidates.json'}: pass --base")
