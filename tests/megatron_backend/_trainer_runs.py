@@ -83,6 +83,23 @@ def run_three_steps(trainer, dp: int) -> dict:
     return {"metrics": metrics, "export": exported(trainer)}
 
 
+def assert_resumes_exactly(resumed, run: dict, compared: tuple[str, ...]) -> None:
+    """``resumed`` (a one-rank trainer built as ``run``'s was) loads the checkpoint saved after step 2:
+    its third step's metrics (``compared``) and exported weights equal the uninterrupted run's exactly."""
+    from refractor.megatron import parallel
+
+    try:
+        assert resumed.load_checkpoint("latest") == 2
+        metrics = resumed.train_step(batches(1)[2]).metrics
+        after = exported(resumed)
+    finally:
+        parallel.stop()
+    for key in compared:
+        assert metrics[key] == run["metrics"][2][key], key
+    for name, tensor in run["export"].items():
+        assert torch.equal(after[name], tensor), name
+
+
 def local_shards(trainer) -> list[list[dict[str, torch.Tensor]]] | None:
     """Every rank's own parameters, gathered on rank 0 as ``[stage][tp_rank]`` of the first replica."""
     ranks = trainer.ranks

@@ -28,7 +28,7 @@ from refractor.models import ModelConfig, read_hf_config
 
 from ._cpu_forward import MEGATRON_WARNINGS, quiet_megatron
 from ._models import build
-from ._trainer_runs import ARCHS, batches, exported, run_three_steps, settings
+from ._trainer_runs import ARCHS, assert_resumes_exactly, batches, exported, run_three_steps, settings
 
 with warnings.catch_warnings():
     quiet_megatron()
@@ -156,21 +156,11 @@ def test_the_model_holds_the_float32_masters_rounded_and_adamw_state_is_float32(
 
 def test_a_bf16_run_resumes_exactly(runs):
     """The checkpoint holds the float32 masters: the step after a resume equals the step without the stop."""
-    from refractor.megatron import parallel
     from refractor.megatron.trainer import MegatronTrainer
 
     run = runs[RESUMED]
     resumed = MegatronTrainer(run["settings"], mixed_precision=True)
-    try:
-        assert resumed.load_checkpoint("latest") == 2
-        metrics = resumed.train_step(batches(1)[2]).metrics
-        after = exported(resumed)
-    finally:
-        parallel.stop()
-    for key in COMPARED:
-        assert metrics[key] == run["metrics"][2][key], key
-    for name, tensor in run["export"].items():
-        assert torch.equal(after[name], tensor), name
+    assert_resumes_exactly(resumed, run, COMPARED)
 
 
 def test_on_cpu_the_config_dtype_computes_in_float32_unless_asked(world, tmp_path, caplog):

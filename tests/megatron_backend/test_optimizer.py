@@ -27,7 +27,7 @@ import torch
 
 from ._cpu_forward import MEGATRON_WARNINGS, free_port, quiet_megatron, spawn_ranks
 from ._models import build
-from ._trainer_runs import batches, exported, run_three_steps, settings
+from ._trainer_runs import assert_resumes_exactly, batches, exported, run_three_steps, settings
 
 with warnings.catch_warnings():
     quiet_megatron()
@@ -326,16 +326,7 @@ def test_offloaded_low_precision_state_resumes_exactly(world, tmp_path):
     for state in run["state"].values():
         assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.float16
     resumed = _trainer(tmp_path, mixed=True, **LOW)
-    try:
-        assert resumed.load_checkpoint("latest") == 2
-        metrics = resumed.train_step(batches(1)[2]).metrics
-        after = exported(resumed)
-    finally:
-        parallel.stop()
-    for key in COMPARED:
-        assert metrics[key] == run["metrics"][2][key], key
-    for name, tensor in run["export"].items():
-        assert torch.equal(after[name], tensor), name
+    assert_resumes_exactly(resumed, run, COMPARED)
     other = _trainer(tmp_path, mixed=True, **{**LOW, "megatron_exp_avg_sq_dtype": "bfloat16"})
     parallel.stop()
     with pytest.raises(CheckpointError, match=r"holds AdamW moments stored as .*'exp_avg_sq': 'float16'"):
