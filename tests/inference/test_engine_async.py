@@ -71,7 +71,7 @@ def test_pause_keep_abort_wait(engine):
         finally:
             gate.set()
         queued = asyncio.create_task(
-            engine.generate([4, 5], SamplingParams(max_tokens=2), request_id="queued")
+            engine.generate([4, 5], SamplingParams(max_tokens=2, ignore_eos=True), request_id="queued")
         )
         await asyncio.sleep(0.1)
         assert engine.engine.requests["kept"].seqs[0].num_output_tokens == frozen and not queued.done()
