@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from refractor.inference.client import InferenceClient, InferenceServerError, Sampling
+from refractor.inference.native_launcher import start_native_server
 from refractor.inference.process import raise_open_file_limit
-from refractor.inference.server import start_native_server
 from refractor.testing import TinyModelSpec, build_tiny_model
 
 

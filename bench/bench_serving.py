@@ -155,7 +155,7 @@ def run_async(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict
 
 def run_http(path: Path, jobs, concurrency: int, warmup: int, engine_args: dict, log_path: Path) -> dict:
     from refractor.inference.client import InferenceClient, Sampling
-    from refractor.inference.server import start_native_server
+    from refractor.inference.native_launcher import start_native_server
 
     env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same intra-op threads as the other modes
     server = start_native_server(

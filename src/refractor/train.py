@@ -313,6 +313,14 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
             logs.add_actor_source("trainer", rank, actor.drain_logs.remote)
         for index in range(len(servers.actors)):  # the actor of the moment: a restart may replace it
             logs.add_actor_source("server", index, lambda i=index: servers.actors[i].drain_logs.remote())
+        node_metrics = NodeMetricsLoop(
+            run_nodes([r.group for _, r in placement.groups]),
+            store.log_system_metrics,
+            store.log_event,
+            cfg.system_metrics_collection_interval_seconds,
+        )
+        if cfg.record_telemetry:
+            node_metrics.launch()
         startup.mark("inference_processes_start")
         startup.mark("trainer_process_start")
         infos, trainer_ranks = _start_side_by_side(servers, trainers, startup.mark)
@@ -321,12 +329,6 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         trainers.init_weight_sync([(i.name, i.url) for i in infos], eval_servers=eval_servers)
 
         clients = _http_servers(infos, cfg, control_token)
-        node_metrics = NodeMetricsLoop(
-            run_nodes([r.group for _, r in placement.groups]),
-            store.log_system_metrics,
-            store.log_event,
-            cfg.system_metrics_collection_interval_seconds,
-        )
         if cfg.record_telemetry:
             node_metrics.start()
         server_places = servers.placements()

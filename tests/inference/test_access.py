@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from refractor.inference.access import RouteKind, route_kind
+from refractor.inference.native_launcher import start_native_server
 from refractor.inference.process import free_port
-from refractor.inference.server import start_native_server
 from refractor.testing import TEST_CONTROL_TOKEN
 from refractor.weight_sync.process_group import host_store
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from refractor.inference.client import InferenceClient, InferenceServerError, Sampling, WeightVersionSpan
+from refractor.inference.native_launcher import start_native_server
 from refractor.inference.process import free_port
-from refractor.inference.server import start_native_server
 from refractor.testing import TEST_CONTROL_TOKEN
 
 

@@ -20,7 +20,7 @@ import torch
 from refractor.inference.engine.llm_engine import EngineStats
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, WeightVersionSpan
 from refractor.inference.engine_wire import EngineStatus, decode_output, encode_output, pack, unpack
-from refractor.inference.server import start_native_server
+from refractor.inference.native_launcher import start_native_server
 from refractor.testing import TEST_CONTROL_TOKEN
 from refractor.weight_sync.buckets import iter_buckets
 from refractor.weight_sync.control_plane import ServerRef

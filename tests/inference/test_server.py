@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from refractor.inference.client import summed_samples
-from refractor.inference.server import start_native_server
+from refractor.inference.native_launcher import start_native_server
 from refractor.testing import TEST_CONTROL_TOKEN
 
 CONTROL = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}  # the control routes' credential

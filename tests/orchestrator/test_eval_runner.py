@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from refractor.config.schema import EvalEntry
 from refractor.evals import Eval, aggregate, parse_pass_k
 from refractor.inference.client import InferenceClient
-from refractor.inference.server import start_native_server
+from refractor.inference.native_launcher import start_native_server
 from refractor.orchestrator.chat import ChatTokens
 from refractor.orchestrator.eval_runner import EvalIds, EvalRunner, LoadedEval, build_task
 from refractor.orchestrator.rollout import RolloutSettings

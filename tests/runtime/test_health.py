@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from refractor.inference.client import InferenceClient
-from refractor.inference.server import start_native_server
+from refractor.inference.native_launcher import start_native_server
 from refractor.runtime.health import ComponentFailure, HeartbeatSettings, ServerWatchdog, await_ranks
 from refractor.testing import TEST_CONTROL_TOKEN
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -229,3 +231,16 @@ def test_a_server_that_fails_to_start_is_named(local_ray, tmp_path):
     finally:
         group.shutdown()
         remove_placement_group(reservation.group)
+
+
+def test_a_server_actor_launches_without_importing_torch():
+    """A run's server actors only spawn the server process: what they import (their module, the
+    settings they are sent, the launchers) stays clear of torch, which would add a second of
+    start-up to every server on the critical path of a run's start."""
+    code = (
+        "import sys\n"
+        "import refractor.runtime.server_group, refractor.inference.native_launcher\n"
+        "import refractor.inference.vllm.launcher\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

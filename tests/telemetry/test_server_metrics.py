@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from refractor.inference.client import InferenceClient
-from refractor.inference.server import start_native_server
+from refractor.inference.native_launcher import start_native_server
 from refractor.telemetry.server_metrics import ServerMetricsScraper, rates, server_metrics
 
 

@@ -14,8 +14,9 @@ exist only on a server given a control token and need it on every call; an API k
 guards the generation routes; the API docs are off unless asked for.
 
 Processes: ``refractor serve --engine native`` runs ``run_native_server`` in the foreground;
-``start_native_server(...)`` starts that same command as a subprocess (its own session) and
-returns a handle with ``.url`` and ``.stop()``, for Ray actors and tests.
+``refractor.inference.native_launcher.start_native_server(...)`` starts that same command as a
+subprocess (its own session) and returns a handle with ``.url`` and ``.stop()``, for Ray actors and
+tests.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
-import tempfile
 import time
 from collections.abc import Iterable
 from http import HTTPStatus
@@ -38,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from refractor.inference.access import CONTROL_TOKEN_ENV, AccessGuard
+from refractor.inference.access import AccessGuard
 from refractor.inference.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimit
 from refractor.inference.engine.async_engine import (
     PAUSE_MODES,
@@ -50,7 +49,6 @@ from refractor.inference.engine.llm_engine import SleepModeOffError
 from refractor.inference.engine_core import load_engine
 from refractor.inference.engine_process import EngineProcessClient, RemoteWeightTransfer
 from refractor.inference.keepalive import SERVER_KEEPALIVE_S
-from refractor.inference.process import ServerProcess, client_host, free_port
 from refractor.inference.request_schemas import AbortRequest
 from refractor.inference.routes_openai import router as openai_router
 from refractor.inference.server_metrics import ServerMetrics
@@ -269,68 +267,3 @@ def run_native_server(
         )
     finally:
         engine.shutdown()
-
-
-def start_native_server(
-    model: str,
-    host: str = "127.0.0.1",
-    port: int | None = None,
-    *,
-    engine_args: dict[str, Any] | None = None,
-    served_model_name: str | None = None,
-    chat_template: str | None = None,
-    control_token: str | None = None,
-    env: dict[str, str] | None = None,
-    startup_timeout_s: float = 180.0,
-    log_path: str | None = None,
-    die_with_parent: bool = False,
-) -> ServerProcess:
-    """Run ``refractor serve --engine native`` in a subprocess and wait for ``/health``.
-
-    ``engine_args``: ``EngineConfig`` fields as CLI options (max_model_len, kv_cache_memory_gb,
-    dtype, max_num_seqs, gpu_memory_utilization, enforce_eager, block_size, seed).
-    ``control_token``: enables the control routes, guarded by it (handed over in the child's
-    environment, not its command line).
-    """
-
-    port = port or free_port(client_host(host))
-    argv = [
-        sys.executable,
-        "-m",
-        "refractor.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--engine",
-        "native",
-        "--host",
-        host,
-        "--port",
-        str(port),
-    ]
-    for key, value in (engine_args or {}).items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif value is not None:
-            argv += [flag, str(value)]
-    if served_model_name:
-        argv += ["--served-model-name", served_model_name]
-    if chat_template:
-        argv += ["--chat-template", chat_template]
-    env = dict(env or {})
-    if control_token is not None:
-        argv.append("--enable-weight-updates")
-        env[CONTROL_TOKEN_ENV] = control_token
-    if log_path is None:
-        fd, log_path = tempfile.mkstemp(prefix="refractor-native-", suffix=".log")
-        os.close(fd)
-    server = ServerProcess.spawn(
-        argv,
-        url=f"http://{client_host(host)}:{port}",
-        log_path=log_path,
-        env=env,
-        what=f"native server for {model}",
-        die_with_parent=die_with_parent,
-    )
-    return server.wait_healthy(startup_timeout_s)

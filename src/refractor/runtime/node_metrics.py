@@ -72,16 +72,29 @@ class NodeMetricsLoop:
         self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
         self.actors: dict[str, Any] = {}  # node address -> its collector
+        self._booting: list[tuple[str, Any]] = []  # (node id, collector) launched, not yet answered
 
-    def start(self) -> None:
-        """Place one collector on each node (blocking: call before the event loop)."""
-        actors = [
-            NodeMetricsActor.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-            ).remote()
+    def launch(self) -> None:
+        """Place one collector on each node without waiting for it: a collector's process boots
+        beside the run's servers and trainer ranks instead of after them. ``start`` waits."""
+        if self._booting or self.actors:
+            return
+        self._booting = [
+            (
+                node_id,
+                NodeMetricsActor.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+                ).remote(),
+            )
             for node_id in self.node_ids
         ]
-        for node_id, actor in zip(self.node_ids, actors, strict=True):
+
+    def start(self) -> None:
+        """Launch the collectors if ``launch`` did not, and wait until each has answered (blocking:
+        call before the event loop)."""
+        self.launch()
+        booting, self._booting = self._booting, []
+        for node_id, actor in booting:
             try:
                 self.actors[ray.get(actor.node.remote(), timeout=self.call_timeout_s)] = actor
             except Exception as err:  # noqa: BLE001 - a node without metrics is no reason to stop
@@ -133,7 +146,8 @@ class NodeMetricsLoop:
         return out
 
     def shutdown(self, timeout_s: float = 0.0) -> None:
-        """Kill every collector (nothing to wait for: they hold no state)."""
-        for actor in self.actors.values():
+        """Kill every collector, launched or started (nothing to wait for: they hold no state)."""
+        for actor in [*self.actors.values(), *(actor for _, actor in self._booting)]:
             ray.kill(actor, no_restart=True)
         self.actors.clear()
+        self._booting = []

