@@ -349,18 +349,30 @@ def test_the_pause_state_machine_never_hangs_nor_releases_a_kept_request(vllm_se
     def keep_pause() -> None:
         call("/pause", mode="keep", clear_cache="false")
 
+    batch: list[StreamedCompletion] = []  # every request frozen_request started, joined at the end
+
     def frozen_request() -> StreamedCompletion:
-        """A long request frozen in flight by a keep pause. On a busy machine it can end before the
-        pause lands; that attempt is repeated (5 at most), then the test is skipped, saying so: the
-        condition it checks was not provoked, which is not a failure of the pause."""
+        """A long request frozen in flight by a keep pause: sixteen are sent together (the session
+        server's max_num_seqs), the pause goes out on the first one's first chunk, and one that was
+        generating when it landed is returned (a batch of sixteen makes each step slower, so the pause
+        lands before they end even on busy cores). Should all sixteen end first anyway, that
+        attempt is repeated (5 at most), then the test is skipped, saying so: the condition it checks
+        was not provoked, which is not a failure of the pause."""
         for _ in range(5):
-            request = StreamedCompletion(vllm_server.url, vllm_model_name, 450, on_first_chunk=keep_pause)
-            assert request.started.wait(60)
+            requests = [
+                StreamedCompletion(
+                    vllm_server.url, vllm_model_name, 450, on_first_chunk=keep_pause if i == 0 else None
+                )
+                for i in range(16)
+            ]
+            batch.extend(requests)
+            assert requests[0].started.wait(60)
             time.sleep(0.3)  # chunks already on their way arrive
-            if not request.done:
-                return request
+            for request in requests:
+                if request.chunks and not request.done:  # generating when the pause landed
+                    return request
             call("/resume")
-        pytest.skip("five 450-token requests finished before a keep pause could freeze them (busy cores)")
+        pytest.skip("eighty 450-token requests finished before a keep pause could freeze them (busy cores)")
 
     try:
         request = frozen_request()
@@ -387,6 +399,9 @@ def test_the_pause_state_machine_never_hangs_nor_releases_a_kept_request(vllm_se
         late.join()
         assert late.finish_reason == "length"
 
+        for request in batch:  # the frozen requests' companions: ended (length or abort) before the last part
+            request.join()
+
         busy = StreamedCompletion(vllm_server.url, vllm_model_name, max_tokens=200)
         assert busy.started.wait(60)
         call("/pause", mode="wait")  # lets the request in flight finish, then pauses
@@ -395,5 +410,7 @@ def test_the_pause_state_machine_never_hangs_nor_releases_a_kept_request(vllm_se
         assert busy.finish_reason == "length"
     finally:
         control.post("/resume")
+        for request in batch:  # nothing of this test stays in flight on the session's server
+            request.join()
     assert not is_paused()
     control.close()
