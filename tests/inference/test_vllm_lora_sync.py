@@ -195,11 +195,11 @@ def token_logprobs(hf, prompt: list[int], completion: list[int]) -> torch.Tensor
 
 
 def test_a_request_in_flight_during_an_adapter_push_finishes_on_the_new_adapter(server, sender, adapters, hf):
-    """Streamed, so the push provably lands while the request decodes; its KV is recomputed with the
-    new adapter (weight_sync_inflight_kv: recompute), as with merged weights."""
+    """Streamed, and the second push starts once ten tokens have arrived, so it lands while the request
+    decodes; its KV is recomputed with the new adapter (weight_sync_inflight_kv: recompute), as with
+    merged weights. On busy cores the 400 tokens can all be out before the push lands: that attempt
+    is repeated with the next two versions (3 at most), then the test is skipped, saying so."""
     prompt = PROMPTS[0]
-    sender.push(iter(adapters[1]), 11)
-    pusher = threading.Thread(target=lambda: sender.push(iter(adapters[2]), 12))
     body = {
         "model": SERVED,
         "token_ids": prompt,
@@ -212,21 +212,32 @@ def test_a_request_in_flight_during_an_adapter_push_finishes_on_the_new_adapter(
             "seed": 3,
         },
     }
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    spans = []
-    with httpx.stream("POST", server.url + "/inference/v1/generate", json=body, timeout=300) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            (choice,) = json.loads(line.removeprefix("data: "))["choices"]
-            tokens += choice["token_ids"]
-            logprobs += [entry["logprob"] for entry in choice["logprobs"]["content"]]
-            spans = choice["weight_versions"] or spans
-            if len(tokens) >= 10 and not pusher.ident:
-                pusher.start()
-    pusher.join(120)
-    assert len(tokens) == 400 and [s["version"] for s in spans] == ["11", "12"], spans
+    for attempt in range(3):
+        first = 11 + 2 * attempt  # adapters[1] serves as this version, adapters[2] as the next
+        sender.push(iter(adapters[1]), first)
+        pusher = threading.Thread(target=lambda v=first + 1: sender.push(iter(adapters[2]), v))
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        spans = []
+        with httpx.stream("POST", server.url + "/inference/v1/generate", json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+                tokens += choice["token_ids"]
+                logprobs += [entry["logprob"] for entry in choice["logprobs"]["content"]]
+                spans = choice["weight_versions"] or spans
+                if len(tokens) >= 10 and not pusher.ident:
+                    pusher.start()
+        pusher.join(120)
+        assert len(tokens) == 400 and not pusher.is_alive(), spans
+        if len(spans) > 1:
+            break
+    else:
+        pytest.skip(
+            "three 400-token requests ended before an adapter push pushed during them landed (busy cores)"
+        )
+    assert [s["version"] for s in spans] == [str(first), str(first + 1)], spans
     switch = spans[0]["end"]
     served = torch.tensor(logprobs, dtype=torch.float64)
     old = token_logprobs(hf[1], prompt, tokens)

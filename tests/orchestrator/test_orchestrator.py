@@ -375,7 +375,9 @@ def test_run_store_holds_every_rollout_and_the_dashboard_recomputes_the_same_met
     )
     asyncio.run(orch.run())
     store.close()
-    assert len(out.getvalue().splitlines()) == 4
+    # one console line per step (the zero-advantage warning may come between them: which groups
+    # finish first depends on the reward workers' timing)
+    assert len([line for line in out.getvalue().splitlines() if line.startswith("step ")]) == 4
     with RunReader(tmp_path / "run") as reader:
         assert reader.config()["number_of_steps"] == 4
         rows = reader.step_metrics()
