@@ -165,6 +165,8 @@ def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path)
     }
     assert configs["control"].learning_rate == 0.0 and configs["grpo"].learning_rate == 5e-5
     assert configs["grpo_lr2e-4"].learning_rate == 2e-4
+    b64 = configs["grpo_b64"]
+    assert (b64.prompts_batch_size_for_trainer, b64.learning_rate) == (64, 1e-4)
     assert all(c.max_train_minutes == 4.1 for c in configs.values())  # every run ends on its own
     assert {run: c.algorithm for run, c in configs.items()} == {
         "grpo": "grpo",
@@ -173,6 +175,7 @@ def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path)
         "cispo": "cispo",
         "grpo_lr1e-4": "grpo",
         "grpo_lr2e-4": "grpo",
+        "grpo_b64": "grpo",
     }
     for c in configs.values():
         assert c.max_tokens == 192 and c.number_of_steps == 35 and c.model == str(tmp_path)
