@@ -146,10 +146,10 @@ run_part() {
         "$OUT/rl_from_scratch/" 2>/dev/null
       (cd /tmp/rfs && tar czf "$OUT/rl_from_scratch/logs.tgz" logs) ;;
     rl_from_scratch_1gpu | rl_from_scratch_resume)  # 1 GPU, ~30 minutes in segments on one warm machine:
-      # the first part trains the SFT base, then GRPO / lr-0 control / Dr. GRPO side by side on the card,
-      # each ending with a checkpoint; every `rl_from_scratch_resume` call right after it (while the
-      # machine is still held) continues the three runs for 8.5 more minutes; each segment's final eval
-      # is a point of the held-out curve. RFS_RUNS picks the runs (default three; two share the card faster)
+      # the first part trains the SFT base (a 4.2-minute limit: a fresh machine imports slowly), then
+      # GRPO / lr-0 control / Dr. GRPO side by side on the card, each ending with a checkpoint; every
+      # `rl_from_scratch_resume` call right after it (while the machine is still held) continues the
+      # three runs for 8.5 more minutes; each segment's final eval is a point of the held-out curve. RFS_RUNS picks the runs (default three; two share the card faster)
       mkdir -p "$OUT/$1"
       local runs=${RFS_RUNS:-grpo,control,dr_grpo} gpus
       gpus=$(echo "$runs" | sed 's/[^,]*/0/g')
@@ -158,7 +158,7 @@ run_part() {
       echo "=== $1"
       if [ "$1" = rl_from_scratch_1gpu ]; then
         timeout 585 python bench/rl_from_scratch.py all "${common[@]}" --candidates std --sft-steps 1200 \
-          --sft-minutes 3.0 --rl-minutes 5.6 >"$OUT/$1/log.txt" 2>&1
+          --sft-minutes 4.2 --rl-minutes 5.0 >"$OUT/$1/log.txt" 2>&1
       else
         timeout 585 python bench/rl_from_scratch.py rl "${common[@]}" --rl-minutes 9.4 --resume \
           >"$OUT/$1/log.txt" 2>&1

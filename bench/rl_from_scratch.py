@@ -73,6 +73,7 @@ RUNS = {  # name -> config overrides on top of the example config
         "algorithm": "grpo",
         "prompts_batch_size_for_trainer": 64,
         "max_concurrent_prompts_per_server": 128,
+        "max_num_seqs": 2048,
         "learning_rate": 1e-4,
     },
 }
@@ -220,25 +221,28 @@ def chosen_base(out: Path) -> Path:
 
 def stage_rl(args, base: Path) -> None:
     names = args.runs.split(",")
-    # each run ends itself (final eval included) before the wall-clock deadline stops it from outside:
-    # start-up, the baseline eval and the final eval take about a minute and a half
-    overrides = {
-        "max_train_minutes": max(args.rl_minutes - RUN_OVERHEAD_MINUTES, 0.5),
-        **json.loads(args.overrides),
-    }
+    stagger_s = 8.0
+
+    def overrides(index: int) -> dict:
+        # each run ends itself (final eval included) before the wall-clock deadline stops it from
+        # outside: start-up, the baseline eval and the final eval take about a minute and a half,
+        # and the run started `index` staggers after the first has that much less time
+        budget = args.rl_minutes - RUN_OVERHEAD_MINUTES - index * stagger_s / 60
+        return {"max_train_minutes": max(budget, 0.5), **json.loads(args.overrides)}
+
     commands = {
         name: [
             sys.executable,
             str(Path(__file__).resolve()),
             "train-one",
             *("--out", str(args.out), "--base", str(base), "--run", name),
-            *("--rl-steps", str(args.rl_steps), "--overrides", json.dumps(overrides)),
+            *("--rl-steps", str(args.rl_steps), "--overrides", json.dumps(overrides(i))),
             *(["--resume"] if args.resume else []),
         ]
-        for name in names
+        for i, name in enumerate(names)
     }
     deadline = time.time() + args.rl_minutes * 60
-    codes = run_in_parallel(commands, args.gpus, deadline, args.out / "logs", stagger_s=8.0)
+    codes = run_in_parallel(commands, args.gpus, deadline, args.out / "logs", stagger_s=stagger_s)
     for name in names:
         print(f"RL {name}: exit {codes.get(name)}")
 
