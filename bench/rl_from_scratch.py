@@ -73,7 +73,6 @@ RUNS = {  # name -> config overrides on top of the example config
         "algorithm": "grpo",
         "prompts_batch_size_for_trainer": 64,
         "max_concurrent_prompts_per_server": 128,
-        "max_num_seqs": 2048,
         "learning_rate": 1e-4,
     },
 }

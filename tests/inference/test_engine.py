@@ -261,3 +261,18 @@ def test_a_bad_weight_update_writes_nothing_and_keeps_the_version(tiny_qwen2_pat
     assert engine.weight_version == 3
     for name, tensor in engine.named_parameters():
         assert torch.equal(tensor, before[name]), name
+
+
+def test_decode_graph_sizes_hold_every_batch_with_little_padding():
+    from refractor.inference.engine.model_runner import decode_graph_sizes
+
+    # up to 256 sequences: 1, 2, 4, 8 and every 16, as the engine captured before larger limits
+    assert decode_graph_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert decode_graph_sizes(5) == [1, 2, 4, 5]
+    for max_bs in (1, 100, 300, 512, 1000, 2048):
+        sizes = decode_graph_sizes(max_bs)
+        assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == max_bs
+        for batch in range(1, max_bs + 1):
+            graph = next(s for s in sizes if s >= batch)
+            assert graph - batch < max(16, batch / 8), (max_bs, batch, graph)
+    assert len(decode_graph_sizes(2048)) == 52  # against 132 at one graph per 16 sequences

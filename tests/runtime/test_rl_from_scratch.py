@@ -167,9 +167,6 @@ def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path)
     assert configs["grpo_lr2e-4"].learning_rate == 2e-4
     b64 = configs["grpo_b64"]
     assert (b64.prompts_batch_size_for_trainer, b64.learning_rate) == (64, 1e-4)
-    # every sample a server holds decodes in one batch: prompts in flight x group size
-    for c in configs.values():
-        assert c.max_num_seqs >= c.max_concurrent_prompts_per_server * c.group_size
     assert all(c.max_train_minutes == 4.1 for c in configs.values())  # every run ends on its own
     assert {run: c.algorithm for run, c in configs.items()} == {
         "grpo": "grpo",

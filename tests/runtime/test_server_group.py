@@ -63,6 +63,15 @@ def test_settings_are_read_once_from_the_config():
     assert s.vllm.startup_timeout_s == 77.0
 
 
+def test_the_native_engine_runs_every_lane_unless_max_num_seqs_caps_it():
+    lanes = server_config(max_num_seqs=None, max_concurrent_prompts_per_server=48, group_size=8)
+    assert ServerGroupSettings.from_config(lanes, 0.9).native.max_num_seqs == 384
+    capped = server_config(max_num_seqs=100, max_concurrent_prompts_per_server=48, group_size=8)
+    assert ServerGroupSettings.from_config(capped, 0.9).native.max_num_seqs == 100
+    # vLLM keeps its own default
+    assert ServerGroupSettings.from_config(lanes, 0.9).vllm.max_num_seqs is None
+
+
 class Spawned:
     """Stands in for ServerProcess.spawn: records the command line, is healthy at once."""
 

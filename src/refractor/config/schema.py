@@ -643,7 +643,13 @@ class InferenceKeys(_Strict):
     max_model_len: int = Field(
         4096, ge=1, le=MAX_TOKENS, description="Context length; also clamps max_tokens client-side."
     )
-    max_num_seqs: int | None = Field(None, ge=1, le=MAX_COUNT, description="Scheduler concurrency.")
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Scheduler concurrency. null: the native engine runs every lane a server is given "
+        "(max_concurrent_prompts_per_server x group_size); vLLM keeps its own default.",
+    )
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,

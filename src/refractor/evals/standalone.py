@@ -385,7 +385,10 @@ def _run_target(
             model_dir = export_hf(target.path, converted, overwrite=True)
         engine, why = choose_engine(cfg.inference_engine, str(model_dir))
         log.info("step %d: inference engine %s (%s)", target.step, engine, why)
-        served = cfg.model_copy(update={"model": str(model_dir)})
+        update: dict = {"model": str(model_dir)}
+        if engine == "native" and cfg.max_num_seqs is None:  # every completion in flight on a server runs
+            update["max_num_seqs"] = runner.lanes_per_server
+        served = cfg.model_copy(update=update)
         group = RayServerGroup(
             served,
             reservation,

@@ -55,6 +55,14 @@ def choose_engine(requested: str, model: str) -> tuple[str, str]:
     return "vllm", f"auto: the native engine does not implement {name}"
 
 
+def native_max_num_seqs(cfg: Any) -> int:
+    """The native engine's concurrency: ``max_num_seqs``, else every lane the orchestrator keeps in
+    flight on a server. A lane past the engine's limit waits in its queue while the GPU decodes
+    fewer sequences per step than it could (a decode step costs about the same for a few hundred
+    sequences as for one); the KV cache still bounds how many run."""
+    return cfg.max_num_seqs or cfg.max_concurrent_prompts_per_server * cfg.group_size
+
+
 @dataclass(frozen=True)
 class NativeEngineArgs:
     """The refractor keys that size the native engine, passed as its `refractor serve` options."""
@@ -106,7 +114,7 @@ class ServerGroupSettings:
                 max_model_len=cfg.max_model_len,
                 kv_cache_memory_gb=cfg.kv_cache_memory_gb,
                 gpu_memory_utilization=gpu_memory_utilization,
-                max_num_seqs=cfg.max_num_seqs,
+                max_num_seqs=native_max_num_seqs(cfg),
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 seed=cfg.seed,
                 enable_sleep_mode=enable_sleep_mode,
