@@ -587,7 +587,7 @@ def write_config_file(cfg: RefractorConfig, paths: RunPaths) -> None:
 
 
 def _http_servers(infos, cfg, control_token: str):
-    from refractor.inference.client import InferenceClient
+    from refractor.inference.client import InferenceClient, connections_for_lanes
 
     return [
         InferenceClient(
@@ -597,6 +597,7 @@ def _http_servers(infos, cfg, control_token: str):
             model=cfg.model,
             timeout_s=float(cfg.ray_placement_timeout_s),
             control_token=control_token,
+            max_connections=connections_for_lanes(cfg.max_concurrent_prompts_per_server * cfg.group_size),
         )
         for info in infos
     ]

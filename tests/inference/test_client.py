@@ -213,3 +213,27 @@ def test_1024_concurrent_requests_and_256_aborted_leave_the_server_idle(server):
     assert [len(r.token_ids) for r in results] == budgets
     assert all(isinstance(a, asyncio.CancelledError) for a in aborted)
     assert retries == 0
+
+
+def test_a_run_s_clients_hold_a_connection_for_every_lane_and_spare_ones_for_control():
+    from types import SimpleNamespace
+
+    from refractor.config.schema import RefractorConfig
+    from refractor.train import _http_servers
+
+    def clients(prompts: int, group_size: int) -> list[InferenceClient]:
+        cfg = RefractorConfig(
+            environments=[{"name": "countdown"}],
+            max_concurrent_prompts_per_server=prompts,
+            group_size=group_size,
+        )
+        servers = [SimpleNamespace(url=f"http://127.0.0.1:{port}", name=f"s{port}") for port in (1, 2)]
+        made = _http_servers(servers, cfg, TEST_CONTROL_TOKEN)
+        for client in made:
+            asyncio.run(client.close())
+        return made
+
+    # 2,048 lanes per server (128 prompts x 16 samples): every lane and as many control requests
+    assert [c.max_connections for c in clients(128, 16)] == [4096, 4096]
+    # a few lanes: the default limit, which leaves room for control requests
+    assert [c.max_connections for c in clients(8, 4)] == [1024, 1024]

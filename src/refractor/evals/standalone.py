@@ -371,7 +371,7 @@ def _run_target(
     on_prompt_done: Callable[[list[EvalRollout]], None],
 ) -> list[EvalResult]:
     """Serve one model on fresh servers, run ``tasks`` on them at the model's step, stop the servers."""
-    from refractor.inference.client import InferenceClient
+    from refractor.inference.client import InferenceClient, connections_for_lanes
     from refractor.runtime.server_group import RayServerGroup, choose_engine
 
     converted = None
@@ -408,6 +408,7 @@ def _run_target(
                     model=served.model,  # the served name (the adapter's with vLLM and lora_sync: adapter)
                     timeout_s=float(cfg.ray_placement_timeout_s),
                     control_token=control_token,
+                    max_connections=connections_for_lanes(runner.lanes_per_server),
                 )
                 for i in infos
             ]

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # how both engines name a /inference/v1/generate request internally (vLLM 0.32's token-in/token-out route)
 GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
 CONNECTIONS_PER_POOL = 64
+DEFAULT_MAX_CONNECTIONS = 1024
 # what httpx raises when the server closed the connection before answering
 CLOSED_UNDER_US = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
@@ -128,6 +129,13 @@ def parse_generate_choice(choice: dict[str, Any]) -> GenerateResult:
     )
 
 
+def connections_for_lanes(lanes: int) -> int:
+    """A client's connection limit for a server that gets at most ``lanes`` requests at once: a
+    connection for every lane and as many more for control requests (weight pushes, pauses,
+    status), so that neither waits for a connection the other holds."""
+    return max(DEFAULT_MAX_CONNECTIONS, 2 * lanes)
+
+
 class InferenceClient:
     def __init__(
         self,
@@ -139,7 +147,7 @@ class InferenceClient:
         connect_timeout_s: float = 10.0,
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
-        max_connections: int = 1024,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         control_token: str | None = None,
         api_key: str | None = None,
     ):
@@ -157,6 +165,7 @@ class InferenceClient:
         # Several small pools, not one large one: httpcore's pool scans all its connections and
         # waiting requests at every request start and end, which is quadratic in a pool's size and
         # can keep the event loop busy with that alone. Requests take the pools in turn.
+        self.max_connections = max_connections
         pools = -(-max_connections // CONNECTIONS_PER_POOL)
         per_pool = -(-max_connections // pools)
         self._pools = [
