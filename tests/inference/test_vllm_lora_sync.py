@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
-import threading
+from functools import partial
 
 import httpx
 import pytest
 import torch
+from inflight_push import stream_while_pushing
 
 from refractor.inference.client import InferenceClient, Sampling
 from refractor.models import load_model
@@ -200,48 +200,29 @@ def test_a_request_in_flight_during_an_adapter_push_finishes_on_the_new_adapter(
     merged weights. On busy cores the 400 tokens can all be out before the push lands: that attempt
     is repeated with the next two versions (3 at most), then the test is skipped, saying so."""
     prompt = PROMPTS[0]
-    body = {
-        "model": SERVED,
-        "token_ids": prompt,
-        "stream": True,
-        "sampling_params": {
-            "max_tokens": 400,
-            "temperature": 1.0,
-            "logprobs": 0,
-            "ignore_eos": True,
-            "seed": 3,
-        },
-    }
     for attempt in range(3):
         first = 11 + 2 * attempt  # adapters[1] serves as this version, adapters[2] as the next
         sender.push(iter(adapters[1]), first)
-        pusher = threading.Thread(target=lambda v=first + 1: sender.push(iter(adapters[2]), v))
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        spans = []
-        with httpx.stream("POST", server.url + "/inference/v1/generate", json=body, timeout=300) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                (choice,) = json.loads(line.removeprefix("data: "))["choices"]
-                tokens += choice["token_ids"]
-                logprobs += [entry["logprob"] for entry in choice["logprobs"]["content"]]
-                spans = choice["weight_versions"] or spans
-                if len(tokens) >= 10 and not pusher.ident:
-                    pusher.start()
-        pusher.join(120)
-        assert len(tokens) == 400 and not pusher.is_alive(), spans
-        if len(spans) > 1:
+        streamed = stream_while_pushing(
+            server.url,
+            SERVED,
+            prompt,
+            partial(sender.push, iter(adapters[2]), first + 1),
+            max_tokens=400,
+            seed=3,
+        )
+        if streamed.switched_versions:
             break
     else:
         pytest.skip(
             "three 400-token requests ended before an adapter push pushed during them landed (busy cores)"
         )
+    spans = streamed.weight_versions
     assert [s["version"] for s in spans] == [str(first), str(first + 1)], spans
     switch = spans[0]["end"]
-    served = torch.tensor(logprobs, dtype=torch.float64)
-    old = token_logprobs(hf[1], prompt, tokens)
-    new = token_logprobs(hf[2], prompt, tokens)
+    served = torch.tensor(streamed.logprobs, dtype=torch.float64)
+    old = token_logprobs(hf[1], prompt, streamed.tokens)
+    new = token_logprobs(hf[2], prompt, streamed.tokens)
     assert (served[:switch] - old[:switch]).abs().max() < 1e-4
     assert (served[switch:] - new[switch:]).abs().max() < 1e-4
     assert (old[switch:] - new[switch:]).abs().max() > 1e-2  # the two adapters differ there

@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import threading
+from functools import partial
 
 import httpx
 import pytest
 import torch
+from inflight_push import TOKENS_BEFORE_PUSH, stream_while_pushing
 
 from refractor.inference.client import InferenceClient
 from refractor.testing import TEST_CONTROL_TOKEN
@@ -147,51 +148,6 @@ def test_a_bad_push_is_rejected_whole(spoil, error, vllm_server, vllm_sender, hf
     assert max_error(sample(vllm_server.url, n=2, seed=62), hf_models[1]) < 1e-4
 
 
-def _stream_while_pushing(url, model_name, sender, hf_models, old_version):
-    """Stream one 450-token request; push new weights once 10 tokens arrived.
-
-    Returns tokens, logprobs, spans.
-    """
-    sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=old_version)
-    body = {
-        "model": model_name,
-        "token_ids": PROMPT,
-        "request_id": f"inflight-{old_version}",
-        "stream": True,
-        "sampling_params": {
-            "max_tokens": 450,
-            "temperature": 1.0,
-            "logprobs": 0,
-            "ignore_eos": True,
-            "seed": 5,
-        },
-    }
-    tokens = []
-    logprobs = []
-    spans = None
-    finish = None
-    pusher = threading.Thread(
-        target=lambda: sender.push(
-            iter_buckets(hf_models[1].named_parameters(), 1 << 20), version=old_version + 1
-        )
-    )
-    # stream, so that the update provably lands while the request is decoding
-    with httpx.stream("POST", url + "/inference/v1/generate", json=body, timeout=300) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            (choice,) = json.loads(line.removeprefix("data: "))["choices"]
-            tokens += choice["token_ids"]
-            logprobs += [entry["logprob"] for entry in choice["logprobs"]["content"]]
-            spans = choice["weight_versions"] or spans
-            finish = choice["finish_reason"]
-            if len(tokens) >= 10 and not pusher.ident:
-                pusher.start()
-    pusher.join(120)
-    assert finish == "length" and len(tokens) == 450
-    return tokens, logprobs, spans
-
-
 @pytest.mark.parametrize("inflight_kv", ["recompute", "keep"])
 def test_update_during_an_inflight_request(
     inflight_kv,
@@ -211,29 +167,40 @@ def test_update_during_an_inflight_request(
     # the push arrives. That is not a failure of the update, so such an attempt is repeated (3 at most),
     # then the test is skipped, saying so.
     for attempt in range(3):
-        tokens, logprobs, spans = _stream_while_pushing(
-            vllm_server.url, vllm_model_name, vllm_sender, hf_models, old_version=first + 2 * attempt
+        old_version = first + 2 * attempt
+        vllm_sender.push(iter_buckets(hf_models[0].named_parameters(), 1 << 20), version=old_version)
+        streamed = stream_while_pushing(
+            vllm_server.url,
+            vllm_model_name,
+            PROMPT,
+            partial(
+                vllm_sender.push, iter_buckets(hf_models[1].named_parameters(), 1 << 20), old_version + 1
+            ),
+            max_tokens=450,
+            seed=5,
         )
-        if len(spans) > 1:
+        if streamed.switched_versions:
             break
     else:  # the tiny model outran the client three times (busy cores): the condition was not provoked
         pytest.skip(
-            f"{inflight_kv}: the request finished before the update landed in 3 attempts (spans {spans})"
+            f"{inflight_kv}: the request finished before the update landed in 3 attempts "
+            f"(spans {streamed.weight_versions})"
         )
-    old_v = str(first + 2 * attempt)
-    new_v = str(first + 1 + 2 * attempt)
+    spans = streamed.weight_versions
+    old_v = str(old_version)
+    new_v = str(old_version + 1)
     assert [s["version"] for s in spans] == [old_v, new_v], spans
     switch = spans[0]["end"]
     assert spans[0]["start"] == 0 and spans[1] == {"version": new_v, "start": switch, "end": 450}
-    assert 10 <= switch < 450
-    logprobs = torch.tensor(logprobs, dtype=torch.float64)
-    old = hf_token_logprobs(hf_models[0], PROMPT, tokens)
-    new = hf_token_logprobs(hf_models[1], PROMPT, tokens)
+    assert TOKENS_BEFORE_PUSH <= switch < 450
+    logprobs = torch.tensor(streamed.logprobs, dtype=torch.float64)
+    old = hf_token_logprobs(hf_models[0], PROMPT, streamed.tokens)
+    new = hf_token_logprobs(hf_models[1], PROMPT, streamed.tokens)
     assert (logprobs[:switch] - old[:switch]).abs().max() < 1e-4  # tokens before the switch: the old model
     if inflight_kv == "recompute":  # after it, the new model on the full sequence (KV recomputed)
         assert (logprobs[switch:] - new[switch:]).abs().max() < 1e-4
     else:  # after it, the new weights over the old-weight KV (the same as the native engine)
-        stale = stale_kv_logprobs(hf_models[0], hf_models[1], PROMPT, tokens, switch)
+        stale = stale_kv_logprobs(hf_models[0], hf_models[1], PROMPT, streamed.tokens, switch)
         assert (logprobs[switch:] - stale).abs().max() < 1e-4
         assert (logprobs[switch:] - new[switch:]).abs().max() > 1e-2
 
