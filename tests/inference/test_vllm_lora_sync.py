@@ -188,13 +188,9 @@ def test_an_adapter_push_serves_the_merged_model_and_the_next_push_replaces_it(
         assert ratio <= 0.02
 
 
-@torch.no_grad()
-def token_logprobs(hf, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    logits = hf(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-
-
-def test_a_request_in_flight_during_an_adapter_push_finishes_on_the_new_adapter(server, sender, adapters, hf):
+def test_a_request_in_flight_during_an_adapter_push_finishes_on_the_new_adapter(
+    server, sender, adapters, hf, hf_token_logprobs
+):
     """Streamed, and the second push starts once ten tokens have arrived, so it lands while the request
     decodes; its KV is recomputed with the new adapter (weight_sync_inflight_kv: recompute), as with
     merged weights. On busy cores the 400 tokens can all be out before the push lands: that attempt
@@ -221,8 +217,9 @@ def test_a_request_in_flight_during_an_adapter_push_finishes_on_the_new_adapter(
     assert [s["version"] for s in spans] == [str(first), str(first + 1)], spans
     switch = spans[0]["end"]
     served = torch.tensor(streamed.logprobs, dtype=torch.float64)
-    old = token_logprobs(hf[1], prompt, streamed.tokens)
-    new = token_logprobs(hf[2], prompt, streamed.tokens)
+    with torch.no_grad():
+        old = hf_token_logprobs(hf[1], prompt, streamed.tokens)
+        new = hf_token_logprobs(hf[2], prompt, streamed.tokens)
     assert (served[:switch] - old[:switch]).abs().max() < 1e-4
     assert (served[switch:] - new[switch:]).abs().max() < 1e-4
     assert (old[switch:] - new[switch:]).abs().max() > 1e-2  # the two adapters differ there
