@@ -15,7 +15,7 @@
 #   bash bench/device_pending.sh megatron_tp2 megatron_pp2    # 2 GPUs (the same)
 #   bash bench/device_pending.sh megatron_cp2                 # 2 GPUs (the same; context parallelism)
 #   bash bench/device_pending.sh megatron_ep2                 # 2 GPUs (the same; Qwen3-MoE experts over EP=2)
-#   bash bench/device_pending.sh megatron_rl                  # 3+ GPUs: refractor train, Megatron TP=2 vs FSDP2
+#   bash bench/device_pending.sh megatron_rl                  # 2+ GPUs: refractor train, Megatron TP=2 vs FSDP2
 #   bash bench/device_pending.sh lora_sync                    # 1 GPU (LoRA adapter vs merged vs full push)
 #   bash bench/device_pending.sh rl_from_scratch              # 4 GPUs (Ray wheel without its jars, pyzmq)
 #   bash bench/device_pending.sh rl_from_scratch_1gpu         # 1 GPU, then rl_from_scratch_resume x 2-3
@@ -126,8 +126,9 @@ run_part() {
     megatron_ep2)  # 2 GPUs: a Qwen3-MoE shape (32 experts, 4 per token) with its experts split over the two
       # GPUs (EP=2) vs on both (EP=1), DP=2 in both, same weights and batch: parity and throughput
       part megatron_ep2 480 torchrun --nproc-per-node 2 bench/bench_megatron.py --size moe-0.7b --ep 2 ;;
-    megatron_rl)  # 3+ GPUs: one native server and a Megatron TP=2 trainer (every weight sync gathers the TP
-      # shards), then the FSDP2 trainer over the same 2 ranks (DP 2); async 2, the same workload
+    megatron_rl)  # 2+ GPUs: one native server and a Megatron TP=2 trainer (every weight sync gathers the TP
+      # shards), then the FSDP2 trainer over the same 2 ranks (DP 2); async 2, the same workload. On two
+      # GPUs `colocate: auto` puts the server beside trainer rank 0 (three GPUs: each on its own)
       part megatron_rl 540 python bench/bench_rl.py --steps 8 --warmup 2 --mode-timeout 240 --modes \
         "2+ray_address=''+trainer_num_workers=2+train_backend=megatron+megatron_tensor_parallel_size=2,2+ray_address=''+trainer_num_workers=2" ;;
     lora_sync)  # 1 GPU: trainer and native server on one card (CUDA IPC); full, merged and adapter pushes of

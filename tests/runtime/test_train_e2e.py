@@ -272,6 +272,39 @@ def test_a_megatron_run_trains_and_the_servers_sample_from_its_weights(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_megatron_run_over_two_tensor_parallel_ranks_pushes_whole_weights(tmp_path):
+    """Two trainer ranks through ``refractor train``, Megatron with tensor parallelism 2: every weight
+    push gathers the two shards of each weight, and the server's log-probs of each step's tokens equal
+    the trainer's after an lr 0.1 update (a missing or misplaced shard would not)."""
+    from refractor.testing import tiny_qwen2
+
+    run_dir = run_training(
+        quick_cfg(
+            tmp_path,
+            model=str(tiny_qwen2(num_key_value_heads=2)),  # whole key/value heads on each rank
+            number_of_steps=2,
+            max_async_rollout=0,
+            learning_rate=0.1,
+            entropy_coef=0.1,  # a gradient at every step, whatever the rewards
+            deterministic_rollouts=True,
+            train_backend="megatron",
+            megatron_tensor_parallel_size=2,
+            trainer_num_workers=2,
+            ray_trainer_cpus_per_worker=0.5,  # a server and two ranks on a 2-CPU machine
+            ray_inference_cpus_per_worker=0.5,
+        ),
+        quiet=True,
+    )
+    with RunReader(run_dir) as reader:
+        metrics = reader.step_metrics(["kl_divergence_inference", "grad_norm"])
+        ranks = reader.topology()["trainer"]["ranks"]
+    assert [r["impl"] for r in ranks] == ["megatron", "megatron"]
+    assert len(metrics) == 2 and all(m["grad_norm"] > 0 for m in metrics)
+    assert all(m["kl_divergence_inference"] < 1e-3 for m in metrics), metrics
+    assert "TP 2 x PP 1 x CP 1 x DP 1" in (run_dir / "logs" / "trainer-0.log").read_text()
+
+
+@pytest.mark.slow
 def test_a_raising_reward_discards_with_a_reason_and_the_run_goes_on(tmp_path):
     """Also the colocated synchronous layout end to end: server and trainer rank in one placement
     group, the server asleep while the trainer steps."""
