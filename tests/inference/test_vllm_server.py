@@ -354,10 +354,11 @@ def test_the_pause_state_machine_never_hangs_nor_releases_a_kept_request(vllm_se
     def frozen_request() -> StreamedCompletion:
         """A long request frozen in flight by a keep pause: sixteen are sent together (the session
         server's max_num_seqs), the pause goes out on the first one's first chunk, and one that was
-        generating when it landed is returned (a batch of sixteen makes each step slower, so the pause
-        lands before they end even on busy cores). Should all sixteen end first anyway, that
-        attempt is repeated (5 at most), then the test is skipped, saying so: the condition it checks
-        was not provoked, which is not a failure of the pause."""
+        generating when it landed and is still open half a second later is returned (a batch of
+        sixteen makes each step slower, so the pause lands before they end even on busy cores).
+        Should all sixteen end first anyway, that attempt is repeated (5 at most), then the test is
+        skipped, saying so: the condition it checks was not provoked, which is not a failure of the
+        pause."""
         for _ in range(5):
             requests = [
                 StreamedCompletion(
@@ -368,8 +369,12 @@ def test_the_pause_state_machine_never_hangs_nor_releases_a_kept_request(vllm_se
             batch.extend(requests)
             assert requests[0].started.wait(60)
             time.sleep(0.3)  # chunks already on their way arrive
-            for request in requests:
-                if request.chunks and not request.done:  # generating when the pause landed
+            generating = [request for request in requests if request.chunks and not request.done]
+            # a request whose last tokens were already out when the pause landed still ends: give
+            # its final chunk time to arrive, and take one that is still open after that
+            time.sleep(0.5)
+            for request in generating:
+                if not request.done:
                     return request
             call("/resume")
         pytest.skip("eighty 450-token requests finished before a keep pause could freeze them (busy cores)")
