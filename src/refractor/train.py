@@ -597,7 +597,7 @@ def _http_servers(infos, cfg, control_token: str):
             model=cfg.model,
             timeout_s=float(cfg.ray_placement_timeout_s),
             control_token=control_token,
-            max_connections=connections_for_lanes(cfg.max_concurrent_prompts_per_server * cfg.group_size),
+            max_connections=connections_for_lanes(cfg.lanes_per_server),
         )
         for info in infos
     ]

@@ -884,6 +884,11 @@ class RefractorConfig(
     def num_inference_servers(self) -> int:
         return self.inference_num_workers // self.inference_tensor_parallel_size
 
+    @property
+    def lanes_per_server(self) -> int:
+        """Completions the orchestrator keeps in flight on each server, training and evals alike."""
+        return self.max_concurrent_prompts_per_server * self.group_size
+
     def sleeps_during_training(self, colocated: bool) -> bool:
         """``inference_sleep_during_training`` resolved for the run's placement."""
         if self.inference_sleep_during_training == "auto":

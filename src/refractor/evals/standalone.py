@@ -305,9 +305,7 @@ class _Servers:
             chat = run_chat_tokens(tokenizer, cfg.enable_thinking)
             base = RolloutSettings.from_config(cfg, tokenizer.eos_token or "")
             tasks = [build_task(e, chat, base) for e in loaded]
-            lanes = keys.max_concurrent_samples_per_server or (
-                cfg.max_concurrent_prompts_per_server * cfg.group_size
-            )
+            lanes = keys.max_concurrent_samples_per_server or cfg.lanes_per_server
             return cls(
                 connection,
                 _reserve_servers(cfg),

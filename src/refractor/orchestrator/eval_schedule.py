@@ -281,7 +281,7 @@ def build_eval_schedule(
     settings = RolloutSettings.from_config(cfg, tokenizer.eos_token or "")
     scheduler = EvalScheduler(
         [build_task(e, chat, settings) for e in loaded],
-        EvalRunner(chat, cfg.max_concurrent_prompts_per_server * cfg.group_size, clock),
+        EvalRunner(chat, cfg.lanes_per_server, clock),
         EvalResults(store, sinks, clock),
         server_names,
         eval_server_names(cfg, server_names),

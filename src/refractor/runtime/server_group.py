@@ -60,7 +60,7 @@ def native_max_num_seqs(cfg: Any) -> int:
     flight on a server. A lane past the engine's limit waits in its queue while the GPU decodes
     fewer sequences per step than it could (a decode step costs about the same for a few hundred
     sequences as for one); the KV cache still bounds how many run."""
-    return cfg.max_num_seqs or cfg.max_concurrent_prompts_per_server * cfg.group_size
+    return cfg.max_num_seqs or cfg.lanes_per_server
 
 
 @dataclass(frozen=True)
