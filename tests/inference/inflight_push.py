@@ -4,13 +4,13 @@ folder as ``inflight_push``."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from sse_events import data_events
 
 # the push starts once this many tokens have streamed, so it cannot land before the request decodes
 TOKENS_BEFORE_PUSH = 10
@@ -56,10 +56,8 @@ def stream_while_pushing(
     pushed = None
     with ThreadPoolExecutor(max_workers=1) as pool:
         with httpx.stream("POST", url + "/inference/v1/generate", json=body, timeout=300) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+            for event in data_events(response):
+                (choice,) = event["choices"]
                 tokens += choice["token_ids"]
                 logprobs += [entry["logprob"] for entry in choice["logprobs"]["content"]]
                 spans = choice["weight_versions"] or spans

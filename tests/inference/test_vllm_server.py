@@ -5,7 +5,6 @@ pause rules."""
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import threading
 import time
@@ -13,6 +12,7 @@ import time
 import httpx
 import pytest
 import torch
+from sse_events import data_events
 
 from refractor.config import load_config
 from refractor.inference.vllm.launcher import (
@@ -303,20 +303,12 @@ class StreamedCompletion:
 
     def _read(self, url: str, body: dict, on_first_chunk) -> None:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
-            # events end with a blank line; not iter_lines, which also splits at characters such as
-            # U+2028 that a random model's text may hold unescaped inside an event's JSON
-            pending = b""
-            for data in response.iter_bytes():
-                *events, pending = (pending + data).split(b"\n\n")
-                for event in events:
-                    if event.startswith(b"data: {"):
-                        self.chunks += 1
-                        self.finish_reason = json.loads(event.removeprefix(b"data: "))["choices"][0][
-                            "finish_reason"
-                        ]
-                        if self.chunks == 1 and on_first_chunk is not None:
-                            on_first_chunk()
-                        self.started.set()
+            for event in data_events(response):
+                self.chunks += 1
+                self.finish_reason = event["choices"][0]["finish_reason"]
+                if self.chunks == 1 and on_first_chunk is not None:
+                    on_first_chunk()
+                self.started.set()
         self.started.set()
 
     @property
