@@ -150,7 +150,8 @@ run_part() {
       # the first part trains the SFT base (a 4.2-minute limit: a fresh machine imports slowly), then
       # GRPO / lr-0 control / Dr. GRPO side by side on the card, each ending with a checkpoint; every
       # `rl_from_scratch_resume` call right after it (while the machine is still held) continues the
-      # three runs for 8.5 more minutes; each segment's final eval is a point of the held-out curve. RFS_RUNS picks the runs (default three; two share the card faster)
+      # three runs for 8.5 more minutes; each segment's final eval is a point of the held-out curve.
+      # RFS_RUNS picks the runs (default three; two share the card faster)
       mkdir -p "$OUT/$1"
       local runs=${RFS_RUNS:-grpo,control,dr_grpo} gpus
       gpus=$(echo "$runs" | sed 's/[^,]*/0/g')

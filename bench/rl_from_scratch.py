@@ -66,9 +66,10 @@ RUNS = {  # name -> config overrides on top of the example config
     "grpo_lr1e-4": {"algorithm": "grpo", "learning_rate": 1e-4},
     # past the stable step size (it lowers held-out accuracy; bench/RESULTS.md): the upper bracket
     "grpo_lr2e-4": {"algorithm": "grpo", "learning_rate": 2e-4},
-    # twice the prompts per step at twice the step size: the steps are generation-bound by
-    # per-step overheads on a GPU, so a batch twice as large costs well under twice the time, and
-    # its gradient's lower noise is what a larger step needs
+    # twice the prompts per step at twice the step size: a native server decodes all of a step's
+    # samples at once and a model this small pays per decode step, so on a GPU a batch twice as
+    # large should cost well under twice the time, and its gradient's lower noise is what a
+    # larger step needs
     "grpo_b64": {
         "algorithm": "grpo",
         "prompts_batch_size_for_trainer": 64,

@@ -266,7 +266,7 @@ def test_a_bad_weight_update_writes_nothing_and_keeps_the_version(tiny_qwen2_pat
 def test_decode_graph_sizes_hold_every_batch_with_little_padding():
     from refractor.inference.engine.model_runner import decode_graph_sizes
 
-    # up to 256 sequences: 1, 2, 4, 8 and every 16, as the engine captured before larger limits
+    # up to 256 sequences: 1, 2, 4, 8 and every 16
     assert decode_graph_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert decode_graph_sizes(5) == [1, 2, 4, 5]
     for max_bs in (1, 100, 300, 512, 1000, 2048):
