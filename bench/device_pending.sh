@@ -22,8 +22,12 @@
 #                                                             # (the next calls on the same warm machine)
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
 # runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
-# so the sum of their limits bounds one invocation. Wheels in .whl/ and .whl-ray/ (for a machine that has
-# torch but neither Ray nor the server dependencies) are installed into /tmp/site first.
+# so the sum of their limits bounds one invocation. Two 2-GPU parts share a 4-GPU machine side by side:
+#   CUDA_VISIBLE_DEVICES=0,1 bash bench/device_pending.sh rl & CUDA_VISIBLE_DEVICES=2,3 bash \
+#     bench/device_pending.sh megatron_rl; wait
+# (torchrun runs --standalone, on a free rendezvous port, so two of them do not collide). Wheels in .whl/
+# and .whl-ray/ (for a machine that has torch but neither Ray nor the server dependencies) are installed
+# into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -77,17 +81,17 @@ run_part() {
       timeout 250 python -m pytest tests/trainer/test_fsdp_gpu.py -m gpu -q -x >"$OUT/fsdp_test/log.txt" 2>&1
       echo "=== fsdp_test: exit $?"; tail -n 15 "$OUT/fsdp_test/log.txt" ;;
     fsdp_throughput)  # 2 GPUs
-      part fsdp_throughput 320 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
+      part fsdp_throughput 320 torchrun --standalone --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b \
         --tokens 32768 --variants default,full,sac --warmup 2 --steps 3 ;;
     rl)  # 2 GPUs
       part rl 420 python bench/bench_rl.py --steps 6 --warmup 2 \
         --modes 0,2,0+dispatch_only_needed_groups=true ;;
     fsdp_scale1 | fsdp_scale2 | fsdp_scale4)  # FSDP2 scaling: 16k tokens per GPU, weak scaling
       local n=${1#fsdp_scale}
-      part "$1" 240 torchrun --nproc-per-node "$n" bench/bench_trainer.py --sizes 0.5b,1.5b \
+      part "$1" 240 torchrun --standalone --nproc-per-node "$n" bench/bench_trainer.py --sizes 0.5b,1.5b \
         --tokens $((16384 * n)) --variants default,full,sac --no-baseline --warmup 2 --steps 3 ;;
     fsdp_7b)  # 4 GPUs: a 7B shape with fp32 master weights and AdamW state, no offload
-      part fsdp_7b 300 torchrun --nproc-per-node 4 bench/bench_trainer.py --sizes 7b --tokens 65536 \
+      part fsdp_7b 300 torchrun --standalone --nproc-per-node 4 bench/bench_trainer.py --sizes 7b --tokens 65536 \
         --variants default --no-baseline --warmup 2 --steps 3 ;;
     trainer_7b_offload)  # 1 GPU, but ~150 GB of host RAM: run it on a machine of several GPUs
       CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} part trainer_7b_offload 400 python bench/bench_trainer.py \
@@ -98,9 +102,9 @@ run_part() {
       part trainer_lora_7b 300 python bench/bench_trainer.py --sizes 7b --variants lora --no-baseline \
         --warmup 2 --steps 3 ;;
     fsdp_cp2)  # 2 GPUs: 32k-token rows shared by 2 context-parallel ranks vs each rank holding whole rows
-      part fsdp_cp2 300 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b --seq-len 32768 \
+      part fsdp_cp2 300 torchrun --standalone --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b --seq-len 32768 \
         --tokens 65536 --variants default --no-baseline --warmup 2 --steps 3 --context-parallel 2
-      part fsdp_cp1 300 torchrun --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b --seq-len 32768 \
+      part fsdp_cp1 300 torchrun --standalone --nproc-per-node 2 bench/bench_trainer.py --sizes 0.5b --seq-len 32768 \
         --tokens 65536 --variants default --no-baseline --warmup 2 --steps 3 ;;
     multi_server)  # 4 GPUs: 3 servers + 1 trainer rank (one of them an eval server), then 2 + 2
       part multi_server 420 python bench/bench_rl.py --steps 6 --warmup 2 --modes \
@@ -112,20 +116,20 @@ run_part() {
       # rows of the `megatron` part when its JSON is in $OUT/megatron (same size and tokens)
       local layout=${1#megatron_} reference=()
       [ -f "$OUT/megatron/bench_megatron.json" ] && reference=(--reference "$OUT/megatron/bench_megatron.json")
-      part "$1" 420 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b "--${layout%2}" 2 \
+      part "$1" 420 torchrun --standalone --nproc-per-node 2 bench/bench_megatron.py --size 0.5b "--${layout%2}" 2 \
         "${reference[@]}" ;;
     megatron_cp2)  # 2 GPUs: 32k-token rows shared by 2 Megatron CP ranks vs FSDP2 ranks each holding whole
       # rows (parity and throughput, bf16 rows: float32 attention over a 32k row takes a dense mask), then
       # the Megatron trainer with each rank holding whole rows (DP 2)
-      part megatron_cp2 420 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b --cp 2 \
+      part megatron_cp2 240 torchrun --standalone --nproc-per-node 2 bench/bench_megatron.py --size 0.5b --cp 2 \
         --seq-len 32768 --tokens 65536 --rows fsdp_bf16,megatron_bf16
       local cp2=()
       [ -f "$OUT/megatron_cp2/bench_megatron.json" ] && cp2=(--reference "$OUT/megatron_cp2/bench_megatron.json")
-      part megatron_cp1 300 torchrun --nproc-per-node 2 bench/bench_megatron.py --size 0.5b \
+      part megatron_cp1 180 torchrun --standalone --nproc-per-node 2 bench/bench_megatron.py --size 0.5b \
         --seq-len 32768 --tokens 65536 --rows megatron_bf16 "${cp2[@]}" ;;
     megatron_ep2)  # 2 GPUs: a Qwen3-MoE shape (32 experts, 4 per token) with its experts split over the two
       # GPUs (EP=2) vs on both (EP=1), DP=2 in both, same weights and batch: parity and throughput
-      part megatron_ep2 480 torchrun --nproc-per-node 2 bench/bench_megatron.py --size moe-0.7b --ep 2 ;;
+      part megatron_ep2 480 torchrun --standalone --nproc-per-node 2 bench/bench_megatron.py --size moe-0.7b --ep 2 ;;
     megatron_rl)  # 2+ GPUs: one native server and a Megatron TP=2 trainer (every weight sync gathers the TP
       # shards), then the FSDP2 trainer over the same 2 ranks (DP 2); async 2, the same workload. On two
       # GPUs `colocate: auto` puts the server beside trainer rank 0 (three GPUs: each on its own)
