@@ -10,8 +10,9 @@ the same amount of generation and training.
 
 Per mode, over the steps after the warm-up ones (read back from the run store, ``run.db``): mean
 step time, samples/s and completion tokens/s (kept rollouts per wall-clock second of the measured
-steps), trainer and weight-sync time per step, and each GPU's idle fraction (NVML utilization
-sampled every 100 ms while the measured steps run). The last line prints async/sync.
+steps), trainer and weight-sync time per step, and the idle fraction of each GPU in
+``CUDA_VISIBLE_DEVICES``, by nvidia-smi index (NVML utilization sampled every 100 ms while the
+measured steps run). The last line prints async/sync.
 
     PYTHONPATH=src python bench/bench_rl.py --steps 8 --warmup 2
 """
@@ -53,16 +54,19 @@ def build_model(out: Path, size: str) -> Path:
 
 
 class GpuSampler:
-    """Mean NVML utilization per GPU between ``mark`` and ``stop`` (0-100, sampled every 100 ms)."""
+    """NVML utilization of the GPUs in ``CUDA_VISIBLE_DEVICES``, sampled every 100 ms until ``stop``;
+    each GPU is named ``gpu<index>`` by its NVML (nvidia-smi) index."""
 
     def __init__(self) -> None:
-        self.handles = []
+        self.handles = {}
         if torch.cuda.is_available():
             import pynvml
 
+            from refractor.telemetry.system import visible_gpu_indices
+
             pynvml.nvmlInit()
             self.nvml = pynvml
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self.handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in visible_gpu_indices(pynvml)}
         self.samples: list[tuple[float, list[int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -70,18 +74,22 @@ class GpuSampler:
 
     def _loop(self) -> None:
         while self.handles and not self._stop.wait(0.1):
-            util = [self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles]
+            util = [self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles.values()]
             self.samples.append((time.time(), util))
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def idle_fraction(self, start: float, end: float) -> list[float]:
+    def idle_fraction(self, start: float, end: float) -> dict[str, float]:
+        """Each GPU's share of the samples between ``start`` and ``end`` it spent idle, by ``gpu<index>``."""
         window = [u for t, u in self.samples if start <= t <= end]
         if not window:
-            return []
-        return [1.0 - statistics.fmean(u[i] for u in window) / 100.0 for i in range(len(self.handles))]
+            return {}
+        return {
+            f"gpu{index}": 1.0 - statistics.fmean(u[i] for u in window) / 100.0
+            for i, index in enumerate(self.handles)
+        }
 
 
 def split_modes(text: str) -> list[str]:
@@ -344,7 +352,7 @@ def main() -> None:
         if r is None:  # stopped before its warm-up steps were over: nothing to measure
             continue
         results.append(r)
-        idle = ", ".join(f"gpu{i} {f:.0%}" for i, f in enumerate(r["gpu_idle_fraction"]))
+        idle = ", ".join(f"{gpu} {f:.0%}" for gpu, f in r["gpu_idle_fraction"].items())
         print(
             f"{r['mode']:>7}: step {r['step_s']:.2f} s | {r['samples_per_s']:.1f} samples/s | "
             f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | train {r['train_step_s']:.2f} s "

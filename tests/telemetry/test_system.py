@@ -18,6 +18,7 @@ from refractor.telemetry.system import (
     SystemSampler,
     describe_gpus,
     describe_machine,
+    visible_gpu_indices,
 )
 
 CpuTimes = namedtuple("CpuTimes", "user nice system idle iowait")
@@ -95,9 +96,15 @@ def test_real_machine_is_sane():
     assert all(0 <= m[k] <= 100 for k in cores)
 
 
+@pytest.fixture(autouse=True)
+def every_gpu_visible(monkeypatch):
+    """The stand-in NVML's GPUs are all this process's unless a test sets ``CUDA_VISIBLE_DEVICES``."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 class FakeNvml:
-    """pynvml's functions for two GPUs; GPU 1 has no fan (NotSupported) and its power read fails
-    once with a transient error. The error classes are pynvml's own."""
+    """pynvml's functions for two GPUs (or ``count``); GPU 1 has no fan (NotSupported) and its power
+    read fails once with a transient error. The error classes are pynvml's own."""
 
     NVMLError = pynvml.NVMLError
     NVMLError_NotSupported = pynvml.NVMLError_NotSupported
@@ -144,7 +151,7 @@ class FakeNvml:
         return b"NVIDIA H100 80GB HBM3" if h == 0 else "NVIDIA H100 80GB HBM3"  # bytes in old pynvml
 
     def nvmlDeviceGetUUID(self, h):
-        return f"GPU-{h:08d}"
+        return f"GPU-{h}c4e81a2-5d1f-4b7e-9a3c-00000000000{h}"
 
     def nvmlSystemGetDriverVersion(self):
         return "570.86.15"
@@ -209,10 +216,72 @@ def test_machine_description_names_gpus_driver_and_cuda():
     assert described["gpus"][1] == {
         "index": 1,
         "name": "NVIDIA H100 80GB HBM3",
-        "uuid": "GPU-00000001",
+        "uuid": "GPU-1c4e81a2-5d1f-4b7e-9a3c-000000000001",
         "memory_gb": 80.0,
     }
     missing = describe_gpus(FakeNvml(init_error=pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)))
     assert missing == {"gpus": [], "error": "NVML Shared Library Not Found"}
     machine = describe_machine(FakeNvml())
     assert machine["packages"]["torch"] and machine["cpu_count"] >= 1 and len(machine["gpus"]) == 2
+
+
+def visible(monkeypatch, listed: str, count: int = 4) -> list[int]:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", listed)
+    return visible_gpu_indices(FakeNvml(count))
+
+
+def test_without_cuda_visible_devices_every_gpu_is_visible():
+    assert visible_gpu_indices(FakeNvml(4)) == [0, 1, 2, 3]
+
+
+def test_visible_gpus_are_in_the_listed_order_and_end_at_the_first_invalid_entry(monkeypatch):
+    assert visible(monkeypatch, "1,0") == [1, 0]
+    assert visible(monkeypatch, "2,7,0") == [2]  # 7 is no GPU of four: 0 after it is not visible
+    assert visible(monkeypatch, "0,2,-1,1") == [0, 2]  # CUDA's documented example
+    assert visible(monkeypatch, "0,gpu1") == [0]
+
+
+def test_empty_minus_one_and_no_dev_files_mean_no_gpu(monkeypatch):
+    for listed in ("", "-1", "NoDevFiles"):
+        assert visible(monkeypatch, listed) == []
+
+
+def test_a_gpu_listed_twice_leaves_none(monkeypatch):
+    assert visible(monkeypatch, "1,0,1") == []
+
+
+def test_gpus_named_by_uuid_or_a_unique_uuid_prefix(monkeypatch):
+    assert visible(monkeypatch, "GPU-3c4e81a2-5d1f-4b7e-9a3c-000000000003,GPU-1c4e") == [3, 1]
+    assert visible(monkeypatch, "GPU-2,GPU-ffff,1") == [2]  # a UUID no GPU has ends the list
+    assert visible(monkeypatch, "GPU-2,GPU-,1") == [2]  # so does a prefix of several GPUs' UUIDs
+
+
+def test_mig_instances_fall_back_to_every_gpu_with_one_info_line(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="refractor.telemetry.system")
+    assert visible(monkeypatch, "MIG-5a1e2b3c-0000-4000-8000-000000000000") == [0, 1, 2, 3]
+    assert len(caplog.records) == 1 and "MIG" in caplog.records[0].message
+
+
+def test_gpu_sampler_records_only_visible_gpus_by_their_nvml_index(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    rows = {(source, name): value for source, name, value in GpuSampler.open(FakeNvml(4)).sample()}
+    assert {source for source, _ in rows} == {"gpu3", "gpu1"}
+    assert rows[("gpu3", "gpu_memory_used_gb")] == 23.0  # GPU 3's own reading, not CUDA device 0's
+
+
+def test_no_visible_gpu_means_no_gpu_sampler_and_one_info_line(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="refractor.telemetry.system")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert GpuSampler.open(FakeNvml(4)) is None
+    assert [r.message for r in caplog.records] == [
+        "no GPU metrics: CUDA_VISIBLE_DEVICES='' names none of NVML's GPUs"
+    ]
+
+
+def test_machine_description_lists_only_visible_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-2c4e,GPU-0")
+    described = describe_gpus(FakeNvml(4))
+    assert [(g["index"], g["uuid"]) for g in described["gpus"]] == [
+        (2, "GPU-2c4e81a2-5d1f-4b7e-9a3c-000000000002"),
+        (0, "GPU-0c4e81a2-5d1f-4b7e-9a3c-000000000000"),
+    ]

@@ -2,10 +2,10 @@
 
 * :class:`SystemSampler`: CPU utilization between two samples, in total and per core, and memory,
   through psutil. Source ``system``.
-* :class:`GpuSampler`: every GPU the machine has, through NVML (``nvidia-ml-py``): utilization,
-  memory, power, temperature, clocks. Source ``gpu<index>`` (NVML's index, the physical one). A
-  metric the GPU does not support is left out; without NVML (no driver, no GPU) there is no
-  sampler, and one info line says so.
+* :class:`GpuSampler`: every GPU this process may use (:func:`visible_gpu_indices`), through NVML
+  (``nvidia-ml-py``): utilization, memory, power, temperature, clocks. Source ``gpu<index>`` (NVML's
+  index, the physical one). A metric the GPU does not support is left out; without NVML (no driver,
+  no GPU) or without a visible GPU there is no sampler, and one info line says so.
 * :class:`NodeSampler`: both, as rows; what runs on every node (``refractor.runtime.node_metrics``).
 """
 
@@ -80,13 +80,50 @@ class SystemSampler:
         return out
 
 
+def visible_gpu_indices(nvml: Any) -> list[int]:
+    """NVML indices of the GPUs this process may use, in CUDA's order. NVML ignores
+    ``CUDA_VISIBLE_DEVICES`` and sees every GPU of the machine, so the variable is read here as CUDA
+    reads it: unset, every GPU; set, comma-separated entries, each an index (nvidia-smi's) or a GPU
+    UUID, or a prefix of one naming a single GPU. The first entry that names no GPU ends the list
+    (``""``, ``-1`` and ``NoDevFiles`` mean none), and a GPU named twice leaves none, as in torch's
+    own reading of the variable. ``nvml`` is initialized."""
+    count = nvml.nvmlDeviceGetCount()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return list(range(count))
+    uuids = []
+    if "GPU-" in listed:
+        uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+    indices: list[int] = []
+    for entry in (e.strip() for e in listed.split(",")):
+        if entry.startswith("MIG-"):
+            # a MIG instance's UUID is not a GPU's: mapping it to its GPU would take NVML's MIG calls,
+            # and a run on MIG slices is rare enough to record every GPU instead
+            log.info("CUDA_VISIBLE_DEVICES names MIG instances: metrics of every GPU on this machine")
+            return list(range(count))
+        if entry.isdecimal():
+            named = [int(entry)] if int(entry) < count else []
+        elif entry.startswith("GPU-"):
+            named = [i for i, uuid in enumerate(uuids) if uuid.startswith(entry)]
+        else:
+            named = []
+        if len(named) != 1:  # unknown, out of range or an ambiguous UUID prefix
+            break
+        if named[0] in indices:
+            return []
+        indices.append(named[0])
+    return indices
+
+
 class GpuSampler:
-    """The metrics of every GPU NVML sees. ``nvml`` is the ``pynvml`` module (tests pass a stand-in
-    with the same functions); build it with :meth:`open`."""
+    """The metrics of every GPU this process may use (:func:`visible_gpu_indices`), each named
+    ``gpu<index>`` by its NVML index, which is nvidia-smi's, not the CUDA device number inside the
+    process. ``nvml`` is the ``pynvml`` module (tests pass a stand-in with the same functions); build
+    it with :meth:`open`."""
 
     def __init__(self, nvml: Any) -> None:
         self.nvml = nvml
-        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        self.handles = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in visible_gpu_indices(nvml)}
         self.unsupported: set[tuple[int, str]] = set()  # (GPU, metric) NVML refused: not asked again
 
     @classmethod
@@ -101,13 +138,17 @@ class GpuSampler:
             log.info("no GPU metrics on this machine (NVML: %s)", err)
             return None
         if not sampler.handles:
-            log.info("no GPU metrics on this machine (NVML sees no GPU)")
+            listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if listed is None:
+                log.info("no GPU metrics on this machine (NVML sees no GPU)")
+            else:
+                log.info("no GPU metrics: CUDA_VISIBLE_DEVICES=%r names none of NVML's GPUs", listed)
             return None
         return sampler
 
     def sample(self) -> Rows:
         rows: Rows = []
-        for index, handle in enumerate(self.handles):
+        for index, handle in self.handles.items():
             source = f"gpu{index}"
             for name, value in self._metrics(index, handle):
                 rows.append((source, name, value))
@@ -142,14 +183,14 @@ class GpuSampler:
 
 
 def describe_gpus(nvml: Any = None) -> dict[str, Any]:
-    """The GPUs NVML sees (name, memory, UUID, index) and the driver and CUDA versions; ``error``
-    instead when NVML cannot be used."""
+    """The GPUs this process may use (name, memory, UUID, NVML index; :func:`visible_gpu_indices`)
+    and the driver and CUDA versions; ``error`` instead when NVML cannot be used."""
     try:
         if nvml is None:
             import pynvml as nvml
         nvml.nvmlInit()
         gpus = []
-        for i in range(nvml.nvmlDeviceGetCount()):
+        for i in visible_gpu_indices(nvml):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             gpus.append(
                 {
