@@ -27,6 +27,9 @@ from refractor.telemetry.system import NodeSampler, describe_machine
 log = logging.getLogger(__name__)
 
 
+# No GPU asked for: Ray then leaves CUDA_VISIBLE_DEVICES as the node was started with, so the sampler
+# records the GPUs Ray may hand out on this node (none if Ray is told to blank it for zero-GPU actors,
+# RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1).
 @ray.remote(num_cpus=0, max_restarts=0)
 class NodeMetricsActor:
     def __init__(self) -> None:
