@@ -475,14 +475,15 @@ def start_log_collector(store: RunStore, paths: RunPaths) -> LogCollector:
     from refractor.telemetry.log_capture import ProcessLogs
     from refractor.telemetry.log_files import LogFileCopies
 
+    node = get_node_ip_address()
     driver = ProcessLogs(
         "driver",
         None,
-        get_node_ip_address(),
+        node,
         capture_streams=False,
         logger_components={"refractor.orchestrator": "orchestrator"},
     )
-    return LogCollector(driver, store.log_lines, LogFileCopies(paths.logs), store.log_event)
+    return LogCollector(driver, store.log_lines, LogFileCopies(paths.logs, local_node=node), store.log_event)
 
 
 def start_code_snapshot(

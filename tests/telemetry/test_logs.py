@@ -221,6 +221,24 @@ def test_copies_are_written_per_component_and_a_server_file_only_when_it_is_else
     assert (tmp_path / "logs" / "server-1.log").read_text() == "remote line\n"
 
 
+def test_a_server_on_the_drivers_node_is_never_copied_even_before_its_file_exists(tmp_path):
+    """A restarted server's first batch: the old file's last lines, named by the new file, which the
+    new server has not created yet. A copy there would land in the file the server appends to."""
+    copies = LogFileCopies(tmp_path / "logs", local_node="10.0.0.1")
+    new_file = tmp_path / "logs" / "server-0.restart1.log"
+    copies.write([line("started", component="server", source="file")], server_file=str(new_file))
+    assert not new_file.exists()
+    new_file.write_text("the new server's line\n")
+    copies.write(
+        [line("the new server's line", component="server", source="file")], server_file=str(new_file)
+    )
+    elsewhere = "/elsewhere/runs/x/logs/server-1.log"  # another node: copied, as before
+    copies.write([line("remote line", component="server", rank=1, source="file", node="10.0.0.4")], elsewhere)
+    copies.close()
+    assert new_file.read_text() == "the new server's line\n"
+    assert (tmp_path / "logs" / "server-1.log").read_text() == "remote line\n"
+
+
 @pytest.fixture
 def store_with_lines(tmp_path):
     store = RunStore(tmp_path)

@@ -93,10 +93,12 @@ class LogFileCopies:
     """The driver's plain-text copy of every component's lines: ``<dir>/<component>[-<rank>].log``
     (``trainer-0.log``, ``driver.log``). A server's lines go to its own file name, and only when the
     server's file is not there already (its server runs on another node without a shared file
-    system); lines of a file are copied as they are, others get time, level and source."""
+    system); lines of a file are copied as they are, others get time, level and source. A server on
+    ``local_node`` (the driver's machine) writes its file here: its lines are never copied."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, local_node: str | None = None) -> None:
         self.folder = Path(folder)
+        self.local_node = local_node
         self.folder.mkdir(parents=True, exist_ok=True)
         self._files: dict[str, TextIO] = {}
         self._server_file_here: dict[str, bool] = {}
@@ -105,7 +107,7 @@ class LogFileCopies:
         """``server_file``: the path of the file the ``file`` lines come from, on their node."""
         for line in lines:
             if line.source == "file":
-                if server_file is None or self._file_is_here(server_file):
+                if server_file is None or self._file_is_here(server_file, line.node):
                     continue
                 self._file(Path(server_file).name).write(line.message + "\n")
                 continue
@@ -116,8 +118,14 @@ class LogFileCopies:
         for f in self._files.values():
             f.flush()
 
-    def _file_is_here(self, path: str) -> bool:
-        # decided once per file: once copied, the copy itself would look like the file
+    def _file_is_here(self, path: str, node: str) -> bool:
+        # A server of this machine: here, even before it has created the file. A restarted server's
+        # first batch names its new file while holding the old file's last lines, often before the
+        # new file exists; copying them would write into the file that server then appends to, and
+        # its follower would read the copies back as new lines, over and over.
+        if self.local_node is not None and node == self.local_node:
+            return True
+        # another node: decided once per file, as once copied the copy itself would look like the file
         if path not in self._server_file_here:
             self._server_file_here[path] = os.path.exists(path)
         return self._server_file_here[path]
