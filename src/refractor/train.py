@@ -29,6 +29,7 @@ from refractor.errors import RunSetupError
 from refractor.records import TimelineEvent
 
 if TYPE_CHECKING:
+    from refractor.inference.client import InferenceClient
     from refractor.runtime.health import ServerWatchdog
     from refractor.runtime.log_collector import LogCollector
     from refractor.runtime.run_lock import RunLock
@@ -403,7 +404,7 @@ def _train(cfg: RefractorConfig, paths: RunPaths, quiet: bool, config_path: str 
         )
         watchdog.on_failure = restarter.on_failure
         orchestrator.server_recovery = restarter.recover
-        asyncio.run(run_watched(orchestrator.run(), watchdog))
+        asyncio.run(closing_clients(run_watched(orchestrator.run(), watchdog), clients))
         status = "finished"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -576,6 +577,15 @@ async def run_watched(main: Awaitable[None], watchdog: ServerWatchdog) -> None:
         dog_task.cancel()
         main_task.cancel()
         await asyncio.gather(main_task, dog_task, return_exceptions=True)
+
+
+async def closing_clients(main: Awaitable[None], clients: list[InferenceClient]) -> None:
+    """Run ``main``, then close the clients' connections in the same event loop, which owns them."""
+    try:
+        await main
+    finally:
+        for client in clients:
+            await client.close()
 
 
 def write_config_file(cfg: RefractorConfig, paths: RunPaths) -> None:

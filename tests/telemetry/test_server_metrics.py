@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from refractor.inference.client import InferenceClient
+from refractor.inference.client import InferenceClient, InferenceServerError
 from refractor.inference.native_launcher import start_native_server
 from refractor.telemetry.server_metrics import ServerMetricsScraper, rates, server_metrics
 
@@ -80,7 +80,7 @@ class _Unreachable:
     name = "server-9"
 
     async def metrics(self):
-        raise httpx.ConnectError("connection refused")
+        raise InferenceServerError("inference server http://127.0.0.1:9 unreachable after 4 attempts")
 
 
 def test_a_real_native_server_is_scraped_and_a_dead_one_is_skipped(tiny_qwen2_path, caplog):

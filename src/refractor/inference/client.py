@@ -1,10 +1,13 @@
 """Async HTTP client for one inference server, engine-agnostic (native engine or vLLM 0.32).
 
 The orchestrator's rollout path is ``generate``: token ids in, sampled token ids + processed
-log-probs + ``weight_versions`` spans out, through ``/inference/v1/generate``. One pooled
-``httpx.AsyncClient`` per server. Retried: connection failures (the request never reached the
-server, so a retry cannot duplicate work), and once, a request whose pooled connection the server
-closed under it (``refractor.inference.keepalive``). Any other transport failure raises
+log-probs + ``weight_versions`` spans out, through ``/inference/v1/generate``. The transport is one
+``aiohttp.ClientSession`` per server, opened on first use inside the running event loop. aiohttp,
+not httpx: the driver sends one request per sample from one event loop, so the client's CPU per
+request caps the samples per second a run takes in, and aiohttp's request path costs about a tenth
+of httpx's (``bench/bench_client_cpu.py``). Retried: connection failures (the request never reached
+the server, so a retry cannot duplicate work), and once, a request whose pooled connection the
+server closed under it (``refractor.inference.keepalive``). Any other transport failure raises
 ``InferenceServerError`` naming the server and the failure. Cancelling the awaiting task closes the
 connection, which makes the server abort the request and free its KV cache. Each request carries
 the credential its route needs (``refractor.inference.access``): the control token for control
@@ -14,13 +17,12 @@ routes, the API key for generation routes.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from refractor.inference.access import RouteKind, bearer, route_kind
@@ -30,10 +32,19 @@ log = logging.getLogger(__name__)
 
 # how both engines name a /inference/v1/generate request internally (vLLM 0.32's token-in/token-out route)
 GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
-CONNECTIONS_PER_POOL = 64
 DEFAULT_MAX_CONNECTIONS = 1024
-# what httpx raises when the server closed the connection before answering
-CLOSED_UNDER_US = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# the request never reached the server: no connection, or none within the connect timeout
+NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# what aiohttp raises when the server closed the connection before answering (ClientOSError: a reset
+# while sending or reading; ClientPayloadError: the answer's body cut short)
+CLOSED_UNDER_US = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ClientConnectionResetError,
+    aiohttp.ClientPayloadError,
+)
+JSON_BODY = {"Content-Type": "application/json"}
+HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
 
 class InferenceServerError(RuntimeError):
@@ -162,32 +173,28 @@ class InferenceClient:
         self.model = model
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
-        # Several small pools, not one large one: httpcore's pool scans all its connections and
-        # waiting requests at every request start and end, which is quadratic in a pool's size and
-        # can keep the event loop busy with that alone. Requests take the pools in turn.
         self.max_connections = max_connections
-        pools = -(-max_connections // CONNECTIONS_PER_POOL)
-        per_pool = -(-max_connections // pools)
-        self._pools = [
-            httpx.AsyncClient(
-                base_url=self.base_url,
-                timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-                limits=httpx.Limits(
-                    max_connections=per_pool,
-                    max_keepalive_connections=per_pool,
-                    keepalive_expiry=KEEPALIVE_EXPIRY_S,
-                ),
-            )
-            for _ in range(pools)
-        ]
-        self._next_pool = itertools.cycle(self._pools)
+        # connect: waiting for a free pooled connection and opening one; sock_connect: the TCP
+        # connect alone; sock_read: the longest silence while waiting for the answer
+        self._timeout = aiohttp.ClientTimeout(
+            connect=timeout_s, sock_connect=connect_timeout_s, sock_read=timeout_s
+        )
+        self._session: aiohttp.ClientSession | None = None
         self.closed_connection_retries = 0  # requests sent again after the server closed their connection
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The session, opened on first use: aiohttp binds it to the event loop running then."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+            # aiohttp resends an idempotent request once by itself when its kept-alive connection
+            # drops; _request does that for every method, once, and counts it
+            self._session._retry_connection = False
+        return self._session
 
     def rebase(self, base_url: str) -> None:
         """The server now answers at ``base_url`` (a restart may move it to another port)."""
         self.base_url = base_url.rstrip("/")
-        for pool in self._pools:
-            pool.base_url = self.base_url
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -196,18 +203,30 @@ class InferenceClient:
         await self.close()
 
     async def close(self) -> None:
-        for pool in self._pools:
-            await pool.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
-    async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, params: dict | None = None
+    ) -> bytes:
+        """The answer's body; raises ``InferenceServerError`` on a transport failure or HTTP >= 400."""
         headers = self._credentials[route_kind(path)]
+        data = None
+        if body is not None:
+            headers = {**headers, **JSON_BODY}
+            data = orjson.dumps(body)
         attempt = 0
         closed_under_us = False
         while True:
             try:
-                response = await next(self._next_pool).request(method, path, headers=headers, **kwargs)
+                async with self._http().request(
+                    method, self.base_url + path, headers=headers, data=data, params=params
+                ) as response:
+                    status = response.status
+                    content = await response.read()
                 break
-            except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+            except NOT_CONNECTED as err:
                 if attempt == self.max_retries:
                     raise InferenceServerError(
                         f"inference server {self.base_url} unreachable after {attempt + 1} attempts: {err!r}"
@@ -224,22 +243,23 @@ class InferenceClient:
                 closed_under_us = True
                 self.closed_connection_retries += 1
                 log.info("%s%s: %s; sending it again", self.base_url, path, transport_error_text(err))
-            except httpx.TransportError as err:  # timeouts, protocol errors
+            except (TimeoutError, aiohttp.ClientError) as err:  # timeouts, protocol errors
                 raise InferenceServerError(
                     f"inference server {self.base_url}{path}: {transport_error_text(err)}"
                 ) from err
-        if response.status_code >= 400:
+        if status >= 400:
             raise InferenceServerError(
-                f"inference server {self.base_url}{path} returned {response.status_code}: "
-                f"{_error_text(response)}",
-                response.status_code,
+                f"inference server {self.base_url}{path} returned {status}: {_error_text(content)}", status
             )
-        return response
+        return content
 
     async def _post_json(self, path: str, body: dict[str, Any] | None = None, **params) -> dict[str, Any]:
-        response = await self._request("POST", path, json=body, params=params or None)
+        content = await self._request("POST", path, body, params or None)
         # orjson: a long answer's per-token log-probs are tens of kB of JSON, parsed on the event loop
-        return orjson.loads(response.content) if response.content else {}
+        return orjson.loads(content) if content else {}
+
+    async def _get_json(self, path: str) -> Any:
+        return orjson.loads(await self._request("GET", path))
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate_choices(
@@ -279,8 +299,9 @@ class InferenceClient:
     # ---- control -------------------------------------------------------------------------------
     async def health(self) -> bool:
         try:
-            return (await self._pools[0].get("/health", timeout=5.0)).status_code == 200
-        except httpx.HTTPError:
+            async with self._http().get(self.base_url + "/health", timeout=HEALTH_TIMEOUT) as response:
+                return response.status == 200
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
@@ -290,7 +311,7 @@ class InferenceClient:
         await self._post_json("/resume")
 
     async def is_paused(self) -> bool:
-        return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
+        return bool((await self._get_json("/is_paused"))["is_paused"])
 
     async def sleep(self, level: int = 1, mode: str = "keep") -> None:
         """Give the server's GPU memory back (vLLM's sleep mode); requests wait until ``wake_up``."""
@@ -301,7 +322,7 @@ class InferenceClient:
         await self._post_json("/wake_up", None, **({"tags": tags} if tags else {}))
 
     async def is_sleeping(self) -> bool:
-        return bool((await self._request("GET", "/is_sleeping")).json()["is_sleeping"])
+        return bool((await self._get_json("/is_sleeping"))["is_sleeping"])
 
     async def abort(self, request_ids: list[str] | None = None) -> int:
         """Abort requests by the ids given at generate time (None: everything in flight)."""
@@ -311,7 +332,7 @@ class InferenceClient:
     async def weight_version(self) -> int | str | None:
         """The server's current weight version (``/weight_info``); None if the route is absent."""
         try:
-            data = (await self._request("GET", "/weight_info")).json()
+            data = await self._get_json("/weight_info")
         except InferenceServerError as err:
             if err.status_code == 404:
                 return None
@@ -321,7 +342,7 @@ class InferenceClient:
 
     async def metrics(self) -> dict[str, float]:
         """Prometheus samples summed over labels, e.g. ``vllm:num_requests_running``."""
-        return summed_samples((await self._request("GET", "/metrics")).text)
+        return summed_samples((await self._request("GET", "/metrics")).decode())
 
 
 def summed_samples(text: str) -> dict[str, float]:
@@ -335,18 +356,18 @@ def summed_samples(text: str) -> dict[str, float]:
     return totals
 
 
-def transport_error_text(err: httpx.TransportError) -> str:
-    """The failure's type and message (httpx leaves many messages empty)."""
+def transport_error_text(err: BaseException) -> str:
+    """The failure's type and message (a timeout's message is often empty)."""
     if isinstance(err, CLOSED_UNDER_US) and not str(err):
         return f"{type(err).__name__}: the server closed the connection without answering"
     return f"{type(err).__name__}: {err or 'no detail'}"
 
 
-def _error_text(response: httpx.Response) -> str:
+def _error_text(content: bytes) -> str:
     try:
-        data = response.json()
+        data = orjson.loads(content)
     except ValueError:
-        return response.text[:500]
+        return content.decode(errors="replace")[:500]
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict) and "message" in error:

@@ -23,7 +23,9 @@ from typing import Any
 import httpx
 
 from refractor.errors import RefractorUserError
-from refractor.inference.client import CLOSED_UNDER_US
+
+# what httpx raises when the server closed the connection before answering
+CLOSED_UNDER_US = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class WeightSyncError(RefractorUserError, RuntimeError):
