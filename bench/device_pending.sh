@@ -20,6 +20,7 @@
 #   bash bench/device_pending.sh rl_from_scratch              # 4 GPUs (Ray wheel without its jars, pyzmq)
 #   bash bench/device_pending.sh rl_from_scratch_1gpu         # 1 GPU, then rl_from_scratch_resume x 2-3
 #                                                             # (the next calls on the same warm machine)
+#   bash bench/device_pending.sh rl_from_scratch_segment      # 1 GPU, one call, any machine: see the part
 # Each part writes its output under $OUT/<part>/, and the next part runs even when one fails; a part that
 # runs past its limit (seconds, second argument of `part`) is killed. Every part name given runs in order,
 # so the sum of their limits bounds one invocation. Two 2-GPU parts share a 4-GPU machine side by side:
@@ -32,6 +33,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 [ $# -gt 0 ] || { echo "usage: bash bench/device_pending.sh PART... (see run_part)" >&2; exit 2; }
+if [ -f .site.tar.xz ] && [ ! -e /tmp/site/.refractor-wheels ]; then  # bench/device_site.sh's bundle
+  mkdir -p /tmp/site && tar -xJf .site.tar.xz -C /tmp/site || echo "site bundle unpack failed"
+fi
 if { [ -d .whl ] || [ -d .whl-ray ]; } && [ ! -e /tmp/site/.refractor-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     $(ls .whl/*.whl .whl-ray/*.whl 2>/dev/null) >/dev/null 2>&1 \
@@ -172,11 +176,41 @@ run_part() {
       echo "=== $1: exit $?"; tail -n 12 "$OUT/$1/log.txt"
       cp /tmp/rfs/rl_report.md /tmp/rfs/rl_report.json /tmp/rfs/rl_from_scratch.png /tmp/rfs/sft_candidates.json \
         "$OUT/$1/" 2>/dev/null ;;
+    rl_from_scratch_segment)  # 1 GPU, one self-contained call on whichever machine comes (a warm one is
+      # not needed): with a hand-off carried in .rfs/ (bench/rl_from_scratch.py --handoff: a run's policy,
+      # or the base) every run of RFS_RUNS continues from it, else the SFT base is trained here first.
+      # The call ends by handing back every run's policy (and a base trained here) as
+      # $OUT/rl_from_scratch_segment/handoff.tar.part-*; the next call carries one model of it (the 64 MiB
+      # a call carries holds the site bundle and one model):
+      #   bash bench/device_site.sh .site.tar.xz .whl .whl-f                     # once
+      #   mkdir -p .rfs-all && cat /work/.device/N/rl_from_scratch_segment/handoff.tar.part-* | tar -x -C .rfs-all
+      #   rm -rf .rfs && mkdir .rfs && cp -r .rfs-all/grpo .rfs/                  # carry [".site.tar.xz", ".rfs"]
+      mkdir -p "$OUT/$1"
+      local runs=${RFS_RUNS:-grpo} gpus
+      gpus=$(echo "$runs" | sed 's/[^,]*/0/g')
+      # a step's ~60k tokens in one forward pass instead of four: at 12.8M parameters a pass is host overhead
+      local overrides='{"ray_address": "", "kv_cache_memory_gb": 4, "trainer_compile": false,
+        "trainer_max_tokens_per_forward": 65536}'
+      overrides=${RFS_OVERRIDES:-$overrides}
+      local common=(--out /tmp/rfs --gpus "$gpus" --runs "$runs" --rl-steps 5000 --handoff /tmp/rfs/handoff
+        --call-minutes 9.4 --overrides "$overrides")
+      echo "=== $1"
+      if [ -d .rfs ]; then
+        timeout 590 python bench/rl_from_scratch.py rl "${common[@]}" --continue-from .rfs --rl-minutes 9 \
+          >"$OUT/$1/log.txt" 2>&1
+      else
+        timeout 590 python bench/rl_from_scratch.py all "${common[@]}" --candidates std \
+          --sft-steps "${RFS_SFT_STEPS:-1200}" --sft-minutes 4.2 --rl-minutes 9 >"$OUT/$1/log.txt" 2>&1
+      fi
+      echo "=== $1: exit $?"; tail -n 12 "$OUT/$1/log.txt"
+      cp /tmp/rfs/rl_report.md /tmp/rfs/rl_report.json /tmp/rfs/rl_from_scratch.png "$OUT/$1/" 2>/dev/null
+      [ -d /tmp/rfs/handoff ] && (cd /tmp/rfs/handoff && tar -cf - .) | split -b 15m - "$OUT/$1/handoff.tar.part-"
+      ls -l "$OUT/$1" ;;
     *)
       echo "unknown part $1: trainer_1p5b trainer_sac trainer_vary fp8_test trainer_fp8 serving fsdp_test" \
         "fsdp_throughput rl fsdp_scale1 fsdp_scale2 fsdp_scale4 fsdp_7b multi_server trainer_7b_offload" \
         "trainer_lora fsdp_cp2 megatron megatron_tp2 megatron_pp2 megatron_cp2 megatron_ep2 megatron_rl" \
-        "lora_sync rl_from_scratch rl_from_scratch_1gpu rl_from_scratch_resume" >&2 ;;
+        "lora_sync rl_from_scratch rl_from_scratch_1gpu rl_from_scratch_resume rl_from_scratch_segment" >&2 ;;
   esac
 }
 

@@ -25,6 +25,15 @@ from the SFT summary; each segment's final eval is a point of the held-out curve
     python bench/rl_from_scratch.py rl --out /tmp/rfs --gpus 0,0,0 --rl-minutes 9 --rl-steps 500 --resume \
         --overrides '{"ray_address": "", "kv_cache_memory_gb": 4}'
 
+A machine is not kept between calls for long (30 s idle), so a run can also go from one machine to the
+next: ``--handoff DIR`` ends a call by writing each run's policy (bfloat16, the engine's precision) to
+``DIR/<run>`` with its curve so far, and the base to ``DIR/base``; the next call, on any machine, carries
+that folder in and continues with ``--continue-from DIR``: each run from its policy (a fresh optimizer,
+the next training problems), a run without a policy there from the base; the report joins the segments:
+    python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0 --runs grpo --candidates std \
+        --rl-minutes 5 --rl-steps 2000 --handoff /tmp/handoff --overrides '{"ray_address": ""}'
+    python bench/rl_from_scratch.py rl --out /tmp/rfs --gpus 0,0 --runs grpo,control --rl-minutes 9 \
+        --rl-steps 2000 --continue-from .rfs --handoff /tmp/handoff --overrides '{"ray_address": ""}'
 A CPU test runs the stages at toy scale (tests/runtime/test_rl_from_scratch.py).
 """
 
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -79,6 +89,10 @@ RUNS = {  # name -> config overrides on top of the example config
 }
 DEFAULT_RUNS = "grpo,control,dr_grpo,grpo_lr1e-4"  # one per GPU of a 4-GPU machine
 TARGET_ACCURACY = 0.25
+EVAL_SEED = 1  # the held-out problems (the config's evals); training problems: seed 0, then SEGMENT_SEED * k
+SEGMENT_SEED = 1000
+HANDOFF = "handoff.json"
+HANDOFF_MINUTES = 0.4  # the report and the export of every run's policy after the RL stage
 CHECKPOINT_NEVER_ON_SCHEDULE = 1_000_000
 RUN_OVERHEAD_MINUTES = 1.5  # an RL run's start-up and evals around its time-budgeted training loop
 
@@ -153,8 +167,12 @@ def final_accuracy(summary: dict) -> float:
     return by_step[max(by_step, key=int)]
 
 
-def run_overrides(base: Path, run: str, run_dir: Path, steps: int, extra: dict) -> dict:
-    """The example config's overrides for one run: the base, its problems' difficulty and length."""
+def run_overrides(base: Path, run: str, run_dir: Path, steps: int, extra: dict, train_seed: int = 0) -> dict:
+    """The example config's overrides for one run: the base, its problems' difficulty and length.
+    ``train_seed``: the training problems' seed (a continued run's next segment gets problems it has
+    not trained on); the held-out problems are always those of ``EVAL_SEED``."""
+    if train_seed == EVAL_SEED:
+        raise ValueError(f"training seed {train_seed} is the held-out problems' seed")
     sft = json.loads((base / "sft_summary.json").read_text())["args"]
     shape = sft["shape"]
     return {
@@ -171,7 +189,7 @@ def run_overrides(base: Path, run: str, run_dir: Path, steps: int, extra: dict) 
                 "name": "countdown",
                 "reward_min": 0,
                 "reward_max": 2,
-                "kwargs": {"dataset_name": "procedural", "seed": 0, **shape},
+                "kwargs": {"dataset_name": "procedural", "seed": train_seed, **shape},
             }
         ],
         "evals": [
@@ -181,7 +199,7 @@ def run_overrides(base: Path, run: str, run_dir: Path, steps: int, extra: dict) 
                 "num_samples": extra.pop("eval_samples", 200),
                 "pass_k": {"at_k": {"metrics": ["_equation_reward"], "k": [1, 8]}},
                 "temperature": 1.0,
-                "kwargs": {"dataset_name": "procedural", "seed": 1, **shape},
+                "kwargs": {"dataset_name": "procedural", "seed": EVAL_SEED, **shape},
             }
         ],
         **extra,
@@ -196,7 +214,8 @@ def stage_train_one(args) -> None:
     extra = json.loads(args.overrides)
     if args.resume:  # the next segment of a run that ended on its time budget with a checkpoint
         extra["resume_from_checkpoint"] = True
-    cfg = load_config(CONFIG, run_overrides(args.base, args.run, args.out / "runs", args.rl_steps, extra))
+    overrides = run_overrides(args.base, args.run, args.out / "runs", args.rl_steps, extra, args.train_seed)
+    cfg = load_config(CONFIG, overrides)
     run_training(cfg, quiet=True, overwrite=not args.resume)
 
 
@@ -219,8 +238,27 @@ def chosen_base(out: Path) -> Path:
     return out / pick_base(scored)
 
 
+def earlier_segments(args, run: str) -> dict | None:
+    """The hand-off ``run`` continues from (``--continue-from``), or None for a run that starts here."""
+    if args.continue_from is None:
+        return None
+    path = args.continue_from / run / HANDOFF
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def start_of(args, run: str, base: Path) -> tuple[Path, int]:
+    """Where ``run``'s segment starts: the model folder and the training problems' seed."""
+    handoff = earlier_segments(args, run)
+    if handoff is not None:
+        return args.continue_from / run, SEGMENT_SEED * len(handoff["segments"])
+    if not (base / "config.json").is_file():
+        raise SystemExit(f"{run}: no hand-off in {args.continue_from} and no base model at {base}")
+    return base, 0
+
+
 def stage_rl(args, base: Path) -> None:
     names = args.runs.split(",")
+    starts = {name: start_of(args, name, base) for name in names}
     stagger_s = 8.0
 
     def overrides(index: int) -> dict:
@@ -235,7 +273,8 @@ def stage_rl(args, base: Path) -> None:
             sys.executable,
             str(Path(__file__).resolve()),
             "train-one",
-            *("--out", str(args.out), "--base", str(base), "--run", name),
+            *("--out", str(args.out), "--base", str(starts[name][0]), "--run", name),
+            *("--train-seed", str(starts[name][1])),
             *("--rl-steps", str(args.rl_steps), "--overrides", json.dumps(overrides(i))),
             *(["--resume"] if args.resume else []),
         ]
@@ -275,11 +314,48 @@ def series(run_dir: Path) -> dict:
     return out
 
 
-def stage_report(args) -> None:
+def steps_done(run_dir: Path) -> int:
+    """The steps the run's policy has taken: its last checkpoint's step (0 without one)."""
+    from refractor.trainer.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(run_dir / "checkpoints") or 0
+
+
+def joined(before: dict, after: dict, offset: int) -> dict:
+    """Two segments' series as one run's, ``after``'s steps counted from ``offset``. A segment's first
+    eval scores the policy it was handed (the last eval of the one before, up to bfloat16 rounding):
+    both stay in the curve, so a hand-off that changed the policy would show."""
+    out = {}
+    for key in ("step", "eval_step"):
+        out[key] = before[key] + [offset + step for step in after[key]]
+    for key in ("train_reward", "pass@1", "pass@8", "timing_step_total"):
+        out[key] = before[key] + after[key]
+    out["train_key"] = after["train_key"] or before["train_key"]
+    n_before, n_after = len(before["timing_step_total"]), len(after["timing_step_total"])
+    spans = before["timing_means"].keys() | after["timing_means"].keys()
+    out["timing_means"] = {  # weighted by each segment's steps
+        k: round(
+            (before["timing_means"].get(k, 0) * n_before + after["timing_means"].get(k, 0) * n_after)
+            / max(n_before + n_after, 1),
+            4,
+        )
+        for k in sorted(spans)
+    }
+    return out
+
+
+def stage_report(args) -> dict:
     runs_dir = args.out / "runs"
     report = {}
     for run_dir in sorted(p for p in runs_dir.iterdir() if (p / "run.db").is_file()):
-        report[run_dir.name] = series(run_dir)
+        handoff = earlier_segments(args, run_dir.name)
+        here = {**series(run_dir), "segments": [{"steps": steps_done(run_dir)}]}
+        if handoff is not None:
+            here = {
+                **joined(handoff["series"], here, handoff["steps"]),
+                "segments": handoff["series"]["segments"] + here["segments"],
+            }
+        report[run_dir.name] = here
     (args.out / "rl_report.json").write_text(json.dumps(report, indent=1))
     lines = [
         "| run | steps | s / step | train reward, first 5 -> last 5 steps "
@@ -312,7 +388,7 @@ def stage_report(args) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no PNG")
-        return
+        return report
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, s in report.items():
         left.plot(s["step"], s["train_reward"], label=name)
@@ -326,6 +402,63 @@ def stage_report(args) -> None:
     fig.tight_layout()
     fig.savefig(args.out / "rl_from_scratch.png", dpi=110)
     print(f"wrote {args.out / 'rl_from_scratch.png'}")
+    return report
+
+
+def bfloat16_copy(model: Path, out: Path) -> None:
+    """An HF model folder with its floating-point weights in bfloat16 (half the bytes to carry)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for file in sorted(model.glob("*.safetensors")):
+        weights.update(load_file(file))
+    weights = {k: v.bfloat16() if v.is_floating_point() else v for k, v in weights.items()}
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for file in model.iterdir():
+        if file.is_file() and not file.name.startswith("model.safetensors") and file.suffix != ".safetensors":
+            shutil.copy2(file, out / file.name)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def stage_handoff(args, base: Path, report: dict) -> None:
+    """Each run's policy (its last checkpoint, bfloat16) with its curve so far in ``args.handoff/<run>``,
+    and the base in ``args.handoff/base``: what a call on another machine continues from."""
+    from refractor.trainer.checkpoint import checkpoint_path
+    from refractor.trainer.convert import export_hf
+
+    args.handoff.mkdir(parents=True, exist_ok=True)
+    # a base that came from a hand-off is not handed back (the next call has it already)
+    if (base / "config.json").is_file() and not (
+        args.continue_from and base.is_relative_to(args.continue_from)
+    ):
+        bfloat16_copy(base, args.handoff / "base")
+    for run in args.runs.split(","):
+        run_dir = args.out / "runs" / run
+        step = steps_done(run_dir)
+        if not step or run not in report:
+            print(f"{run}: no checkpoint to hand off")
+            continue
+        start, seed = start_of(args, run, base)
+        handoff = earlier_segments(args, run)
+        out = args.handoff / run
+        export_hf(checkpoint_path(run_dir / "checkpoints", step), out, dtype="bfloat16", overwrite=True)
+        if start.resolve() != out.resolve():  # the problems' shape, for the next segment's config
+            shutil.copy2(start / "sft_summary.json", out / "sft_summary.json")
+        record = {
+            "run": run,
+            "steps": (handoff["steps"] if handoff else 0) + step,
+            "segments": (handoff["segments"] if handoff else []) + [{"steps": step, "train_seed": seed}],
+            "series": report[run],
+        }
+        (out / HANDOFF).write_text(json.dumps(record, indent=1))
+        print(f"{run}: handed off after {record['steps']} steps to {out}")
 
 
 def main() -> None:
@@ -355,7 +488,26 @@ def main() -> None:
         "(a longer run over several calls on one machine; the final eval of each segment is a point "
         "of the held-out curve)",
     )
+    ap.add_argument(
+        "--call-minutes",
+        type=float,
+        help="the whole invocation's budget (one device call): the RL stage gets at most what the SFT "
+        "stage left of it, less the hand-off's time",
+    )
+    ap.add_argument("--train-seed", type=int, default=0, help="train-one: the training problems' seed")
+    ap.add_argument(
+        "--handoff",
+        type=Path,
+        help="all / rl: write each run's policy and curve, and the base, here for a later call to continue",
+    )
+    ap.add_argument(
+        "--continue-from",
+        type=Path,
+        help="rl: a --handoff folder; each run continues from its policy there (a run without one "
+        "starts from the base there)",
+    )
     args = ap.parse_args()
+    started = time.time()
     args.gpus = [g for g in args.gpus.split(",") if g]
     args.sft_extra = args.sft_extra.split()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -364,12 +516,20 @@ def main() -> None:
         return
     if args.stage in ("all", "sft"):
         base = stage_sft(args)
+    elif args.base:
+        base = args.base
     else:
-        base = args.base or chosen_base(args.out)
+        base = args.continue_from / "base" if args.continue_from else chosen_base(args.out)
     if args.stage in ("all", "rl"):
+        if args.call_minutes is not None:
+            left = args.call_minutes - (time.time() - started) / 60 - HANDOFF_MINUTES
+            args.rl_minutes = min(args.rl_minutes, left)
+            print(f"RL budget: {args.rl_minutes:.2f} minutes")
         stage_rl(args, base)
     if args.stage in ("all", "rl", "report"):
-        stage_report(args)
+        report = stage_report(args)
+        if args.handoff and args.stage != "report":
+            stage_handoff(args, base, report)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
         "eval_samples": 4,
     }
     args = argparse.Namespace(
-        base=out, run="grpo", out=tmp_path, rl_steps=2, overrides=json.dumps(toy), resume=False
+        base=out, run="grpo", out=tmp_path, rl_steps=2, overrides=json.dumps(toy), resume=False, train_seed=0
     )
     rl_from_scratch.stage_train_one(args)
     run_dir = tmp_path / "runs" / "grpo"
@@ -145,6 +145,49 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
     )
     assert resumed.resume_from_checkpoint is True and resumed.number_of_steps == 5
     assert resumed.checkpoint_every == rl_from_scratch.CHECKPOINT_NEVER_ON_SCHEDULE
+
+    # the hand-off to a call on another machine: the policy in bfloat16 with its curve, the base beside it
+    from safetensors.torch import load_file
+
+    from refractor.trainer.convert import read_checkpoint_weights
+
+    handoff = tmp_path / "handoff"
+    first = argparse.Namespace(out=tmp_path, runs="grpo", continue_from=None, handoff=handoff)
+    rl_from_scratch.stage_handoff(first, out, rl_from_scratch.stage_report(first))
+    record = json.loads((handoff / "grpo" / rl_from_scratch.HANDOFF).read_text())
+    assert record["steps"] == 2 and record["segments"] == [{"steps": 2, "train_seed": 0}]
+    assert record["series"]["eval_step"] == [0, 2] and record["series"]["step"] == [0, 1]
+    trained = read_checkpoint_weights(run_dir / "checkpoints" / "step_2")
+    policy = load_file(handoff / "grpo" / "model.safetensors")
+    assert policy.keys() <= trained.keys() and len(policy) >= len(trained) - 1  # a tied head is dropped
+    for name, weight in policy.items():
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, trained[name].bfloat16()), name
+    base_weights = load_file(out / "model.safetensors")
+    base_copy = load_file(handoff / "base" / "model.safetensors")
+    assert all(torch.equal(base_copy[k], v.bfloat16()) for k, v in base_weights.items())
+    assert (handoff / "base" / "tokenizer_config.json").is_file()
+    assert json.loads((handoff / "base" / "sft_summary.json").read_text())["args"]["shape"] == shape
+
+    # the next call continues the run from its policy on training problems it has not seen; a run
+    # without a policy there starts from the base
+    later = argparse.Namespace(out=tmp_path / "later", runs="grpo", continue_from=handoff, handoff=handoff)
+    assert rl_from_scratch.start_of(later, "grpo", handoff / "base") == (handoff / "grpo", 1000)
+    assert rl_from_scratch.start_of(later, "control", handoff / "base") == (handoff / "base", 0)
+    segment = argparse.Namespace(
+        **{**vars(args), "base": handoff / "grpo", "out": later.out, "rl_steps": 1, "train_seed": 1000}
+    )
+    rl_from_scratch.stage_train_one(segment)
+    with RunReader(later.out / "runs" / "grpo") as reader:
+        config = reader.config()
+    assert config["model"] == str(handoff / "grpo")
+    assert config["environments"][0]["kwargs"]["seed"] == 1000 and config["evals"][0]["kwargs"]["seed"] == 1
+    report = rl_from_scratch.stage_report(later)["grpo"]  # the two segments as one run
+    assert report["step"] == [0, 1, 2] and report["eval_step"] == [0, 2, 2, 3]
+    assert report["segments"] == [{"steps": 2}, {"steps": 1}] and len(report["pass@1"]) == 4
+    rl_from_scratch.stage_handoff(later, handoff / "base", {"grpo": report})
+    record = json.loads((handoff / "grpo" / rl_from_scratch.HANDOFF).read_text())
+    assert record["steps"] == 3
+    assert record["segments"] == [{"steps": 2, "train_seed": 0}, {"steps": 1, "train_seed": 1000}]
 
 
 def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path):
