@@ -31,9 +31,16 @@ class Clock:
 
 
 def line(message: str, component: str = "trainer", rank: int | None = 0, **kw) -> LogLine:
-    fields = {"time": 1.0, "level": "INFO", "node": "10.0.0.1", "source": "stdout", **kw}
+    fields = {"time": 1.0, "level": "INFO", "node": "10.0.0.1", "source": "stdout", "file": None, **kw}
     return LogLine(
-        fields["time"], fields["level"], component, rank, fields["node"], fields["source"], message
+        fields["time"],
+        fields["level"],
+        component,
+        rank,
+        fields["node"],
+        fields["source"],
+        message,
+        fields["file"],
     )
 
 
@@ -198,6 +205,14 @@ def test_a_server_log_file_is_followed_across_a_restart(tmp_path):
         ("ERROR", "2026-11-25 19:09:00,001 ERROR refractor.inference: died"),
     ]
     assert {(x.component, x.rank, x.node, x.source) for x in lines} == {("server", 0, "10.0.0.3", "file")}
+    # each line names the file it was read from: this batch holds lines of both
+    assert [x.file for x in lines] == [str(first)] * 4 + [str(second)]
+    # so the driver's copies, on a node sharing this file system, find both files there and copy nothing
+    copies = LogFileCopies(tmp_path, local_node="10.0.0.1")
+    copies.write(lines)
+    copies.close()
+    assert second.read_bytes() == b"2026-11-25 19:09:00,001 ERROR refractor.inference: died\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server-0.log", "server-0.restart1.log"]
     assert line_level("WARN  something") == "WARNING" and line_level("Traceback (most recent call)") == "INFO"
 
 
@@ -208,11 +223,9 @@ def test_copies_are_written_per_component_and_a_server_file_only_when_it_is_else
     )
     local_server = tmp_path / "logs" / "server-0.log"
     local_server.write_text("the server's own line\n")
-    copies.write(
-        [line("the server's own line", component="server", source="file")], server_file=str(local_server)
-    )
+    copies.write([line("the server's own line", component="server", source="file", file=str(local_server))])
     remote = "/elsewhere/runs/x/logs/server-1.log"  # on another node
-    copies.write([line("remote line", component="server", rank=1, source="file")], server_file=remote)
+    copies.write([line("remote line", component="server", rank=1, source="file", file=remote)])
     copies.close()
     trainer = (tmp_path / "logs" / "trainer-0.log").read_text()
     assert trainer.endswith(".250 INFO    [stdout] step 1 done\n")
@@ -226,14 +239,14 @@ def test_a_server_on_the_drivers_node_is_never_copied_even_before_its_file_exist
     new server has not created yet. A copy there would land in the file the server appends to."""
     copies = LogFileCopies(tmp_path / "logs", local_node="10.0.0.1")
     new_file = tmp_path / "logs" / "server-0.restart1.log"
-    copies.write([line("started", component="server", source="file")], server_file=str(new_file))
+    copies.write([line("started", component="server", source="file", file=str(new_file))])
     assert not new_file.exists()
     new_file.write_text("the new server's line\n")
-    copies.write(
-        [line("the new server's line", component="server", source="file")], server_file=str(new_file)
-    )
+    copies.write([line("the new server's line", component="server", source="file", file=str(new_file))])
     elsewhere = "/elsewhere/runs/x/logs/server-1.log"  # another node: copied, as before
-    copies.write([line("remote line", component="server", rank=1, source="file", node="10.0.0.4")], elsewhere)
+    copies.write(
+        [line("remote line", component="server", rank=1, source="file", node="10.0.0.4", file=elsewhere)]
+    )
     copies.close()
     assert new_file.read_text() == "the new server's line\n"
     assert (tmp_path / "logs" / "server-1.log").read_text() == "remote line\n"

@@ -155,7 +155,7 @@ class LogCollector:
         if self.copies is None:
             return
         try:
-            self.copies.write(lines, server_file=batch.file)
+            self.copies.write(lines)
         except OSError as err:  # a full disk, a permission: the run store still gets every line
             self.copies = None
             self._warn("log_files_failed", "files", f"the log files in logs/ are no longer written: {err}")

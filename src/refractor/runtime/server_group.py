@@ -234,8 +234,7 @@ class InferenceServerActor:
     def drain_logs(self) -> LogBatch:
         self.log_file.poll()
         batch = self.log_lines.drain()
-        path = self.log_file.path
-        return LogBatch(batch.lines, batch.dropped, self.node, None if path is None else str(path))
+        return LogBatch(batch.lines, batch.dropped, self.node)
 
     def placement(self) -> dict:
         """Where this server runs: its node's address and the GPUs Ray gave it."""

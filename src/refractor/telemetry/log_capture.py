@@ -11,6 +11,7 @@ Python logging (:class:`BufferHandler`, source ``log``) and, in the trainer rank
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import re
@@ -37,6 +38,9 @@ class LogLine:
     node: str  # address of the machine the line comes from
     source: str  # log (Python logging), stdout, stderr, file (a line of a server's log file)
     message: str
+    # a ``file`` line's file, a path on ``node``: each line names its own, since a batch can hold the
+    # last lines of a restarted server's old file and the first of its new one
+    file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,6 @@ class LogBatch:
     lines: list[LogLine] = field(default_factory=list)
     dropped: int = 0
     node: str = ""  # the address of the machine the collector runs on
-    file: str | None = None  # the log file the ``file`` lines were read from, on that machine
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ class LogBuffer:
             self._tokens -= 1.0
         message = clean_text(cut_line(line.message, self.limits.max_line_chars))
         if message is not line.message:
-            line = LogLine(line.time, line.level, line.component, line.rank, line.node, line.source, message)
+            line = dataclasses.replace(line, message=message)
         with self._lock:
             self._lines.append(line)
         return True

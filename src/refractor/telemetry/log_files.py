@@ -76,12 +76,13 @@ class FileFollower:
             lines.append(self._partial)
             self._partial = b""
         now = time.time()
+        path = str(self.path)
         for raw in lines:
             text = terminal_text(raw.decode("utf-8", "replace"))
             if not text:
                 continue
             self.buffer.add(
-                LogLine(now, line_level(text), self.component, self.rank, self.node, "file", text)
+                LogLine(now, line_level(text), self.component, self.rank, self.node, "file", text, path)
             )
 
 
@@ -103,13 +104,12 @@ class LogFileCopies:
         self._files: dict[str, TextIO] = {}
         self._server_file_here: dict[str, bool] = {}
 
-    def write(self, lines: Iterable[LogLine], server_file: str | None = None) -> None:
-        """``server_file``: the path of the file the ``file`` lines come from, on their node."""
+    def write(self, lines: Iterable[LogLine]) -> None:
         for line in lines:
             if line.source == "file":
-                if server_file is None or self._file_is_here(server_file, line.node):
+                if line.file is None or self._file_is_here(line.file, line.node):
                     continue
-                self._file(Path(server_file).name).write(line.message + "\n")
+                self._file(Path(line.file).name).write(line.message + "\n")
                 continue
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(line.time))
             millis = int(line.time % 1 * 1000)
@@ -119,10 +119,8 @@ class LogFileCopies:
             f.flush()
 
     def _file_is_here(self, path: str, node: str) -> bool:
-        # A server of this machine: here, even before it has created the file. A restarted server's
-        # first batch names its new file while holding the old file's last lines, often before the
-        # new file exists; copying them would write into the file that server then appends to, and
-        # its follower would read the copies back as new lines, over and over.
+        # A server of this machine writes its file here, also before it has created it (a copy made
+        # then would land in the file the server appends to, and its follower would read it back).
         if self.local_node is not None and node == self.local_node:
             return True
         # another node: decided once per file, as once copied the copy itself would look like the file
