@@ -34,7 +34,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 [ $# -gt 0 ] || { echo "usage: bash bench/device_pending.sh PART... (see run_part)" >&2; exit 2; }
 if [ -f .site.tar.xz ] && [ ! -e /tmp/site/.refractor-wheels ]; then  # bench/device_site.sh's bundle
-  mkdir -p /tmp/site && tar -xJf .site.tar.xz -C /tmp/site || echo "site bundle unpack failed"
+  # Python's own lzma: the image need not have xz
+  python3 -c "import tarfile; tarfile.open('.site.tar.xz').extractall('/tmp/site', filter='data')" \
+    || echo "site bundle unpack failed"
 fi
 if { [ -d .whl ] || [ -d .whl-ray ]; } && [ ! -e /tmp/site/.refractor-wheels ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
