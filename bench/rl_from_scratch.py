@@ -292,6 +292,12 @@ def series(run_dir: Path) -> dict:
 
     with RunReader(run_dir) as reader:
         steps = reader.step_metrics()
+        # where a weight push's pause goes (pause, the servers' receive, finish, resume): on a GPU under
+        # RL load it took ~0.3 s per step for a 26 MB model that a bare push moves in milliseconds
+        pushes = reader.rows(
+            "SELECT name, AVG(end - start) AS seconds FROM events"
+            " WHERE name = 'weight_sync' OR name LIKE 'weight_sync/%' GROUP BY name"
+        )
     out = {"step": [], "train_reward": [], "eval_step": [], "pass@1": [], "pass@8": []}
     # the batch mean of the equation reward (its _max / _min / _std siblings say little per step)
     train_keys = sorted(
@@ -311,6 +317,7 @@ def series(run_dir: Path) -> dict:
     # where a step's time goes (means over the steps): the time budget decides how many steps a run makes
     spans = sorted({k for m in steps for k in m if k.startswith("timing_") and isinstance(m[k], int | float)})
     out["timing_means"] = {k: round(statistics.fmean(m[k] for m in steps if k in m), 4) for k in spans}
+    out["push_means"] = {row["name"]: round(row["seconds"], 4) for row in pushes}
     return out
 
 
@@ -332,15 +339,19 @@ def joined(before: dict, after: dict, offset: int) -> dict:
         out[key] = before[key] + after[key]
     out["train_key"] = after["train_key"] or before["train_key"]
     n_before, n_after = len(before["timing_step_total"]), len(after["timing_step_total"])
-    spans = before["timing_means"].keys() | after["timing_means"].keys()
-    out["timing_means"] = {  # weighted by each segment's steps
-        k: round(
-            (before["timing_means"].get(k, 0) * n_before + after["timing_means"].get(k, 0) * n_after)
-            / max(n_before + n_after, 1),
-            4,
-        )
-        for k in sorted(spans)
-    }
+
+    def weighted(
+        key: str,
+    ) -> dict:  # means weighted by each segment's steps, over the segments that have them
+        a, b = before.get(key, {}), after.get(key, {})
+        out = {}
+        for k in sorted(a | b):
+            parts = [(m[k], n) for m, n in ((a, n_before), (b, n_after)) if k in m]
+            out[k] = round(sum(v * n for v, n in parts) / max(sum(n for _, n in parts), 1), 4)
+        return out
+
+    out["timing_means"] = weighted("timing_means")
+    out["push_means"] = weighted("push_means")
     return out
 
 
@@ -378,6 +389,10 @@ def stage_report(args) -> dict:
     for name, s in report.items():
         spans = ", ".join(f"{k.removeprefix('timing_')} {v:.2f}" for k, v in s["timing_means"].items())
         lines.append(f"\n{name}: mean seconds per step: {spans}")
+        pushes = ", ".join(
+            f"{k.removeprefix('weight_sync/')} {v:.3f}" for k, v in s.get("push_means", {}).items()
+        )
+        lines.append(f"\n{name}: mean seconds of a weight push's spans: {pushes}")
     table = "\n".join(lines)
     (args.out / "rl_report.md").write_text(table + "\n")
     print(table)

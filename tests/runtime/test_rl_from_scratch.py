@@ -135,6 +135,7 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
     assert series["step"] == [0, 1] and len(series["train_reward"]) == 2
     assert series["train_key"].endswith("_equation_reward_mean"), series["train_key"]
     assert series["timing_means"]["timing_step_total"] > 0
+    assert series["push_means"]["weight_sync"] >= series["push_means"]["weight_sync/pause"] > 0
     assert series["eval_step"] == [0, 2]
     # the next segment's config: the same run, resumed from that checkpoint, over a longer horizon
     resumed = load_config(
@@ -225,3 +226,29 @@ def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path)
         train, held_out = c.environments[0].kwargs, c.evals[0].kwargs
         assert train == {"dataset_name": "procedural", "seed": 0, **shape}
         assert held_out == {"dataset_name": "procedural", "seed": 1, **shape}
+
+
+def test_two_segments_join_into_one_curve_with_step_weighted_means():
+    import rl_from_scratch
+
+    def segment(steps, evals, means, pushes=None):
+        return {
+            "step": list(range(steps)),
+            "train_reward": [0.5] * steps,
+            "eval_step": evals,
+            "pass@1": [0.4] * len(evals),
+            "pass@8": [0.7] * len(evals),
+            "train_key": "reward__equation_reward_mean",
+            "timing_step_total": [2.0] * steps,
+            "timing_means": means,
+            **({"push_means": pushes} if pushes is not None else {}),
+        }
+
+    first = segment(3, [0, 3], {"timing_step_total": 2.0}, {"weight_sync": 0.3})
+    second = segment(1, [0, 1], {"timing_step_total": 6.0, "timing_new": 1.0})  # an older hand-off's keys
+    both = rl_from_scratch.joined(first, second, offset=3)
+    assert both["step"] == [0, 1, 2, 3] and both["eval_step"] == [0, 3, 3, 4]
+    assert len(both["pass@1"]) == 4 and len(both["timing_step_total"]) == 4
+    # 3 steps at 2.0 and 1 at 6.0; a mean only one segment has is that segment's
+    assert both["timing_means"] == {"timing_step_total": 3.0, "timing_new": 1.0}
+    assert both["push_means"] == {"weight_sync": 0.3}
