@@ -92,6 +92,14 @@ TARGET_ACCURACY = 0.25
 EVAL_SEED = 1  # the held-out problems (the config's evals); training problems: seed 0, then SEGMENT_SEED * k
 SEGMENT_SEED = 1000
 HANDOFF = "handoff.json"
+# the server's gauges the report averages over the training loop (the run store's system metrics)
+SERVER_GAUGES = (
+    "requests_running",
+    "requests_waiting",
+    "engine_step_ms",
+    "engine_busy_fraction",
+    "generation_tokens_per_s",
+)
 HANDOFF_MINUTES = 0.4  # the report and the export of every run's policy after the RL stage
 CHECKPOINT_NEVER_ON_SCHEDULE = 1_000_000
 RUN_OVERHEAD_MINUTES = 1.5  # an RL run's start-up and evals around its time-budgeted training loop
@@ -298,6 +306,18 @@ def series(run_dir: Path) -> dict:
             "SELECT name, AVG(end - start) AS seconds FROM events"
             " WHERE name = 'weight_sync' OR name LIKE 'weight_sync/%' GROUP BY name"
         )
+        # the server between the first step and the final eval: lanes in use, engine step, tokens per second
+        window = reader.rows(
+            "SELECT (SELECT MIN(start) FROM events WHERE name = 'training_loop_start') AS a,"
+            " (SELECT MIN(start) FROM events WHERE name = 'eval_final_start') AS b"
+        )[0]
+        server = reader.rows(
+            "SELECT name, AVG(value) AS value FROM system_metrics WHERE source LIKE 'inference:%'"
+            " AND name IN ("
+            + ",".join("?" * len(SERVER_GAUGES))
+            + ") AND time >= ? AND time <= ? GROUP BY name",
+            (*SERVER_GAUGES, window["a"] or 0, window["b"] or float("inf")),
+        )
     out = {"step": [], "train_reward": [], "eval_step": [], "pass@1": [], "pass@8": []}
     # the batch mean of the equation reward (its _max / _min / _std siblings say little per step)
     train_keys = sorted(
@@ -318,6 +338,7 @@ def series(run_dir: Path) -> dict:
     spans = sorted({k for m in steps for k in m if k.startswith("timing_") and isinstance(m[k], int | float)})
     out["timing_means"] = {k: round(statistics.fmean(m[k] for m in steps if k in m), 4) for k in spans}
     out["push_means"] = {row["name"]: round(row["seconds"], 4) for row in pushes}
+    out["server_means"] = {row["name"]: round(row["value"], 3) for row in server}
     return out
 
 
@@ -352,6 +373,7 @@ def joined(before: dict, after: dict, offset: int) -> dict:
 
     out["timing_means"] = weighted("timing_means")
     out["push_means"] = weighted("push_means")
+    out["server_means"] = weighted("server_means")
     return out
 
 
@@ -393,6 +415,8 @@ def stage_report(args) -> dict:
             f"{k.removeprefix('weight_sync/')} {v:.3f}" for k, v in s.get("push_means", {}).items()
         )
         lines.append(f"\n{name}: mean seconds of a weight push's spans: {pushes}")
+        server = ", ".join(f"{k} {v:g}" for k, v in s.get("server_means", {}).items())
+        lines.append(f"\n{name}: the server while training (means): {server}")
     table = "\n".join(lines)
     (args.out / "rl_report.md").write_text(table + "\n")
     print(table)

@@ -136,6 +136,7 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
     assert series["train_key"].endswith("_equation_reward_mean"), series["train_key"]
     assert series["timing_means"]["timing_step_total"] > 0
     assert series["push_means"]["weight_sync"] >= series["push_means"]["weight_sync/pause"] > 0
+    assert set(series["server_means"]) <= set(rl_from_scratch.SERVER_GAUGES)  # sampled every few seconds
     assert series["eval_step"] == [0, 2]
     # the next segment's config: the same run, resumed from that checkpoint, over a longer horizon
     resumed = load_config(
