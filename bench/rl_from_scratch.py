@@ -264,7 +264,8 @@ def start_of(args, run: str, base: Path) -> tuple[Path, int]:
     return base, 0
 
 
-def stage_rl(args, base: Path) -> None:
+def stage_rl(args, base: Path) -> list[str]:
+    """Every run, side by side; the names of those that did not end on their own (their logs say why)."""
     names = args.runs.split(",")
     starts = {name: start_of(args, name, base) for name in names}
     stagger_s = 8.0
@@ -292,6 +293,7 @@ def stage_rl(args, base: Path) -> None:
     codes = run_in_parallel(commands, args.gpus, deadline, args.out / "logs", stagger_s=stagger_s)
     for name in names:
         print(f"RL {name}: exit {codes.get(name)}")
+    return [name for name in names if codes.get(name) != 0]
 
 
 def series(run_dir: Path) -> dict:
@@ -380,6 +382,9 @@ def joined(before: dict, after: dict, offset: int) -> dict:
 def stage_report(args) -> dict:
     runs_dir = args.out / "runs"
     report = {}
+    if not runs_dir.is_dir():  # every run failed before its store was made (their logs say why)
+        print(f"no run stores in {runs_dir}: see {args.out / 'logs'}")
+        return report
     for run_dir in sorted(p for p in runs_dir.iterdir() if (p / "run.db").is_file()):
         handoff = earlier_segments(args, run_dir.name)
         here = {**series(run_dir), "segments": [{"steps": steps_done(run_dir)}]}
@@ -564,11 +569,15 @@ def main() -> None:
             left = args.call_minutes - (time.time() - started) / 60 - HANDOFF_MINUTES
             args.rl_minutes = min(args.rl_minutes, left)
             print(f"RL budget: {args.rl_minutes:.2f} minutes")
-        stage_rl(args, base)
+        failed = stage_rl(args, base)
+    else:
+        failed = []
     if args.stage in ("all", "rl", "report"):
         report = stage_report(args)
         if args.handoff and args.stage != "report":
             stage_handoff(args, base, report)
+    if failed:  # after the report and the hand-off: what the other runs did is kept
+        raise SystemExit(f"RL runs that failed: {', '.join(failed)} (logs in {args.out / 'logs'})")
 
 
 if __name__ == "__main__":
