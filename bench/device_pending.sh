@@ -183,7 +183,8 @@ run_part() {
       # or the base) every run of RFS_RUNS continues from it, else the SFT base is trained here first.
       # The call ends by handing back every run's policy (and a base trained here) as
       # $OUT/rl_from_scratch_segment/handoff.tar.part-*; the next call carries one model of it (the 64 MiB
-      # a call carries holds the site bundle and one model):
+      # a call carries holds the site bundle and one model; a reply's 8 files, base and policy): one run
+      # per call, RFS_RUNS=grpo, then the control and other algorithms from the base, one call each:
       #   bash bench/device_site.sh .site.tar.xz .whl .whl-f                     # once
       #   mkdir -p .rfs-all && cat /work/.device/N/rl_from_scratch_segment/handoff.tar.part-* | tar -x -C .rfs-all
       #   rm -rf .rfs && mkdir .rfs && cp -r .rfs-all/grpo .rfs/                  # carry [".site.tar.xz", ".rfs"]
