@@ -254,11 +254,21 @@ def earlier_segments(args, run: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def segment_seed(handoff: dict | None) -> int:
+    """The training problems' seed of the segment after ``handoff`` (0: a run's first segment)."""
+    return 0 if handoff is None else SEGMENT_SEED * len(handoff["series"]["segments"])
+
+
+def steps_in(series: dict) -> int:
+    """The steps a run has taken over all its segments."""
+    return sum(segment["steps"] for segment in series["segments"])
+
+
 def start_of(args, run: str, base: Path) -> tuple[Path, int]:
     """Where ``run``'s segment starts: the model folder and the training problems' seed."""
     handoff = earlier_segments(args, run)
     if handoff is not None:
-        return args.continue_from / run, SEGMENT_SEED * len(handoff["segments"])
+        return args.continue_from / run, segment_seed(handoff)
     if not (base / "config.json").is_file():
         raise SystemExit(f"{run}: no hand-off in {args.continue_from} and no base model at {base}")
     return base, 0
@@ -352,20 +362,19 @@ def steps_done(run_dir: Path) -> int:
 
 
 def joined(before: dict, after: dict, offset: int) -> dict:
-    """Two segments' series as one run's, ``after``'s steps counted from ``offset``. A segment's first
+    """Two series as one run's, ``after``'s steps counted from ``offset``. A segment's first
     eval scores the policy it was handed (the last eval of the one before, up to bfloat16 rounding):
     both stay in the curve, so a hand-off that changed the policy would show."""
     out = {}
     for key in ("step", "eval_step"):
         out[key] = before[key] + [offset + step for step in after[key]]
-    for key in ("train_reward", "pass@1", "pass@8", "timing_step_total"):
+    for key in ("train_reward", "pass@1", "pass@8", "timing_step_total", "segments"):
         out[key] = before[key] + after[key]
     out["train_key"] = after["train_key"] or before["train_key"]
     n_before, n_after = len(before["timing_step_total"]), len(after["timing_step_total"])
 
-    def weighted(
-        key: str,
-    ) -> dict:  # means weighted by each segment's steps, over the segments that have them
+    def weighted(key: str) -> dict:
+        """Means weighted by each side's steps, over the sides that have them."""
         a, b = before.get(key, {}), after.get(key, {})
         out = {}
         for k in sorted(a | b):
@@ -387,12 +396,10 @@ def stage_report(args) -> dict:
         return report
     for run_dir in sorted(p for p in runs_dir.iterdir() if (p / "run.db").is_file()):
         handoff = earlier_segments(args, run_dir.name)
-        here = {**series(run_dir), "segments": [{"steps": steps_done(run_dir)}]}
+        segment = {"steps": steps_done(run_dir), "train_seed": segment_seed(handoff)}
+        here = {**series(run_dir), "segments": [segment]}
         if handoff is not None:
-            here = {
-                **joined(handoff["series"], here, handoff["steps"]),
-                "segments": handoff["series"]["segments"] + here["segments"],
-            }
+            here = joined(handoff["series"], here, steps_in(handoff["series"]))
         report[run_dir.name] = here
     (args.out / "rl_report.json").write_text(json.dumps(report, indent=1))
     lines = [
@@ -451,13 +458,12 @@ def stage_report(args) -> dict:
 
 def bfloat16_copy(model: Path, out: Path) -> None:
     """An HF model folder with its floating-point weights in bfloat16 (half the bytes to carry)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from refractor.models.loading import iter_safetensors
 
     out.mkdir(parents=True, exist_ok=True)
-    weights = {}
-    for file in sorted(model.glob("*.safetensors")):
-        weights.update(load_file(file))
-    weights = {k: v.bfloat16() if v.is_floating_point() else v for k, v in weights.items()}
+    weights = {k: v.bfloat16() if v.is_floating_point() else v for k, v in iter_safetensors(model)}
     for old in out.glob("model*.safetensors*"):
         old.unlink()
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -472,8 +478,9 @@ def bfloat16_copy(model: Path, out: Path) -> None:
 
 
 def stage_handoff(args, base: Path, report: dict) -> None:
-    """Each run's policy (its last checkpoint, bfloat16) with its curve so far in ``args.handoff/<run>``,
-    and the base in ``args.handoff/base``: what a call on another machine continues from."""
+    """Each run's policy (its last checkpoint, bfloat16) with its curve so far (``report``, whose
+    segments say how far it got) in ``args.handoff/<run>``, and the base in ``args.handoff/base``:
+    what a call on another machine continues from."""
     from refractor.trainer.checkpoint import checkpoint_path
     from refractor.trainer.convert import export_hf
 
@@ -489,20 +496,13 @@ def stage_handoff(args, base: Path, report: dict) -> None:
         if not step or run not in report:
             print(f"{run}: no checkpoint to hand off")
             continue
-        start, seed = start_of(args, run, base)
-        handoff = earlier_segments(args, run)
+        start, _ = start_of(args, run, base)
         out = args.handoff / run
         export_hf(checkpoint_path(run_dir / "checkpoints", step), out, dtype="bfloat16", overwrite=True)
         if start.resolve() != out.resolve():  # the problems' shape, for the next segment's config
             shutil.copy2(start / "sft_summary.json", out / "sft_summary.json")
-        record = {
-            "run": run,
-            "steps": (handoff["steps"] if handoff else 0) + step,
-            "segments": (handoff["segments"] if handoff else []) + [{"steps": step, "train_seed": seed}],
-            "series": report[run],
-        }
-        (out / HANDOFF).write_text(json.dumps(record, indent=1))
-        print(f"{run}: handed off after {record['steps']} steps to {out}")
+        (out / HANDOFF).write_text(json.dumps({"run": run, "series": report[run]}, indent=1))
+        print(f"{run}: handed off after {steps_in(report[run])} steps to {out}")
 
 
 def main() -> None:

@@ -157,7 +157,8 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
     first = argparse.Namespace(out=tmp_path, runs="grpo", continue_from=None, handoff=handoff)
     rl_from_scratch.stage_handoff(first, out, rl_from_scratch.stage_report(first))
     record = json.loads((handoff / "grpo" / rl_from_scratch.HANDOFF).read_text())
-    assert record["steps"] == 2 and record["segments"] == [{"steps": 2, "train_seed": 0}]
+    assert rl_from_scratch.steps_in(record["series"]) == 2
+    assert record["series"]["segments"] == [{"steps": 2, "train_seed": 0}]
     assert record["series"]["eval_step"] == [0, 2] and record["series"]["step"] == [0, 1]
     trained = read_checkpoint_weights(run_dir / "checkpoints" / "step_2")
     policy = load_file(handoff / "grpo" / "model.safetensors")
@@ -185,11 +186,12 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
     assert config["environments"][0]["kwargs"]["seed"] == 1000 and config["evals"][0]["kwargs"]["seed"] == 1
     report = rl_from_scratch.stage_report(later)["grpo"]  # the two segments as one run
     assert report["step"] == [0, 1, 2] and report["eval_step"] == [0, 2, 2, 3]
-    assert report["segments"] == [{"steps": 2}, {"steps": 1}] and len(report["pass@1"]) == 4
+    assert report["segments"] == [{"steps": 2, "train_seed": 0}, {"steps": 1, "train_seed": 1000}]
+    assert len(report["pass@1"]) == 4
     rl_from_scratch.stage_handoff(later, handoff / "base", {"grpo": report})
     record = json.loads((handoff / "grpo" / rl_from_scratch.HANDOFF).read_text())
-    assert record["steps"] == 3
-    assert record["segments"] == [{"steps": 2, "train_seed": 0}, {"steps": 1, "train_seed": 1000}]
+    assert rl_from_scratch.steps_in(record["series"]) == 3
+    assert record["series"]["segments"] == [{"steps": 2, "train_seed": 0}, {"steps": 1, "train_seed": 1000}]
 
 
 def test_every_comparison_run_is_a_valid_config_of_the_base_s_problems(tmp_path):
@@ -242,6 +244,7 @@ def test_two_segments_join_into_one_curve_with_step_weighted_means():
             "train_key": "reward__equation_reward_mean",
             "timing_step_total": [2.0] * steps,
             "timing_means": means,
+            "segments": [{"steps": steps, "train_seed": 0}],
             **({"push_means": pushes} if pushes is not None else {}),
         }
 
@@ -253,3 +256,4 @@ def test_two_segments_join_into_one_curve_with_step_weighted_means():
     # 3 steps at 2.0 and 1 at 6.0; a mean only one segment has is that segment's
     assert both["timing_means"] == {"timing_step_total": 3.0, "timing_new": 1.0}
     assert both["push_means"] == {"weight_sync": 0.3}
+    assert rl_from_scratch.steps_in(both) == 4 and len(both["segments"]) == 2

@@ -235,8 +235,8 @@ def test_copies_are_written_per_component_and_a_server_file_only_when_it_is_else
 
 
 def test_a_server_on_the_drivers_node_is_never_copied_even_before_its_file_exists(tmp_path):
-    """A restarted server's first batch: the old file's last lines, named by the new file, which the
-    new server has not created yet. A copy there would land in the file the server appends to."""
+    """A server on the driver's node writes its file there, also before it has created it (a restarted
+    server's new file): a copy made then would land in the file the server appends to."""
     copies = LogFileCopies(tmp_path / "logs", local_node="10.0.0.1")
     new_file = tmp_path / "logs" / "server-0.restart1.log"
     copies.write([line("started", component="server", source="file", file=str(new_file))])
