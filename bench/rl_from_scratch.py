@@ -312,8 +312,8 @@ def series(run_dir: Path) -> dict:
 
     with RunReader(run_dir) as reader:
         steps = reader.step_metrics()
-        # where a weight push's pause goes (pause, the servers' receive, finish, resume): on a GPU under
-        # RL load it took ~0.3 s per step for a 26 MB model that a bare push moves in milliseconds
+        # where a weight push's time goes (pause, the servers' receive, finish, resume): generation
+        # stops for the whole pause, so it is time the step's next batch is not sampled
         pushes = reader.rows(
             "SELECT name, AVG(end - start) AS seconds FROM events"
             " WHERE name = 'weight_sync' OR name LIKE 'weight_sync/%' GROUP BY name"
