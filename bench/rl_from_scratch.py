@@ -47,6 +47,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,7 +101,7 @@ SERVER_GAUGES = (
     "engine_busy_fraction",
     "generation_tokens_per_s",
 )
-HANDOFF_MINUTES = 0.4  # the report and the export of every run's policy after the RL stage
+HANDOFF_MINUTES = 0.5  # the report (greedy evals included) and the export of every run's policy
 CHECKPOINT_NEVER_ON_SCHEDULE = 1_000_000
 RUN_OVERHEAD_MINUTES = 1.5  # an RL run's start-up and evals around its time-budgeted training loop
 
@@ -354,6 +355,40 @@ def series(run_dir: Path) -> dict:
     return out
 
 
+def greedy_points(args, run_dir: Path, first_segment: bool) -> dict:
+    """The run's held-out greedy accuracy on ``args.eval`` problems (the SFT stage's measure): of
+    its last checkpoint (in bfloat16, as the engine samples) and, in a run's first segment, of the
+    model it started from (step 0). The temperature-1 evals measure the policy's sampling, which RL
+    also sharpens; greedy decoding measures what the policy knows, so the two gains can differ."""
+    from refractor.telemetry.query import RunReader
+    from refractor.trainer.checkpoint import checkpoint_path
+    from refractor.trainer.convert import export_hf
+
+    step = steps_done(run_dir)
+    if not getattr(args, "eval", 0) or not step:
+        return {}
+    with RunReader(run_dir) as reader:
+        start = Path(reader.config()["model"])
+    sft = json.loads((start / "sft_summary.json").read_text())["args"]
+    points = {"greedy_step": [], "greedy": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = export_hf(
+            checkpoint_path(run_dir / "checkpoints", step), Path(tmp) / "policy", dtype="bfloat16"
+        )
+        for at, model in ([(0, start)] if first_segment else []) + [(step, policy)]:
+            points["greedy_step"].append(at)
+            points["greedy"].append(held_out_accuracy(model, args.eval, sft["max_tokens"], sft["shape"]))
+    return points
+
+
+def held_out_accuracy(model: Path, count: int, max_tokens: int, shape: dict) -> float:
+    """``sft_base.py``'s held-out greedy accuracy, on the GPU where there is one."""
+    import torch
+    from sft_base import held_out_accuracy as score  # bench/ is on the path: this script's folder
+
+    return score(model, count, "cuda" if torch.cuda.is_available() else "cpu", max_tokens, shape)
+
+
 def steps_done(run_dir: Path) -> int:
     """The steps the run's policy has taken: its last checkpoint's step (0 without one)."""
     from refractor.trainer.checkpoint import latest_checkpoint
@@ -366,10 +401,10 @@ def joined(before: dict, after: dict, offset: int) -> dict:
     eval scores the policy it was handed (the last eval of the one before, up to bfloat16 rounding):
     both stay in the curve, so a hand-off that changed the policy would show."""
     out = {}
-    for key in ("step", "eval_step"):
-        out[key] = before[key] + [offset + step for step in after[key]]
-    for key in ("train_reward", "pass@1", "pass@8", "timing_step_total", "segments"):
-        out[key] = before[key] + after[key]
+    for key in ("step", "eval_step", "greedy_step"):
+        out[key] = before.get(key, []) + [offset + step for step in after.get(key, [])]
+    for key in ("train_reward", "pass@1", "pass@8", "timing_step_total", "segments", "greedy"):
+        out[key] = before.get(key, []) + after.get(key, [])
     out["train_key"] = after["train_key"] or before["train_key"]
     n_before, n_after = len(before["timing_step_total"]), len(after["timing_step_total"])
 
@@ -397,20 +432,22 @@ def stage_report(args) -> dict:
     for run_dir in sorted(p for p in runs_dir.iterdir() if (p / "run.db").is_file()):
         handoff = earlier_segments(args, run_dir.name)
         segment = {"steps": steps_done(run_dir), "train_seed": segment_seed(handoff)}
-        here = {**series(run_dir), "segments": [segment]}
+        here = {**series(run_dir), "segments": [segment], **greedy_points(args, run_dir, handoff is None)}
         if handoff is not None:
             here = joined(handoff["series"], here, steps_in(handoff["series"]))
         report[run_dir.name] = here
     (args.out / "rl_report.json").write_text(json.dumps(report, indent=1))
     lines = [
         "| run | steps | s / step | train reward, first 5 -> last 5 steps "
-        "| held-out pass@1 first -> last (step) | pass@8 first -> last | pass@1 gain (points) |",
-        "|---|---|---|---|---|---|---|",
+        "| held-out pass@1 first -> last (step) | pass@8 first -> last | pass@1 gain (points) "
+        "| held-out greedy first -> last (step) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in report.items():
         t = s["timing_step_total"]
-        p1, p8, rw = s["pass@1"], s["pass@8"], s["train_reward"]
+        p1, p8, rw, gr = s["pass@1"], s["pass@8"], s["train_reward"], s.get("greedy", [])
         gain = 100 * (p1[-1] - p1[0]) if p1 else float("nan")
+        greedy = f"{gr[0]:.3f} -> {gr[-1]:.3f} ({s['greedy_step'][-1]})" if gr else "-"
         lines.append(
             f"| {name} | {len(s['step'])} | {sum(t) / max(len(t), 1):.2f} | "
             f"{statistics.fmean(rw[:5]) if rw else float('nan'):.3f} -> "
@@ -418,7 +455,7 @@ def stage_report(args) -> dict:
             f"{p1[0] if p1 else float('nan'):.3f} -> {p1[-1] if p1 else float('nan'):.3f} "
             f"({s['eval_step'][-1] if p1 else '-'}) | "
             f"{p8[0] if p8 and p8[0] is not None else float('nan'):.3f} -> "
-            f"{p8[-1] if p8 and p8[-1] is not None else float('nan'):.3f} | {gain:+.1f} |"
+            f"{p8[-1] if p8 and p8[-1] is not None else float('nan'):.3f} | {gain:+.1f} | {greedy} |"
         )
     for name, s in report.items():
         spans = ", ".join(f"{k.removeprefix('timing_')} {v:.2f}" for k, v in s["timing_means"].items())
@@ -446,14 +483,25 @@ def stage_report(args) -> dict:
         right.plot(s["eval_step"], s["pass@1"], marker="o", label=f"{name} pass@1")
         if s["pass@8"] and s["pass@8"][0] is not None:
             right.plot(s["eval_step"], s["pass@8"], linestyle="--", label=f"{name} pass@8")
+        if s.get("greedy"):
+            right.plot(s["greedy_step"], s["greedy"], marker="x", linestyle=":", label=f"{name} greedy")
     left.set(title="training reward (equation, mean)", xlabel="step")
-    right.set(title="held-out accuracy (temperature 1)", xlabel="step")
+    right.set(title="held-out accuracy (pass@k at temperature 1; greedy)", xlabel="step")
     left.legend()
     right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(args.out / "rl_from_scratch.png", dpi=110)
     print(f"wrote {args.out / 'rl_from_scratch.png'}")
     return report
+
+
+def stage_score(args) -> None:
+    """Held-out greedy accuracy of model folders (a base, a hand-off's policies) on ``--eval`` problems
+    of the difficulty each was trained on (its ``sft_summary.json``)."""
+    for model in args.models:
+        sft = json.loads((model / "sft_summary.json").read_text())["args"]
+        accuracy = held_out_accuracy(model, args.eval, sft["max_tokens"], sft["shape"])
+        print(f"{model}: held-out greedy accuracy {accuracy:.3f} ({args.eval} problems)")
 
 
 def bfloat16_copy(model: Path, out: Path) -> None:
@@ -507,7 +555,7 @@ def stage_handoff(args, base: Path, report: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=["all", "sft", "rl", "report", "train-one"])
+    ap.add_argument("stage", choices=["all", "sft", "rl", "report", "train-one", "score"])
     ap.add_argument("--out", type=Path, required=True, help="working folder: bases, run stores, report")
     ap.add_argument("--gpus", default="", help="comma list of GPU indices, one job per GPU (round robin)")
     ap.add_argument("--candidates", default=DEFAULT_CANDIDATES, help=f"of {', '.join(CANDIDATES)}")
@@ -515,7 +563,13 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=1200)  # ~150 s on an H100, then two held-out evals
     ap.add_argument("--sft-minutes", type=float, default=4.5)
     ap.add_argument("--sft-extra", default="", help="more sft_base.py arguments, space separated")
-    ap.add_argument("--eval", type=int, default=200, help="held-out problems scored after SFT")
+    ap.add_argument(
+        "--eval",
+        type=int,
+        default=200,
+        help="held-out problems scored greedily: after SFT, after each RL segment (0: none), by score",
+    )
+    ap.add_argument("--models", type=Path, nargs="*", default=[], help="score: model folders (sft_base.py's)")
     ap.add_argument("--base", type=Path, help="the SFT base (rl, train-one): an sft_base.py output folder")
     ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {', '.join(RUNS)}")
     ap.add_argument("--run", help="train-one: the run's name")
@@ -557,6 +611,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "train-one":
         stage_train_one(args)
+        return
+    if args.stage == "score":
+        stage_score(args)
         return
     if args.stage in ("all", "sft"):
         base = stage_sft(args)

@@ -154,10 +154,16 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
     from refractor.trainer.convert import read_checkpoint_weights
 
     handoff = tmp_path / "handoff"
-    first = argparse.Namespace(out=tmp_path, runs="grpo", continue_from=None, handoff=handoff)
+    first = argparse.Namespace(out=tmp_path, runs="grpo", continue_from=None, handoff=handoff, eval=4)
     rl_from_scratch.stage_handoff(first, out, rl_from_scratch.stage_report(first))
     record = json.loads((handoff / "grpo" / rl_from_scratch.HANDOFF).read_text())
     assert rl_from_scratch.steps_in(record["series"]) == 2
+    # greedy held-out accuracy of the base (step 0) and of the policy handed off (step 2), each as
+    # sft_base.py scores a model folder
+    assert record["series"]["greedy_step"] == [0, 2]
+    assert record["series"]["greedy"] == [
+        sft_base.held_out_accuracy(model, 4, "cpu", 16, shape) for model in (out, handoff / "grpo")
+    ]
     assert record["series"]["segments"] == [{"steps": 2, "train_seed": 0}]
     assert record["series"]["eval_step"] == [0, 2] and record["series"]["step"] == [0, 1]
     trained = read_checkpoint_weights(run_dir / "checkpoints" / "step_2")
@@ -173,7 +179,9 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
 
     # the next call continues the run from its policy on training problems it has not seen; a run
     # without a policy there starts from the base
-    later = argparse.Namespace(out=tmp_path / "later", runs="grpo", continue_from=handoff, handoff=handoff)
+    later = argparse.Namespace(
+        out=tmp_path / "later", runs="grpo", continue_from=handoff, handoff=handoff, eval=4
+    )
     assert rl_from_scratch.start_of(later, "grpo", handoff / "base") == (handoff / "grpo", 1000)
     assert rl_from_scratch.start_of(later, "control", handoff / "base") == (handoff / "base", 0)
     segment = argparse.Namespace(
@@ -188,6 +196,7 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
     assert report["step"] == [0, 1, 2] and report["eval_step"] == [0, 2, 2, 3]
     assert report["segments"] == [{"steps": 2, "train_seed": 0}, {"steps": 1, "train_seed": 1000}]
     assert len(report["pass@1"]) == 4
+    assert report["greedy_step"] == [0, 2, 3] and len(report["greedy"]) == 3  # the start is scored once
     rl_from_scratch.stage_handoff(later, handoff / "base", {"grpo": report})
     record = json.loads((handoff / "grpo" / rl_from_scratch.HANDOFF).read_text())
     assert rl_from_scratch.steps_in(record["series"]) == 3
