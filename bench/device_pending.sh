@@ -185,7 +185,7 @@ run_part() {
       # $OUT/rl_from_scratch_segment/handoff.tar.part-*; the next call carries one model of it (the 64 MiB
       # a call carries holds the site bundle and one model; a reply's 8 files, base and policy): one run
       # per call, RFS_RUNS=grpo, then the control and other algorithms from the base, one call each:
-      #   bash bench/device_site.sh .site.tar.xz .whl .whl-f                     # once
+      #   bash bench/device_site.sh .site.tar.xz                                 # once
       #   mkdir -p .rfs-all && cat /work/.device/N/rl_from_scratch_segment/handoff.tar.part-* | tar -x -C .rfs-all
       #   rm -rf .rfs && mkdir .rfs && cp -r .rfs-all/grpo .rfs/                  # carry [".site.tar.xz", ".rfs"]
       mkdir -p "$OUT/$1"

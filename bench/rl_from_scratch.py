@@ -9,7 +9,11 @@ becomes the base (RL needs room both ways). Stage 2 trains that base with
 each with the same wall-clock budget (``max_train_minutes``: a run ends itself, final eval
 included): GRPO, the same with ``learning_rate: 0`` (the control: evals must not move), and other
 algorithms. Stage 3 reads the run stores and writes a table and a PNG of training reward and
-held-out pass@1 / pass@8 per step.
+held-out pass@1 / pass@8 per step (temperature 1), with the held-out greedy accuracy of each run's
+start and end: RL sharpens sampling, so a temperature-1 gain can exceed what greedy decoding gains.
+``score`` scores model folders (a base, handed-off policies) on more problems, greedy or sampled:
+
+    python bench/rl_from_scratch.py score --out /tmp/score --eval 2000 --models .rfs-all/base .rfs-all/grpo
 
     python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,1,2,3 --sft-minutes 4 --rl-minutes 5
     python bench/rl_from_scratch.py sft --out /tmp/rfs --gpus 0,1,2,3
@@ -381,12 +385,15 @@ def greedy_points(args, run_dir: Path, first_segment: bool) -> dict:
     return points
 
 
-def held_out_accuracy(model: Path, count: int, max_tokens: int, shape: dict) -> float:
-    """``sft_base.py``'s held-out greedy accuracy, on the GPU where there is one."""
+def held_out_accuracy(
+    model: Path, count: int, max_tokens: int, shape: dict, temperature: float = 0.0, samples: int = 1
+) -> float:
+    """``sft_base.py``'s held-out accuracy (greedy, or pass@1 at a temperature), on a GPU if there is one."""
     import torch
     from sft_base import held_out_accuracy as score  # bench/ is on the path: this script's folder
 
-    return score(model, count, "cuda" if torch.cuda.is_available() else "cpu", max_tokens, shape)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return score(model, count, device, max_tokens, shape, temperature, samples)
 
 
 def steps_done(run_dir: Path) -> int:
@@ -469,6 +476,13 @@ def stage_report(args) -> dict:
     table = "\n".join(lines)
     (args.out / "rl_report.md").write_text(table + "\n")
     print(table)
+    plot_report(report, args.out / "rl_from_scratch.png")
+    return report
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """The PNG of a report (``rl_report.json``): training reward per step, and held-out accuracy. A
+    run's training reward is noisy step to step (32 prompts): a 25-step running mean goes over it."""
     try:
         import matplotlib
 
@@ -476,10 +490,19 @@ def stage_report(args) -> dict:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no PNG")
-        return report
+        return
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, s in report.items():
-        left.plot(s["step"], s["train_reward"], label=name)
+        line = left.plot(s["step"], s["train_reward"], alpha=0.3, linewidth=0.8)[0]
+        window = min(25, len(s["train_reward"]))
+        if window:
+            mean = [
+                statistics.fmean(s["train_reward"][i - window + 1 : i + 1])
+                for i in range(window - 1, len(s["train_reward"]))
+            ]
+            left.plot(
+                s["step"][window - 1 :], mean, color=line.get_color(), label=f"{name} ({window}-step mean)"
+            )
         right.plot(s["eval_step"], s["pass@1"], marker="o", label=f"{name} pass@1")
         if s["pass@8"] and s["pass@8"][0] is not None:
             right.plot(s["eval_step"], s["pass@8"], linestyle="--", label=f"{name} pass@8")
@@ -490,9 +513,9 @@ def stage_report(args) -> dict:
     left.legend()
     right.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(args.out / "rl_from_scratch.png", dpi=110)
-    print(f"wrote {args.out / 'rl_from_scratch.png'}")
-    return report
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def stage_score(args) -> None:
@@ -500,8 +523,15 @@ def stage_score(args) -> None:
     of the difficulty each was trained on (its ``sft_summary.json``)."""
     for model in args.models:
         sft = json.loads((model / "sft_summary.json").read_text())["args"]
-        accuracy = held_out_accuracy(model, args.eval, sft["max_tokens"], sft["shape"])
-        print(f"{model}: held-out greedy accuracy {accuracy:.3f} ({args.eval} problems)")
+        accuracy = held_out_accuracy(
+            model, args.eval, sft["max_tokens"], sft["shape"], args.temperature, args.samples
+        )
+        how = (
+            f"pass@1 at temperature {args.temperature:g}, {args.samples} samples"
+            if args.temperature
+            else "greedy"
+        )
+        print(f"{model}: held-out {how}: {accuracy:.3f} ({args.eval} problems)")
 
 
 def bfloat16_copy(model: Path, out: Path) -> None:
@@ -570,6 +600,8 @@ def main() -> None:
         help="held-out problems scored greedily: after SFT, after each RL segment (0: none), by score",
     )
     ap.add_argument("--models", type=Path, nargs="*", default=[], help="score: model folders (sft_base.py's)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="score: 0 greedy, else pass@1 at it")
+    ap.add_argument("--samples", type=int, default=8, help="score: samples per problem at a temperature")
     ap.add_argument("--base", type=Path, help="the SFT base (rl, train-one): an sft_base.py output folder")
     ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"of {', '.join(RUNS)}")
     ap.add_argument("--run", help="train-one: the run's name")

@@ -279,10 +279,17 @@ def save(model, config, tokenizer, out: Path) -> None:
 
 
 def held_out_accuracy(
-    model_dir: str | Path, count: int, device: str = "cpu", max_tokens: int = 96, shape: dict | None = None
+    model_dir: str | Path,
+    count: int,
+    device: str = "cpu",
+    max_tokens: int = 96,
+    shape: dict | None = None,
+    temperature: float = 0.0,
+    samples: int = 1,
 ) -> float:
     """Greedy accuracy (equation reward) on the first ``count`` held-out procedural problems of the
-    difficulty ``shape`` (the environment's ``procedural_*`` keyword arguments)."""
+    difficulty ``shape`` (the environment's ``procedural_*`` keyword arguments). With a temperature,
+    the mean over ``samples`` seeded samples per problem: pass@1 at that temperature."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -291,26 +298,29 @@ def held_out_accuracy(
     from refractor.inference.engine import EngineConfig, LLMEngine, SamplingParams
 
     env = CountdownEnvironment(dataset_name="procedural", seed=EVAL_SEED, **(shape or {}))
-    samples = env.load_dataset(count)
+    problems = env.load_dataset(count)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [
         tokenizer(env.render_prompt(env.get_initial_prompt(s), tokenizer), add_special_tokens=False)[
             "input_ids"
         ]
-        for s in samples
+        for s in problems
     ]
     config = EngineConfig(
         max_model_len=max(len(p) for p in prompts) + max_tokens, kv_cache_memory_gb=0.5, device=device
     )
     engine = LLMEngine.from_pretrained(model_dir, config)
-    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    n = 1 if temperature == 0 else samples
+    params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=0)
+    outputs = engine.generate(prompts, params)
     correct = 0.0
-    for sample, out in zip(samples, outputs, strict=True):
-        text = tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
-        reward, _ = env._equation_reward(text, sample)
-        correct += reward
+    for problem, out in zip(problems, outputs, strict=True):
+        for completion in out.outputs:
+            text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            reward, _ = env._equation_reward(text, problem)
+            correct += reward
     asyncio.run(env.close())
-    return correct / len(samples)
+    return correct / (len(problems) * n)
 
 
 def main() -> None:

@@ -164,6 +164,9 @@ def test_the_example_config_trains_the_base_and_ends_with_a_checkpoint(base_mode
     assert record["series"]["greedy"] == [
         sft_base.held_out_accuracy(model, 4, "cpu", 16, shape) for model in (out, handoff / "grpo")
     ]
+    # at a temperature: the mean over seeded samples, 3 per problem (a 0/1 reward: a count of 12)
+    sampled = [sft_base.held_out_accuracy(handoff / "grpo", 4, "cpu", 16, shape, 1.0, 3) for _ in range(2)]
+    assert sampled[0] == sampled[1] and (12 * sampled[0]).is_integer() and 0 <= sampled[0] <= 1
     assert record["series"]["segments"] == [{"steps": 2, "train_seed": 0}]
     assert record["series"]["eval_step"] == [0, 2] and record["series"]["step"] == [0, 1]
     trained = read_checkpoint_weights(run_dir / "checkpoints" / "step_2")
