@@ -11,14 +11,15 @@ included): GRPO, the same with ``learning_rate: 0`` (the control: evals must not
 algorithms. Stage 3 reads the run stores and writes a table and a PNG of training reward and
 held-out pass@1 / pass@8 per step (temperature 1), with the held-out greedy accuracy of each run's
 start and end: RL sharpens sampling, so a temperature-1 gain can exceed what greedy decoding gains.
-``score`` scores model folders (a base, handed-off policies) on more problems, greedy or sampled:
-
-    python bench/rl_from_scratch.py score --out /tmp/score --eval 2000 --models .rfs-all/base .rfs-all/grpo
 
     python bench/rl_from_scratch.py all --out /tmp/rfs --gpus 0,1,2,3 --sft-minutes 4 --rl-minutes 5
     python bench/rl_from_scratch.py sft --out /tmp/rfs --gpus 0,1,2,3
     python bench/rl_from_scratch.py rl --out /tmp/rfs --base /tmp/rfs/easy3 --gpus 0,1,2,3 --rl-minutes 5
     python bench/rl_from_scratch.py report --out /tmp/rfs
+
+``score`` scores model folders (a base, handed-off policies) on more held-out problems, on any machine:
+    python bench/rl_from_scratch.py score --out /tmp/score --eval 2000 --models .rfs-all/base .rfs-all/grpo
+    python bench/rl_from_scratch.py score --out /tmp/score --eval 2000 --temperature 1 --samples 4 --models X
 
 Runs longer than one device call (10 minutes) go in segments on the same warm machine: each run ends
 its segment with a checkpoint, and ``rl --resume`` continues every run from it (the base is read back
@@ -519,8 +520,8 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def stage_score(args) -> None:
-    """Held-out greedy accuracy of model folders (a base, a hand-off's policies) on ``--eval`` problems
-    of the difficulty each was trained on (its ``sft_summary.json``)."""
+    """Held-out accuracy of model folders (a base, a hand-off's policies) on ``--eval`` problems of the
+    difficulty each was trained on (its ``sft_summary.json``): greedy, or pass@1 at ``--temperature``."""
     for model in args.models:
         sft = json.loads((model / "sft_summary.json").read_text())["args"]
         accuracy = held_out_accuracy(
