@@ -96,9 +96,15 @@ def test_cancel_aborts_on_the_server_and_control_calls(server):
             running = asyncio.create_task(
                 client.generate([6, 7], Sampling(max_tokens=480, ignore_eos=True), request_id="mine")
             )
-            await asyncio.sleep(0.2)
-            assert await client.abort(["mine"]) == 1
-            aborted = await running
+            while (await client.metrics()).get("vllm:num_requests_running", 0) < 1:
+                await asyncio.sleep(0.01)
+            # frozen in flight, so it is still there when the abort comes however fast the machine is
+            await client.pause("keep")
+            try:
+                assert await client.abort(["mine"]) == 1
+            finally:
+                await client.resume()
+            aborted = await asyncio.wait_for(running, 10)
             assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 480
 
             # 0: nothing pushed yet; None: a server without the weight-update routes

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 
+from refractor.inference.client import summed_samples
 from refractor.inference.engine.llm_engine import EngineStats
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, WeightVersionSpan
 from refractor.inference.engine_wire import EngineStatus, decode_output, encode_output, pack, unpack
@@ -89,11 +90,17 @@ def test_a_weight_push_reaches_the_engine_process_and_its_death_is_reported(
         control = {"Authorization": f"Bearer {TEST_CONTROL_TOKEN}"}
         assert httpx.get(server.url + "/weight_info", headers=control).json() == {"weight_version": "1"}
 
-        # the engine process dies mid-request: that request, and any later one, fail with the reason
+        # the engine process dies mid-request: that request, and any later one, fail with the reason.
+        # The engine is paused first, so the request is still in the engine (queued) when it dies
+        # however fast the machine is.
+        assert httpx.post(server.url + "/pause", params={"mode": "keep"}, headers=control).status_code == 200
         result = {}
         worker = threading.Thread(target=lambda: result.update(r=_generate(server.url, max_tokens=480)))
         worker.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while summed_samples(httpx.get(server.url + "/metrics").text)["vllm:num_requests_waiting"] < 1:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.01)
         os.kill(_engine_pid(server), signal.SIGKILL)
         worker.join(30)
         response = result["r"]

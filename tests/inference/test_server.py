@@ -266,22 +266,32 @@ def test_an_out_of_range_request_among_concurrent_ones_fails_alone(server):
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in good)
 
 
+def _wait_for(url: str, metric: str, done, seconds: float = 10) -> float:
+    """Poll /metrics until ``done(value)``; the value (the test fails after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while not done(value := _metrics(url)[metric]):
+        assert time.monotonic() < deadline, f"{metric} stayed at {value}"
+        time.sleep(0.01)
+    return value
+
+
 def test_metrics_pause_abort_and_disconnect(server):
     url = server.url
     long = {"prompt": [1, 2, 3], "max_tokens": 480, "ignore_eos": True, "n": 2}
-    # Client disconnect (timeout) aborts the request: running drops to zero quickly.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json=long, timeout=0.5)
-    deadline = time.monotonic() + 5
-    while _metrics(url)["vllm:num_requests_running"] > 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # Client disconnect (timeout) aborts the request. The engine is paused first, so the request
+    # cannot finish before the client leaves however fast the machine is.
+    assert httpx.post(url + "/pause", params={"mode": "keep"}, headers=CONTROL).status_code == 200
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=long, timeout=0.5)
+        _wait_for(url, "vllm:num_requests_waiting", lambda n: n == 0)
+    finally:  # the server is shared by the module's tests
+        httpx.post(url + "/resume", headers=CONTROL)
     metrics = _metrics(url)
     assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0
-    assert (
-        metrics["vllm:generation_tokens_total"] > 0 and metrics["vllm:e2e_request_latency_seconds_count"] >= 1
-    )
 
     # /abort_requests by the caller's request id: partial tokens come back with finish_reason abort.
+    # Frozen in flight (pause keep) once it runs, so it is still there when the abort comes.
     result = {}
     worker = threading.Thread(
         target=lambda: result.update(
@@ -289,13 +299,13 @@ def test_metrics_pause_abort_and_disconnect(server):
         )
     )
     worker.start()
-    time.sleep(0.3)
-    assert (
-        httpx.post(url + "/abort_requests", json={"request_ids": ["to-abort"]}, headers=CONTROL).json()[
-            "aborted"
-        ]
-        == 1
-    )
+    _wait_for(url, "vllm:num_requests_running", lambda n: n >= 1)
+    assert httpx.post(url + "/pause", params={"mode": "keep"}, headers=CONTROL).status_code == 200
+    try:
+        aborted = httpx.post(url + "/abort_requests", json={"request_ids": ["to-abort"]}, headers=CONTROL)
+        assert aborted.json()["aborted"] == 1
+    finally:
+        httpx.post(url + "/resume", headers=CONTROL)
     worker.join(10)
     assert {c["finish_reason"] for c in result["r"]["choices"]} == {"abort"}
     assert 0 < result["r"]["usage"]["completion_tokens"] < 960
@@ -314,11 +324,15 @@ def test_metrics_pause_abort_and_disconnect(server):
         frozen = _metrics(url)["vllm:generation_tokens_total"]
         time.sleep(0.2)
         assert _metrics(url)["vllm:generation_tokens_total"] == frozen
-    finally:  # the server is shared by the module's tests
+    finally:
         httpx.post(url + "/resume", headers=CONTROL)
     worker.join(20)
     assert {c["finish_reason"] for c in result["k"]["choices"]} == {"length"}
     assert httpx.post(url + "/abort_requests", json={}, headers=CONTROL).json()["aborted"] == 0
+    metrics = _metrics(url)
+    assert (
+        metrics["vllm:generation_tokens_total"] > 0 and metrics["vllm:e2e_request_latency_seconds_count"] >= 1
+    )
 
 
 def test_stop_strings_cut_the_text(server):
