@@ -181,13 +181,18 @@ def final_accuracy(summary: dict) -> float:
     return by_step[max(by_step, key=int)]
 
 
+def sft_args(model: Path) -> dict:
+    """The ``sft_base.py`` arguments a model folder was trained with (its problems' shape, eval length)."""
+    return json.loads((model / "sft_summary.json").read_text())["args"]
+
+
 def run_overrides(base: Path, run: str, run_dir: Path, steps: int, extra: dict, train_seed: int = 0) -> dict:
     """The example config's overrides for one run: the base, its problems' difficulty and length.
     ``train_seed``: the training problems' seed (a continued run's next segment gets problems it has
     not trained on); the held-out problems are always those of ``EVAL_SEED``."""
     if train_seed == EVAL_SEED:
         raise ValueError(f"training seed {train_seed} is the held-out problems' seed")
-    sft = json.loads((base / "sft_summary.json").read_text())["args"]
+    sft = sft_args(base)
     shape = sft["shape"]
     return {
         "model": str(base),
@@ -370,11 +375,11 @@ def greedy_points(args, run_dir: Path, first_segment: bool) -> dict:
     from refractor.trainer.convert import export_hf
 
     step = steps_done(run_dir)
-    if not getattr(args, "eval", 0) or not step:
+    if not args.eval or not step:
         return {}
     with RunReader(run_dir) as reader:
         start = Path(reader.config()["model"])
-    sft = json.loads((start / "sft_summary.json").read_text())["args"]
+    sft = sft_args(start)
     points = {"greedy_step": [], "greedy": []}
     with tempfile.TemporaryDirectory() as tmp:
         policy = export_hf(
@@ -523,7 +528,7 @@ def stage_score(args) -> None:
     """Held-out accuracy of model folders (a base, a hand-off's policies) on ``--eval`` problems of the
     difficulty each was trained on (its ``sft_summary.json``): greedy, or pass@1 at ``--temperature``."""
     for model in args.models:
-        sft = json.loads((model / "sft_summary.json").read_text())["args"]
+        sft = sft_args(model)
         accuracy = held_out_accuracy(
             model, args.eval, sft["max_tokens"], sft["shape"], args.temperature, args.samples
         )
