@@ -96,8 +96,12 @@ def test_cancel_aborts_on_the_server_and_control_calls(server):
             running = asyncio.create_task(
                 client.generate([6, 7], Sampling(max_tokens=480, ignore_eos=True), request_id="mine")
             )
-            while (await client.metrics()).get("vllm:num_requests_running", 0) < 1:
+            for _ in range(1000):
+                if (await client.metrics()).get("vllm:num_requests_running", 0) >= 1:
+                    break
                 await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the request never ran")
             # frozen in flight, so it is still there when the abort comes however fast the machine is
             await client.pause("keep")
             try:

@@ -11,13 +11,12 @@ import os
 import re
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 import torch
+from metrics_wait import wait_for_metric
 
-from refractor.inference.client import summed_samples
 from refractor.inference.engine.llm_engine import EngineStats
 from refractor.inference.engine.sequence import CompletionOutput, RequestOutput, WeightVersionSpan
 from refractor.inference.engine_wire import EngineStatus, decode_output, encode_output, pack, unpack
@@ -97,10 +96,7 @@ def test_a_weight_push_reaches_the_engine_process_and_its_death_is_reported(
         result = {}
         worker = threading.Thread(target=lambda: result.update(r=_generate(server.url, max_tokens=480)))
         worker.start()
-        deadline = time.monotonic() + 10
-        while summed_samples(httpx.get(server.url + "/metrics").text)["vllm:num_requests_waiting"] < 1:
-            assert time.monotonic() < deadline, "the request never reached the engine"
-            time.sleep(0.01)
+        wait_for_metric(server.url, "vllm:num_requests_waiting", lambda n: n >= 1)  # it reached the engine
         os.kill(_engine_pid(server), signal.SIGKILL)
         worker.join(30)
         response = result["r"]

@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from metrics_wait import wait_for_metric
 
 from refractor.inference.client import summed_samples
 from refractor.inference.native_launcher import start_native_server
@@ -266,15 +267,6 @@ def test_an_out_of_range_request_among_concurrent_ones_fails_alone(server):
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in good)
 
 
-def _wait_for(url: str, metric: str, done, seconds: float = 10) -> float:
-    """Poll /metrics until ``done(value)``; the value (the test fails after ``seconds``)."""
-    deadline = time.monotonic() + seconds
-    while not done(value := _metrics(url)[metric]):
-        assert time.monotonic() < deadline, f"{metric} stayed at {value}"
-        time.sleep(0.01)
-    return value
-
-
 def test_metrics_pause_abort_and_disconnect(server):
     url = server.url
     long = {"prompt": [1, 2, 3], "max_tokens": 480, "ignore_eos": True, "n": 2}
@@ -284,7 +276,7 @@ def test_metrics_pause_abort_and_disconnect(server):
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json=long, timeout=0.5)
-        _wait_for(url, "vllm:num_requests_waiting", lambda n: n == 0)
+        wait_for_metric(url, "vllm:num_requests_waiting", lambda n: n == 0)
     finally:  # the server is shared by the module's tests
         httpx.post(url + "/resume", headers=CONTROL)
     metrics = _metrics(url)
@@ -299,7 +291,7 @@ def test_metrics_pause_abort_and_disconnect(server):
         )
     )
     worker.start()
-    _wait_for(url, "vllm:num_requests_running", lambda n: n >= 1)
+    wait_for_metric(url, "vllm:num_requests_running", lambda n: n >= 1)
     assert httpx.post(url + "/pause", params={"mode": "keep"}, headers=CONTROL).status_code == 200
     try:
         aborted = httpx.post(url + "/abort_requests", json={"request_ids": ["to-abort"]}, headers=CONTROL)

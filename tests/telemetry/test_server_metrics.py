@@ -104,9 +104,8 @@ def test_a_real_native_server_is_scraped_and_a_dead_one_is_skipped(tiny_qwen2_pa
                     target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60)
                 )
                 request.start()
-                while (
-                    request.is_alive()
-                ):  # scrape while it decodes (often: a fast machine decodes it quickly)
+                # scrape while it decodes, often: a fast machine decodes it in well under a second
+                while request.is_alive():
                     await asyncio.sleep(0.05)
                     await scraper.scrape_once()
                 request.join()
